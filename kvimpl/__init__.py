@@ -1,0 +1,64 @@
+"""Built-in caches and how to name any cache: a built-in name or ``MODULE:ATTR``."""
+
+from __future__ import annotations
+
+import importlib
+
+from kvimpl.chunked import ChunkedCache
+from kvimpl.concat import ConcatCache
+from kvimpl.preallocated import PreallocatedCache
+from kvref.protocol import CacheFactory
+
+CACHES: dict[str, CacheFactory] = {
+    "concat": ConcatCache,
+    "preallocated": PreallocatedCache,
+    "chunked": ChunkedCache,
+}
+
+
+def load_factory(name: str) -> CacheFactory:
+    """The factory called ``name``: a key of CACHES, or ``MODULE:ATTR`` importable from here.
+
+    Raises ValueError with a one-line reason when the name does not resolve to a callable.
+    """
+    name = name.strip()
+    if name in CACHES:
+        return CACHES[name]
+    module_name, colon, attr_path = name.partition(":")
+    if not colon or not module_name or not attr_path:
+        raise ValueError(
+            f"{name!r} is neither a built-in cache ({', '.join(CACHES)}) nor MODULE:ATTR"
+        )
+    try:
+        target = importlib.import_module(module_name)
+    except Exception as error:  # any import-time failure is the user's to see, in one line
+        raise ValueError(
+            f"{name!r}: cannot import module {module_name!r}: {type(error).__name__}: {error}"
+        ) from error
+    for attr in attr_path.split("."):
+        try:
+            target = getattr(target, attr)
+        except AttributeError:
+            raise ValueError(
+                f"{name!r}: module {module_name!r} has no attribute {attr_path!r}"
+            ) from None
+    if not callable(target):
+        raise ValueError(f"{name!r} is a {type(target).__name__}, not a callable cache factory")
+    return target
+
+
+def cache_label(name: str, all_names: list[str]) -> str:
+    """A short test id: ATTR of MODULE:ATTR unless another selected name has the same ATTR."""
+    short = name.rpartition(":")[2]
+    clashes = [other for other in all_names if other.rpartition(":")[2] == short]
+    return short if len(clashes) == 1 else name
+
+
+__all__ = [
+    "CACHES",
+    "ChunkedCache",
+    "ConcatCache",
+    "PreallocatedCache",
+    "cache_label",
+    "load_factory",
+]

@@ -1,0 +1,66 @@
+"""Fixed-size chunks allocated as needed: growth never copies old chunks, waste < one chunk.
+
+The protocol hands back contiguous (batch, kv_heads, length, head_dim) tensors, so every
+append joins the chunks with one ``torch.cat``: a full copy per step (see the README's
+Performance section). An attention kernel that read the chunks in place would remove it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvref.protocol import CacheSpec, check_append
+
+DEFAULT_CHUNK_SIZE = 16
+
+
+class ChunkedCache:
+    def __init__(self, spec: CacheSpec, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        self.spec = spec
+        self.chunk_size = chunk_size
+        self.reset()
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.chunks)
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        new_tokens = check_append(self.spec, self._length, key, value)
+        written = 0
+        while written < new_tokens:
+            chunk, row = divmod(self._length + written, self.chunk_size)
+            if chunk == len(self.chunks):
+                self.chunks.append(self._new_chunk())
+            rows = min(self.chunk_size - row, new_tokens - written)
+            chunk_key, chunk_value = self.chunks[chunk]
+            chunk_key[:, :, row : row + rows] = key[:, :, written : written + rows]
+            chunk_value[:, :, row : row + rows] = value[:, :, written : written + rows]
+            written += rows
+        self._length += new_tokens
+        return self._joined(0), self._joined(1)
+
+    def reset(self) -> None:
+        self.chunks: list[tuple[Tensor, Tensor]] = []
+        self._length = 0
+
+    def _joined(self, which: int) -> Tensor:
+        # Only the written rows of the last chunk, so the result is contiguous.
+        rows_in_last = self._length - (len(self.chunks) - 1) * self.chunk_size
+        parts = [chunk[which] for chunk in self.chunks[:-1]]
+        parts.append(self.chunks[-1][which][:, :, :rows_in_last])
+        return torch.cat(parts, dim=2)
+
+    def _new_chunk(self) -> tuple[Tensor, Tensor]:
+        s = self.spec
+        shape = (s.batch, s.kv_heads, self.chunk_size, s.head_dim)
+        return (
+            torch.zeros(shape, dtype=s.dtype, device=s.device),
+            torch.zeros(shape, dtype=s.dtype, device=s.device),
+        )

@@ -1,0 +1,33 @@
+"""The simplest cache: grow by ``torch.cat`` along the length axis (copies everything held)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvref.protocol import CacheSpec, check_append
+
+
+class ConcatCache:
+    def __init__(self, spec: CacheSpec) -> None:
+        self.spec = spec
+        self.reset()
+
+    @property
+    def length(self) -> int:
+        return self.key.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.key.nbytes + self.value.nbytes
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        check_append(self.spec, self.length, key, value)
+        self.key = torch.cat((self.key, key), dim=2)
+        self.value = torch.cat((self.value, value), dim=2)
+        return self.key, self.value
+
+    def reset(self) -> None:
+        s = self.spec
+        empty = torch.empty(s.batch, s.kv_heads, 0, s.head_dim, dtype=s.dtype, device=s.device)
+        self.key, self.value = empty, empty.clone()

@@ -1,0 +1,13 @@
+"""The reference transformer and the public key/value cache protocol."""
+
+from kvref.model import ModelConfig, ReferenceTransformer
+from kvref.protocol import CacheFactory, CacheSpec, LayerCache, check_append
+
+__all__ = [
+    "CacheFactory",
+    "CacheSpec",
+    "LayerCache",
+    "ModelConfig",
+    "ReferenceTransformer",
+    "check_append",
+]

@@ -1,0 +1,282 @@
+"""A small decoder-only transformer, written to be trusted: the oracle every cache is held to.
+
+Pre-norm blocks (RMSNorm), rotary position embeddings (RoPE), grouped-query attention
+(``num_kv_heads`` divides ``num_heads``; equal means ordinary multi-head attention), a SiLU
+feed-forward block and a tied output embedding. There is no dropout, so the model is a pure
+function of its weights, which come from ``config.seed`` alone.
+
+``model(token_ids)`` runs the whole sequence at once. ``model(token_ids, caches=caches)`` runs
+only the new tokens: their positions start at the caches' common length, their rotated keys
+and values are appended to each layer's cache, and the mask compares absolute positions so
+a chunk of several new tokens on a warm cache is masked correctly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kvref.protocol import CacheFactory, CacheSpec, LayerCache
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    head_dim: int = 8
+    ffn_dim: int = 64
+    rope_base: float = 10_000.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "ffn_dim",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def d_model(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, base: float, dtype: torch.dtype):
+    """cos and sin of the rotation angles, each shaped (T, head_dim // 2)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
+    inverse_frequencies = base ** (-exponents / head_dim)
+    angles = positions.to(torch.float64)[:, None] * inverse_frequencies[None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, positions: Tensor, base: float) -> Tensor:
+    """Rotate x (..., T, head_dim) by its absolute positions; channel i pairs with i + D/2."""
+    cos, sin = rope_cos_sin(positions, x.shape[-1], base, x.dtype)
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer = layer
+        kv_width = config.num_kv_heads * config.head_dim
+        self.query = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.key = nn.Linear(config.d_model, kv_width, bias=False)
+        self.value = nn.Linear(config.d_model, kv_width, bias=False)
+        self.out = nn.Linear(config.d_model, config.d_model, bias=False)
+
+    def forward(
+        self, x: Tensor, positions: Tensor, cache: LayerCache | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Return the attention output and the new tokens' rotated keys and values."""
+        c = self.config
+        batch, new_tokens, _ = x.shape
+        q = self.query(x).view(batch, new_tokens, c.num_heads, c.head_dim).transpose(1, 2)
+        k = self.key(x).view(batch, new_tokens, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = self.value(x).view(batch, new_tokens, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        q = apply_rope(q, positions, c.rope_base)
+        k = apply_rope(k, positions, c.rope_base)  # stored rotated: never rotate them again
+        all_k, all_v = (k, v) if cache is None else cache.append(k, v)
+        held = (batch, c.num_kv_heads, int(positions[-1]) + 1, c.head_dim)
+        if all_k.shape != held or all_v.shape != held:
+            raise RuntimeError(
+                f"layer {self.layer}: cache.append returned keys {tuple(all_k.shape)} and values "
+                f"{tuple(all_v.shape)}; a cache holding {held[2]} tokens must return {held}"
+            )
+
+        # A query at absolute position p sees keys 0..p, wherever the chunk starts.
+        key_positions = torch.arange(all_k.shape[-2], device=x.device)
+        allowed = key_positions[None, :] <= positions[:, None]
+        group = c.num_heads // c.num_kv_heads
+        scores = q @ all_k.repeat_interleave(group, dim=1).transpose(-2, -1)
+        scores = scores / math.sqrt(c.head_dim)
+        weights = F.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        mixed = weights @ all_v.repeat_interleave(group, dim=1)
+        mixed = mixed.transpose(1, 2).reshape(batch, new_tokens, c.d_model)
+        return self.out(mixed), k, v
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.d_model)
+        self.attention = Attention(config, layer)
+        self.ffn_norm = RMSNorm(config.d_model)
+        self.ffn_in = nn.Linear(config.d_model, config.ffn_dim, bias=False)
+        self.ffn_out = nn.Linear(config.ffn_dim, config.d_model, bias=False)
+
+    def forward(self, x: Tensor, positions: Tensor, cache: LayerCache | None):
+        attended, k, v = self.attention(self.attention_norm(x), positions, cache)
+        x = x + attended
+        x = x + self.ffn_out(F.silu(self.ffn_in(self.ffn_norm(x))))
+        return x, k, v
+
+
+class ReferenceTransformer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype = torch.float64,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.num_layers))
+        self.final_norm = RMSNorm(config.d_model)
+        self._init_weights()
+        self.to(dtype=dtype, device=device)
+        self.eval()
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        # Drawn in float64 from the config's seed alone, so a float32 model is the float64
+        # model rounded, and no test depends on the global random state.
+        generator = torch.Generator().manual_seed(self.config.seed)
+        for name, parameter in self.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator, dtype=torch.float64)
+            if name.endswith("norm.weight"):
+                parameter.copy_(1.0 + 0.1 * noise)  # not all ones, so a skipped norm shows
+            elif name == "embedding.weight":
+                parameter.copy_(noise)
+            else:
+                parameter.copy_(noise / math.sqrt(parameter.shape[1]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embedding.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embedding.weight.device
+
+    def cache_spec(self, batch: int, max_length: int) -> CacheSpec:
+        """The CacheSpec every layer's cache is built from."""
+        for name, number in (("batch", batch), ("max_length", max_length)):
+            if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+                raise ValueError(f"{name} must be a positive int, got {number!r}")
+        c = self.config
+        return CacheSpec(batch, c.num_kv_heads, c.head_dim, max_length, self.dtype, self.device)
+
+    def new_caches(self, factory: CacheFactory, *, batch: int, max_length: int) -> list[LayerCache]:
+        """One fresh cache per layer, each built from the same CacheSpec."""
+        spec = self.cache_spec(batch, max_length)
+        return [factory(spec) for _ in range(self.config.num_layers)]
+
+    @torch.no_grad()
+    def forward(self, token_ids: Tensor, caches: Sequence[LayerCache] | None = None) -> Tensor:
+        """Logits shaped (batch, T, vocab) for the T tokens given, after those in the caches."""
+        self._check_token_ids(token_ids)
+        offset = 0 if caches is None else self._check_caches(caches, batch=token_ids.shape[0])
+        logits, _ = self._run(token_ids, caches, offset)
+        return logits
+
+    @torch.no_grad()
+    def rotated_kv(self, token_ids: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Each layer's rotated keys and values from the uncached pass over ``token_ids``."""
+        self._check_token_ids(token_ids)
+        _, keys_and_values = self._run(token_ids, None, 0)
+        return keys_and_values
+
+    def _run(self, token_ids: Tensor, caches: Sequence[LayerCache] | None, offset: int):
+        new_tokens = token_ids.shape[1]
+        positions = torch.arange(offset, offset + new_tokens, device=self.device)
+        x = self.embedding(token_ids)
+        keys_and_values = []
+        for layer, block in enumerate(self.blocks):
+            cache = None if caches is None else caches[layer]
+            x, k, v = block(x, positions, cache)
+            keys_and_values.append((k, v))
+        logits = self.final_norm(x) @ self.embedding.weight.T  # tied output embedding
+        return logits, keys_and_values
+
+    def _check_token_ids(self, token_ids: object) -> None:
+        if not isinstance(token_ids, Tensor):
+            raise TypeError(f"token_ids must be a torch.Tensor, got {type(token_ids).__name__}")
+        if token_ids.ndim != 2:
+            raise ValueError(
+                f"token_ids must have rank 2 (batch, T), got shape {tuple(token_ids.shape)}"
+            )
+        if (
+            token_ids.dtype.is_floating_point
+            or token_ids.dtype.is_complex
+            or (token_ids.dtype == torch.bool)
+        ):
+            raise ValueError(f"token_ids must have an integer dtype, got {token_ids.dtype}")
+        if token_ids.numel() == 0:
+            raise ValueError(f"token_ids is empty: shape {tuple(token_ids.shape)}")
+        low, high = int(token_ids.min()), int(token_ids.max())
+        if low < 0 or high >= self.config.vocab_size:
+            raise ValueError(
+                f"token id out of the vocabulary [0, {self.config.vocab_size}): "
+                f"ids range from {low} to {high}"
+            )
+
+    def _check_caches(self, caches: Sequence[LayerCache], *, batch: int) -> int:
+        """Reject inconsistent caches before any is touched; return their common length."""
+        if not isinstance(caches, Sequence) or isinstance(caches, str):
+            raise TypeError(f"caches must be a sequence of caches, got {type(caches).__name__}")
+        layers = self.config.num_layers
+        if len(caches) != layers:
+            raise ValueError(
+                f"wrong number of caches: {layers} layers need {layers}, got {len(caches)}"
+            )
+        first_layer_of: dict[int, int] = {}
+        for layer, cache in enumerate(caches):
+            if id(cache) in first_layer_of:
+                raise ValueError(
+                    f"the same cache object is used for layers {first_layer_of[id(cache)]} and "
+                    f"{layer}; each layer needs a cache of its own"
+                )
+            first_layer_of[id(cache)] = layer
+        lengths = [cache.length for cache in caches]
+        for layer, length in enumerate(lengths):
+            if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+                raise ValueError(f"layer {layer}: cache.length must be an int >= 0, got {length!r}")
+        if len(set(lengths)) > 1:
+            problem = "some layers are empty and some are not" if 0 in lengths else "lengths differ"
+            raise ValueError(f"inconsistent layer caches: {problem}; lengths by layer {lengths}")
+        wanted = self.cache_spec(batch, max(lengths[0], 1))
+        for layer, cache in enumerate(caches):
+            # `spec` is not part of the protocol, but a cache that exposes one lets the model
+            # reject a mismatch before layer 0 has appended anything.
+            spec = getattr(cache, "spec", None)
+            if not isinstance(spec, CacheSpec):
+                continue
+            for field in ("batch", "kv_heads", "head_dim", "dtype"):
+                if getattr(spec, field) != getattr(wanted, field):
+                    raise ValueError(
+                        f"layer {layer}: cache built for {field} {getattr(spec, field)}, but this "
+                        f"call needs {field} {getattr(wanted, field)}"
+                    )
+        return lengths[0]

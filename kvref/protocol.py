@@ -1,0 +1,111 @@
+"""The public cache protocol: what a key/value cache for one decoder layer must do.
+
+This module is a contract with users (DESIGN.md section 2). ``check_append`` is offered to
+implementers so that every cache rejects bad input with the same clear messages; using it
+is optional, keeping its rules is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What a cache is built for: keys and values shaped (batch, kv_heads, length, head_dim)."""
+
+    batch: int
+    kv_heads: int
+    head_dim: int
+    max_length: int  # the most tokens this cache will be asked to hold
+    dtype: torch.dtype
+    device: torch.device
+
+
+@runtime_checkable
+class LayerCache(Protocol):
+    """Keys and values of ONE decoder layer, each shaped (batch, kv_heads, length, head_dim)."""
+
+    @property
+    def length(self) -> int:
+        """Tokens held; a plain int."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of key+value storage currently reserved."""
+        ...
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """Store T new rows; return every row held, oldest first (views valid until next call)."""
+        ...
+
+    def reset(self) -> None:
+        """Empty again, ready for an unrelated prompt."""
+        ...
+
+
+CacheFactory = Callable[[CacheSpec], LayerCache]  # a class taking a CacheSpec qualifies
+
+
+def check_append(
+    spec: CacheSpec, length: int, key: object, value: object, *, capacity: int | None = None
+) -> int:
+    """Validate one ``append(key, value)`` against ``spec``; return T, the number of new tokens.
+
+    ``length`` is what the cache holds now and ``capacity`` the most it can hold (None: no
+    limit). Raises ``TypeError`` for non-tensors and ``ValueError`` for everything else, with
+    a message that names the problem. It only reads, so a cache that calls it before changing
+    anything leaves itself untouched on rejection.
+    """
+    for name, tensor in (("key", key), ("value", value)):
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"append: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.ndim != 4:
+            raise ValueError(
+                f"append: {name} must have rank 4 (batch, kv_heads, T, head_dim), "
+                f"got rank {tensor.ndim} with shape {tuple(tensor.shape)}"
+            )
+    if key.shape != value.shape:
+        raise ValueError(
+            f"append: key and value shapes differ: "
+            f"key {tuple(key.shape)}, value {tuple(value.shape)}"
+        )
+    batch, kv_heads, new_tokens, head_dim = key.shape
+    expected = {"batch": spec.batch, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim}
+    for axis, got in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
+        if got != expected[axis]:
+            raise ValueError(
+                f"append: wrong {axis}: got {got}, this cache was built for {expected[axis]} "
+                f"(key shape {tuple(key.shape)})"
+            )
+    if new_tokens == 0:
+        raise ValueError("append: zero new tokens (T = 0); append at least one token")
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.dtype != spec.dtype:
+            raise ValueError(
+                f"append: wrong dtype for {name}: got {tensor.dtype}, this cache holds "
+                f"{spec.dtype} (it refuses rather than casting)"
+            )
+        if not _same_device(tensor.device, torch.device(spec.device)):
+            raise ValueError(
+                f"append: wrong device for {name}: got {tensor.device}, this cache lives on "
+                f"{spec.device}"
+            )
+    if capacity is not None and length + new_tokens > capacity:
+        raise ValueError(
+            f"append: overflow: holding {length} tokens, {new_tokens} more would exceed "
+            f"the capacity of {capacity}"
+        )
+    return new_tokens
+
+
+def _same_device(actual: torch.device, wanted: torch.device) -> bool:
+    # A spec that says "cuda" accepts "cuda:0"; one that says "cuda:1" does not.
+    return actual.type == wanted.type and wanted.index in (None, actual.index)

@@ -1,0 +1,146 @@
+"""Hypothesis strategies that draw what a cache is run through: models, batches and sessions.
+
+A scenario is a model config, a batch size, a dtype and a list of sessions. Each session is a
+prompt plus the rest of its tokens split into chunks, started either on fresh caches or on
+reset ones. Tokens come from a per-session seed rather than being drawn one by one, so
+Hypothesis shrinks plans (how many tokens, in which chunks), not individual token ids.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+
+from kvimpl.chunked import DEFAULT_CHUNK_SIZE
+from kvref import ModelConfig, ReferenceTransformer
+
+DTYPES = (torch.float64, torch.float32)
+
+# Sizes near the chunked cache's boundary (and twice it) are where off-by-ones live.
+_edge = DEFAULT_CHUNK_SIZE
+BOUNDARY_SIZES = (_edge - 1, _edge, _edge + 1, 2 * _edge - 1, 2 * _edge, 2 * _edge + 1)
+LONG_SESSION = 64  # sessions are drawn beyond this too: some bugs only show past it
+MAX_SESSION = 100
+
+chunk_sizes = st.one_of(
+    st.integers(1, 4), st.integers(5, 2 * _edge + 1), st.sampled_from(BOUNDARY_SIZES)
+)
+prompt_sizes = st.one_of(chunk_sizes, st.integers(LONG_SESSION - 16, LONG_SESSION + 16))
+
+
+@dataclass(frozen=True)
+class Session:
+    """One prompt's worth of work: ``chunks[0]`` is the prefill, the rest are decode steps."""
+
+    chunks: tuple[int, ...]
+    token_seed: int
+    start: str  # "fresh": new caches from the factory; "reset": reset() the previous ones
+    poison: str | None = None  # after the session, append rows full of nan/inf/huge values
+    poison_rows: int = 0
+
+    @property
+    def length(self) -> int:
+        return sum(self.chunks)
+
+    def describe(self) -> str:
+        plan = f"prompt {self.chunks[0]} + chunks {list(self.chunks[1:])}"
+        poisoned = f", then {self.poison_rows} {self.poison} rows" if self.poison else ""
+        return f"{plan} ({self.length} tokens, {self.start} caches{poisoned})"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    config: ModelConfig
+    batch: int
+    dtype: torch.dtype
+    sessions: tuple[Session, ...]
+    slack: int = 0  # max_length beyond the longest session: 0 tests the exact end of a buffer
+
+    @property
+    def max_length(self) -> int:
+        return max(s.length + s.poison_rows for s in self.sessions) + self.slack
+
+    def tokens(self, session: Session) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(session.token_seed)
+        shape = (self.batch, session.length)
+        return torch.randint(0, self.config.vocab_size, shape, generator=generator)
+
+    def model(self) -> ReferenceTransformer:
+        return build_model(self.config, self.dtype)
+
+    def __repr__(self) -> str:
+        c = self.config
+        lines = [
+            f"Scenario(layers={c.num_layers}, heads={c.num_heads}, kv_heads={c.num_kv_heads}, "
+            f"head_dim={c.head_dim}, vocab={c.vocab_size}, seed={c.seed}, batch={self.batch}, "
+            f"{str(self.dtype).removeprefix('torch.')}, max_length={self.max_length})"
+        ]
+        lines += [f"  session {i}: {s.describe()}" for i, s in enumerate(self.sessions)]
+        return "\n".join(lines)
+
+
+@functools.lru_cache(maxsize=64)
+def build_model(config: ModelConfig, dtype: torch.dtype) -> ReferenceTransformer:
+    # Models are pure functions of (config, dtype); building one per example would dominate.
+    return ReferenceTransformer(config, dtype=dtype)
+
+
+@st.composite
+def model_configs(draw, max_layers: int = 4) -> ModelConfig:
+    kv_heads = draw(st.integers(1, 3))
+    group = draw(st.integers(1, 3))  # heads per kv head: 1 is plain multi-head attention
+    head_dim = draw(st.sampled_from((2, 4, 8)))
+    return ModelConfig(
+        vocab_size=draw(st.integers(5, 40)),
+        num_layers=draw(st.integers(1, max_layers)),
+        num_heads=kv_heads * group,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn_dim=draw(st.sampled_from((8, 32))),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@st.composite
+def sessions(draw, start: str, poison: bool = False) -> Session:
+    chunks = [draw(prompt_sizes)]
+    for size in draw(st.lists(chunk_sizes, max_size=10)):
+        if sum(chunks) + size > MAX_SESSION:
+            break
+        chunks.append(size)
+    poison_kind = draw(st.sampled_from(("nan", "inf", "huge"))) if poison else None
+    return Session(
+        chunks=tuple(chunks),
+        token_seed=draw(st.integers(0, 2**16)),
+        start=start,
+        poison=poison_kind,
+        poison_rows=draw(st.integers(1, 4)) if poison else 0,
+    )
+
+
+@st.composite
+def scenarios(
+    draw,
+    *,
+    min_sessions: int = 1,
+    max_sessions: int = 3,
+    poison: bool = False,
+    dtypes: tuple[torch.dtype, ...] = DTYPES,
+) -> Scenario:
+    """A model, a batch, a dtype and sessions; with ``poison``, every session but the last
+    leaves nan/inf/huge rows behind for the next one's reset or fresh caches to shed."""
+    count = draw(st.integers(min_sessions, max_sessions))
+    drawn = []
+    for index in range(count):
+        start = "fresh" if index == 0 else draw(st.sampled_from(("reset", "fresh")))
+        drawn.append(draw(sessions(start, poison=poison and index < count - 1)))
+    return Scenario(
+        config=draw(model_configs()),
+        batch=draw(st.integers(1, 4)),
+        dtype=draw(st.sampled_from(dtypes)),
+        sessions=tuple(drawn),
+        slack=draw(st.sampled_from((0, 0, 1, 7))),
+    )
