@@ -208,29 +208,26 @@ def check_lengths(factory: CacheFactory, scenario: Scenario) -> None:
                 f"at {where}, layer {layer}: length went from {before} to {length} after "
                 f"appending {size} tokens; expected {before + size}"
             )
-            keys, values = cache.returned
             held = (scenario.batch, c.num_kv_heads, length, c.head_dim)
-            assert keys.shape == held and values.shape == held, (
-                f"at {where}, layer {layer}: append returned keys {tuple(keys.shape)} and "
-                f"values {tuple(values.shape)}; a cache holding {length} tokens must return {held}"
-            )
-            for name, got, given in zip(
-                ("keys", "values"), cache.returned, cache.given, strict=True
+            earlier_rows = step.returned_before[layer] or (None, None)
+            for name, got, given, earlier in zip(
+                ("keys", "values"), cache.returned, cache.given, earlier_rows, strict=True
             ):
+                assert got.shape == held, (
+                    f"at {where}, layer {layer}: append returned {name} shaped "
+                    f"{tuple(got.shape)}; a cache holding {length} tokens must return {held}"
+                )
                 assert torch.equal(got[:, :, -size:], given), (
                     f"at {where}, layer {layer}: the last {size} {name} returned are not the "
                     f"{size} just appended"
                 )
-            if step.returned_before[layer] is None:
-                continue
-            for name, got, earlier in zip(
-                ("keys", "values"), cache.returned, step.returned_before[layer], strict=True
-            ):
+                if earlier is None:
+                    continue
                 kept = earlier.shape[2]
                 changed = (got[:, :, :kept] != earlier).movedim(2, 0).flatten(1).any(1)
                 assert not changed.any(), (
                     f"at {where}, layer {layer}: stored {name} changed since the previous step, "
-                    f"first at row {changed.nonzero()[0].item()} of {kept} held before"
+                    f"first at row {changed.nonzero()[0].item()} of the {kept} held before"
                 )
 
 
