@@ -106,15 +106,19 @@ class Attention(nn.Module):
         q = apply_rope(q, positions, c.rope_base)
         k = apply_rope(k, positions, c.rope_base)  # stored rotated: never rotate them again
         all_k, all_v = (k, v) if cache is None else cache.append(k, v)
-        held = (batch, c.num_kv_heads, int(positions[-1]) + 1, c.head_dim)
-        if all_k.shape != held or all_v.shape != held:
-            raise RuntimeError(
-                f"layer {self.layer}: cache.append returned keys {tuple(all_k.shape)} and values "
-                f"{tuple(all_v.shape)}; a cache holding {held[2]} tokens must return {held}"
-            )
+        if cache is not None:
+            held = (batch, c.num_kv_heads, int(positions[-1]) + 1, c.head_dim)
+            if all_k.shape != held or all_v.shape != held:
+                raise RuntimeError(
+                    f"layer {self.layer}: cache.append returned keys {tuple(all_k.shape)} and "
+                    f"values {tuple(all_v.shape)}; a cache holding {held[2]} tokens must return "
+                    f"{held}"
+                )
 
-        # A query at absolute position p sees keys 0..p, wherever the chunk starts.
-        key_positions = torch.arange(all_k.shape[-2], device=x.device)
+        # A query at absolute position p sees keys up to p, wherever the chunk starts. The
+        # keys held end at the last new position; with caches they start at 0.
+        held = all_k.shape[-2]
+        key_positions = torch.arange(held, device=x.device) + (int(positions[-1]) + 1 - held)
         allowed = key_positions[None, :] <= positions[:, None]
         group = c.num_heads // c.num_kv_heads
         scores = q @ all_k.repeat_interleave(group, dim=1).transpose(-2, -1)
@@ -194,10 +198,30 @@ class ReferenceTransformer(nn.Module):
         return [factory(spec) for _ in range(self.config.num_layers)]
 
     @torch.no_grad()
-    def forward(self, token_ids: Tensor, caches: Sequence[LayerCache] | None = None) -> Tensor:
-        """Logits shaped (batch, T, vocab) for the T tokens given, after those in the caches."""
+    def forward(
+        self,
+        token_ids: Tensor,
+        caches: Sequence[LayerCache] | None = None,
+        *,
+        start_position: int = 0,
+    ) -> Tensor:
+        """Logits shaped (batch, T, vocab) for the T tokens given, after those in the caches.
+
+        Without caches the tokens sit at ``start_position`` onwards; RoPE is relative, so the
+        logits do not depend on it (a property the tests check). With caches they start at
+        the caches' common length.
+        """
         self._check_token_ids(token_ids)
-        offset = 0 if caches is None else self._check_caches(caches, batch=token_ids.shape[0])
+        if isinstance(start_position, bool) or not isinstance(start_position, int):
+            raise TypeError(f"start_position must be an int, got {type(start_position).__name__}")
+        if start_position < 0:
+            raise ValueError(f"start_position must be >= 0, got {start_position}")
+        if caches is None:
+            offset = start_position
+        elif start_position:
+            raise ValueError("start_position is for uncached calls; caches set their own")
+        else:
+            offset = self._check_caches(caches, batch=token_ids.shape[0])
         logits, _ = self._run(token_ids, caches, offset)
         return logits
 

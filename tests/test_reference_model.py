@@ -1,0 +1,137 @@
+"""The oracle is tested too: if the reference model were wrong, every cache would be held to
+the wrong answer. These properties hold for any correct decoder-only transformer with RoPE."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvref import ModelConfig, ReferenceTransformer
+from tests import checks as kvchk
+from tests import scenarios as kvst
+
+
+def random_tokens(config: ModelConfig, batch: int, length: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, config.vocab_size, (batch, length), generator=generator)
+
+
+@given(data=st.data())
+def test_changing_a_later_token_never_changes_earlier_logits(data):
+    config = data.draw(kvst.model_configs(), label="config")
+    batch = data.draw(st.integers(1, 3), label="batch")
+    length = data.draw(st.integers(2, 40), label="length")
+    changed_from = data.draw(st.integers(1, length - 1), label="changed_from")
+    model = kvst.build_model(config, torch.float64)
+    tokens = random_tokens(config, batch, length, seed=data.draw(st.integers(0, 99), label="seed"))
+    edited = tokens.clone()
+    edited[:, changed_from:] = (edited[:, changed_from:] + 1) % config.vocab_size
+    kvchk.assert_close_at(
+        model(edited)[:, :changed_from],
+        model(tokens)[:, :changed_from],
+        what="logits before the edited tokens",
+        where=f"tokens edited from position {changed_from} on",
+        position_axis=1,
+    )
+
+
+@given(data=st.data())
+def test_a_global_position_offset_does_not_change_logits(data):
+    config = data.draw(kvst.model_configs(), label="config")
+    dtype = data.draw(st.sampled_from(kvst.DTYPES), label="dtype")
+    length = data.draw(st.integers(1, 30), label="length")
+    offset = data.draw(st.integers(1, 5000), label="offset")
+    model = kvst.build_model(config, dtype)
+    tokens = random_tokens(config, 2, length, seed=length)
+    kvchk.assert_close_at(
+        model(tokens, start_position=offset),
+        model(tokens),
+        what="logits at shifted and unshifted positions",
+        where=f"all positions shifted by {offset}",
+        position_axis=1,
+    )
+
+
+def naive_logits(model: ReferenceTransformer, tokens: torch.Tensor) -> torch.Tensor:
+    """The same transformer written the slow way: one query, one head, one key at a time,
+    with RoPE as multiplication by a complex phase. Shares nothing with kvref but weights."""
+    c = model.config
+    weights = model.state_dict()
+    group = c.num_heads // c.num_kv_heads
+    half = c.head_dim // 2
+    theta = torch.tensor(
+        [c.rope_base ** (-2 * i / c.head_dim) for i in range(half)], dtype=torch.float64
+    )
+
+    def rms_norm(x, weight):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * weight
+
+    def rotate(vector, position):
+        phase = torch.polar(torch.ones(half, dtype=torch.float64), position * theta)
+        turned = torch.complex(vector[:half], vector[half:]) * phase
+        return torch.cat((turned.real, turned.imag))
+
+    x = weights["embedding.weight"][tokens]
+    batch, length, _ = x.shape
+    for layer in range(c.num_layers):
+        w = {name.removeprefix(f"blocks.{layer}."): t for name, t in weights.items()}
+        h = rms_norm(x, w["attention_norm.weight"])
+        q = (h @ w["attention.query.weight"].T).view(batch, length, c.num_heads, c.head_dim)
+        k = (h @ w["attention.key.weight"].T).view(batch, length, c.num_kv_heads, c.head_dim)
+        v = (h @ w["attention.value.weight"].T).view(batch, length, c.num_kv_heads, c.head_dim)
+        mixed = torch.zeros(batch, length, c.num_heads, c.head_dim, dtype=torch.float64)
+        for b in range(batch):
+            for head in range(c.num_heads):
+                kv_head = head // group
+                for p in range(length):
+                    query = rotate(q[b, p, head], p)
+                    scores = [
+                        query @ rotate(k[b, s, kv_head], s) / math.sqrt(c.head_dim)
+                        for s in range(p + 1)
+                    ]
+                    attention = torch.softmax(torch.stack(scores), dim=0)
+                    mixed[b, p, head] = sum(a * v[b, s, kv_head] for s, a in enumerate(attention))
+        x = x + mixed.reshape(batch, length, -1) @ w["attention.out.weight"].T
+        h = rms_norm(x, w["ffn_norm.weight"])
+        x = x + torch.nn.functional.silu(h @ w["ffn_in.weight"].T) @ w["ffn_out.weight"].T
+    return rms_norm(x, weights["final_norm.weight"]) @ weights["embedding.weight"].T
+
+
+@given(data=st.data())
+def test_agrees_with_a_naive_attention(data):
+    config = data.draw(kvst.model_configs(max_layers=2), label="config")
+    batch = data.draw(st.integers(1, 2), label="batch")
+    length = data.draw(st.integers(1, 8), label="length")
+    model = kvst.build_model(config, torch.float64)
+    tokens = random_tokens(config, batch, length, seed=length)
+    kvchk.assert_close_at(
+        model(tokens),
+        naive_logits(model, tokens),
+        what="the model's and the naive transformer's logits",
+        where=f"an uncached pass over {length} tokens",
+        position_axis=1,
+    )
+
+
+def test_golden_checksum():
+    """Pins the model's function: a refactor of kvref that changes any logit fails here."""
+    config = ModelConfig(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, seed=1234)
+    model = ReferenceTransformer(config, dtype=torch.float64)
+    logits = model(random_tokens(config, batch=2, length=12, seed=99))
+    observed = [logits.sum().item(), logits.abs().sum().item(), *logits[1, -1, :3].tolist()]
+    assert observed == pytest.approx(GOLDEN, rel=1e-9), (
+        f"the reference model's logits moved: got {observed}, golden {GOLDEN}. If the change "
+        "to kvref was meant to change the function, update GOLDEN and say why in the commit."
+    )
+
+
+# sum, sum of |logits|, and three logits of the last position (torch 2.13, CPU, float64)
+GOLDEN = [
+    -243.97113264112664,
+    7474.39279499817,
+    -6.106102380916201,
+    4.836253780372817,
+    -8.29662676168749,
+]
