@@ -84,9 +84,10 @@ class Step:
         s = self.session
         kind = "prefill" if self.step_index == 0 else "decode"
         return (
-            f"session {self.session_index} of {len(self.scenario.sessions)}, step "
-            f"{self.step_index} of {len(s.chunks)} ({kind} of {self.new_tokens} tokens at "
-            f"absolute positions {self.start}..{self.end - 1}); session plan: {s.describe()}"
+            f"session #{self.session_index} (of {len(self.scenario.sessions)}), step "
+            f"#{self.step_index} (of {len(s.chunks)}): {kind} of {self.new_tokens} tokens at "
+            f"absolute positions {self.start}..{self.end - 1}\n"
+            f"  session plan: {s.describe()}\n  model: {self.scenario.describe()}"
         )
 
 
@@ -156,7 +157,7 @@ def assert_close_at(
 
     def message(default: str) -> str:
         located = first_divergence(actual, expected, position_axis, first_position)
-        return f"{what} differ at {where}\n{located}\n{default}"
+        return f"{what} differ\n  at {where}\n  {located}\n{default}"
 
     torch.testing.assert_close(actual, expected, **tolerance, msg=message)
 
@@ -175,8 +176,8 @@ def first_divergence(
     first = positions[0]
     gap = (actual - expected).abs().movedim(position_axis, 0)[first].max().item()
     return (
-        f"first diverging absolute position: {first_position + first} "
-        f"({len(positions)} of {by_position.shape[0]} positions diverge); max |diff| there "
+        f"first diverging absolute position: {first_position + first} (index {first} "
+        f"below; {len(positions)} of {by_position.shape[0]} positions diverge); max |diff| there "
         f"{gap:.3g} against atol={tolerance['atol']}, rtol={tolerance['rtol']}"
     )
 
@@ -199,14 +200,14 @@ def check_lengths(factory: CacheFactory, scenario: Scenario) -> None:
     held (no stale or unwritten rows), the new rows last and the earlier rows unchanged."""
     c = scenario.config
     for step in run(factory, scenario):
-        where, size = step.where(), step.new_tokens
+        at, size = f"\n  at {step.where()}", step.new_tokens
         lengths = [cache.length for cache in step.caches]
-        assert len(set(lengths)) == 1, f"at {where}: layers disagree on length: {lengths}"
+        assert len(set(lengths)) == 1, f"layers disagree on length: {lengths}{at}"
         for layer, cache in enumerate(step.caches):
             before, length = step.lengths_before[layer], lengths[layer]
             assert length == before + size, (
-                f"at {where}, layer {layer}: length went from {before} to {length} after "
-                f"appending {size} tokens; expected {before + size}"
+                f"layer {layer}: length went from {before} to {length} after appending {size} "
+                f"tokens; expected {before + size}{at}"
             )
             held = (scenario.batch, c.num_kv_heads, length, c.head_dim)
             earlier_rows = step.returned_before[layer] or (None, None)
@@ -214,20 +215,20 @@ def check_lengths(factory: CacheFactory, scenario: Scenario) -> None:
                 ("keys", "values"), cache.returned, cache.given, earlier_rows, strict=True
             ):
                 assert got.shape == held, (
-                    f"at {where}, layer {layer}: append returned {name} shaped "
-                    f"{tuple(got.shape)}; a cache holding {length} tokens must return {held}"
+                    f"layer {layer}: append returned {name} shaped {tuple(got.shape)}; a cache "
+                    f"holding {length} tokens must return {held}{at}"
                 )
                 assert torch.equal(got[:, :, -size:], given), (
-                    f"at {where}, layer {layer}: the last {size} {name} returned are not the "
-                    f"{size} just appended"
+                    f"layer {layer}: the last {size} {name} returned are not the {size} just "
+                    f"appended{at}"
                 )
                 if earlier is None:
                     continue
                 kept = earlier.shape[2]
                 changed = (got[:, :, :kept] != earlier).movedim(2, 0).flatten(1).any(1)
                 assert not changed.any(), (
-                    f"at {where}, layer {layer}: stored {name} changed since the previous step, "
-                    f"first at row {changed.nonzero()[0].item()} of the {kept} held before"
+                    f"layer {layer}: stored {name} changed since the previous step, first at "
+                    f"row {changed.nonzero()[0].item()} of the {kept} held before{at}"
                 )
 
 

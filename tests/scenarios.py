@@ -71,15 +71,13 @@ class Scenario:
     def model(self) -> ReferenceTransformer:
         return build_model(self.config, self.dtype)
 
-    def __repr__(self) -> str:
+    def describe(self) -> str:
         c = self.config
-        lines = [
-            f"Scenario(layers={c.num_layers}, heads={c.num_heads}, kv_heads={c.num_kv_heads}, "
-            f"head_dim={c.head_dim}, vocab={c.vocab_size}, seed={c.seed}, batch={self.batch}, "
-            f"{str(self.dtype).removeprefix('torch.')}, max_length={self.max_length})"
-        ]
-        lines += [f"  session {i}: {s.describe()}" for i, s in enumerate(self.sessions)]
-        return "\n".join(lines)
+        return (
+            f"{c.num_layers} layers, {c.num_heads} heads over {c.num_kv_heads} kv heads of "
+            f"width {c.head_dim}, batch {self.batch}, {str(self.dtype).removeprefix('torch.')}, "
+            f"max_length {self.max_length}"
+        )
 
 
 @functools.lru_cache(maxsize=64)
@@ -144,3 +142,29 @@ def scenarios(
         sessions=tuple(drawn),
         slack=draw(st.sampled_from((0, 0, 1, 7))),
     )
+
+
+# Hand-picked edges, pinned with @example so that a derandomized run is not the only guard.
+# Both fill a buffer exactly (slack 0) with chunks that start, end and straddle the chunked
+# cache's boundaries; the second session reuses reset caches and the third gets fresh ones.
+_small = ModelConfig(vocab_size=17, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4, seed=7)
+BOUNDARIES = Scenario(
+    config=_small,
+    batch=2,
+    dtype=torch.float64,
+    sessions=(
+        Session(chunks=(_edge - 1, 1, _edge + 1, 3, 1), token_seed=1, start="fresh"),
+        Session(chunks=(_edge, _edge, 2, 1, 1, 1), token_seed=2, start="reset"),
+        Session(chunks=(1, 1, 1, 2 * _edge), token_seed=3, start="fresh"),
+    ),
+)
+POISONED_RESET = Scenario(
+    config=_small,
+    batch=3,
+    dtype=torch.float32,
+    sessions=(
+        Session(chunks=(5, 3), token_seed=4, start="fresh", poison="nan", poison_rows=2),
+        Session(chunks=(4, 1, 2), token_seed=5, start="reset", poison="inf", poison_rows=1),
+        Session(chunks=(2 * _edge,), token_seed=6, start="fresh"),
+    ),
+)
