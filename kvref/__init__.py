@@ -1,7 +1,7 @@
 """The reference transformer and the public key/value cache protocol."""
 
 from kvref.model import ModelConfig, ReferenceTransformer
-from kvref.protocol import CacheFactory, CacheSpec, LayerCache, check_append
+from kvref.protocol import CacheFactory, CacheSpec, LayerCache, check_append, min_nbytes
 
 __all__ = [
     "CacheFactory",
@@ -10,4 +10,5 @@ __all__ = [
     "ModelConfig",
     "ReferenceTransformer",
     "check_append",
+    "min_nbytes",
 ]

@@ -109,3 +109,10 @@ def check_append(
 def _same_device(actual: torch.device, wanted: torch.device) -> bool:
     # A spec that says "cuda" accepts "cuda:0"; one that says "cuda:1" does not.
     return actual.type == wanted.type and wanted.index in (None, actual.index)
+
+
+def min_nbytes(spec: CacheSpec, length: int) -> int:
+    """The least a cache holding ``length`` tokens can reserve: 2 x B x H_kv x L x D x itemsize
+    (the 2 counts keys and values). A concat cache reserves exactly this."""
+    itemsize = torch.empty((), dtype=spec.dtype).element_size()
+    return 2 * spec.batch * spec.kv_heads * length * spec.head_dim * itemsize

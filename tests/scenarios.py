@@ -15,7 +15,7 @@ import torch
 from hypothesis import strategies as st
 
 from kvimpl.chunked import DEFAULT_CHUNK_SIZE
-from kvref import ModelConfig, ReferenceTransformer
+from kvref import CacheSpec, ModelConfig, ReferenceTransformer
 
 DTYPES = (torch.float64, torch.float32)
 
@@ -168,3 +168,34 @@ POISONED_RESET = Scenario(
         Session(chunks=(2 * _edge,), token_seed=6, start="fresh"),
     ),
 )
+
+
+@st.composite
+def cache_specs(draw, dtypes: tuple[torch.dtype, ...] = DTYPES) -> CacheSpec:
+    return CacheSpec(
+        batch=draw(st.integers(1, 3)),
+        kv_heads=draw(st.integers(1, 3)),
+        head_dim=draw(st.sampled_from((2, 4, 8))),
+        max_length=draw(st.integers(1, 3 * _edge)),
+        dtype=draw(st.sampled_from(dtypes)),
+        device=torch.device("cpu"),
+    )
+
+
+@st.composite
+def chunk_plans(draw, max_total: int, min_chunks: int = 0) -> list[int]:
+    """Chunk sizes (up to two chunks of the chunked cache each) adding up to at most max_total."""
+    plan: list[int] = []
+    for size in draw(st.lists(st.integers(1, 2 * _edge + 1), min_size=min_chunks, max_size=6)):
+        size = min(size, max_total - sum(plan))
+        if size < 1:
+            break
+        plan.append(size)
+    return plan
+
+
+def random_rows(spec: CacheSpec, rows: int, seed: int) -> torch.Tensor:
+    """Keys or values for ``rows`` new tokens: normal noise, so every row is distinct."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (spec.batch, spec.kv_heads, rows, spec.head_dim)
+    return torch.randn(shape, generator=generator, dtype=torch.float64).to(spec.dtype)
