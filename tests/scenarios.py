@@ -87,13 +87,13 @@ def build_model(config: ModelConfig, dtype: torch.dtype) -> ReferenceTransformer
 
 
 @st.composite
-def model_configs(draw, max_layers: int = 4) -> ModelConfig:
+def model_configs(draw, min_layers: int = 1, max_layers: int = 4) -> ModelConfig:
     kv_heads = draw(st.integers(1, 3))
     group = draw(st.integers(1, 3))  # heads per kv head: 1 is plain multi-head attention
     head_dim = draw(st.sampled_from((2, 4, 8)))
     return ModelConfig(
         vocab_size=draw(st.integers(5, 40)),
-        num_layers=draw(st.integers(1, max_layers)),
+        num_layers=draw(st.integers(min_layers, max_layers)),
         num_heads=kv_heads * group,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
