@@ -1,7 +1,6 @@
 """Property 6: nbytes says what a cache reserves, never less than the keys and values held:
 2 x B x H_kv x L x D x itemsize per layer, times the layers for a model."""
 
-import dataclasses
 import math
 
 import pytest
@@ -73,8 +72,7 @@ def seed_example_bytes(factory) -> int:
 
 
 def test_the_seed_example_takes_51200_bytes(cache_factory):
-    spec = ReferenceTransformer(SEED_CONFIG).cache_spec(batch=1, max_length=100)
-    spec = dataclasses.replace(spec, dtype=torch.float32)
+    spec = ReferenceTransformer(SEED_CONFIG, dtype=torch.float32).cache_spec(1, max_length=100)
     formula = SEED_CONFIG.num_layers * min_nbytes(spec, length=100)
     assert formula == SEED_BYTES, f"the formula gives {formula} bytes, the seed says {SEED_BYTES}"
     total = seed_example_bytes(cache_factory)
