@@ -226,11 +226,11 @@ class ReferenceTransformer(nn.Module):
         return logits
 
     @torch.no_grad()
-    def rotated_kv(self, token_ids: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """Each layer's rotated keys and values from the uncached pass over ``token_ids``."""
+    def forward_with_kv(self, token_ids: Tensor) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        """The uncached pass: logits, and each layer's rotated keys and its values, shaped
+        (batch, kv_heads, T, head_dim), which is what a cache given ``token_ids`` must hold."""
         self._check_token_ids(token_ids)
-        _, keys_and_values = self._run(token_ids, None, 0)
-        return keys_and_values
+        return self._run(token_ids, None, 0)
 
     def _run(self, token_ids: Tensor, caches: Sequence[LayerCache] | None, offset: int):
         new_tokens = token_ids.shape[1]

@@ -130,8 +130,7 @@ def run(factory: CacheFactory, scenario: Scenario) -> Iterator[Step]:
                 f"of a session on {session.start} caches; it must hold 0"
             )
         tokens = scenario.tokens(session)
-        expected_logits = model(tokens)
-        oracle_kv = model.rotated_kv(tokens)
+        expected_logits, oracle_kv = model.forward_with_kv(tokens)
         start = 0
         for step_index, size in enumerate(session.chunks):
             lengths_before = [cache.length for cache in caches]
@@ -173,6 +172,12 @@ def assert_close_at(
 ) -> None:
     """``torch.testing.assert_close`` at the dtype's tolerance, naming the first bad position."""
     tolerance = TOLERANCES[expected.dtype]
+    if (
+        actual.shape == expected.shape
+        and actual.dtype == expected.dtype
+        and torch.isclose(actual, expected, **tolerance).all()
+    ):
+        return  # the same test assert_close makes, without building its report (10x faster)
 
     def message(default: str) -> str:
         located = first_divergence(actual, expected, position_axis, first_position)

@@ -183,10 +183,11 @@ def cache_specs(draw, dtypes: tuple[torch.dtype, ...] = DTYPES) -> CacheSpec:
 
 
 @st.composite
-def chunk_plans(draw, max_total: int, min_chunks: int = 0) -> list[int]:
+def chunk_plans(draw, max_total: int, min_chunks: int = 0, max_chunks: int = 6) -> list[int]:
     """Chunk sizes (up to two chunks of the chunked cache each) adding up to at most max_total."""
     plan: list[int] = []
-    for size in draw(st.lists(st.integers(1, 2 * _edge + 1), min_size=min_chunks, max_size=6)):
+    sizes = st.lists(st.integers(1, 2 * _edge + 1), min_size=min_chunks, max_size=max_chunks)
+    for size in draw(sizes):
         size = min(size, max_total - sum(plan))
         if size < 1:
             break

@@ -233,7 +233,7 @@ def model_states(draw, factory) -> ModelState:
     config = draw(kvst.model_configs(min_layers=2, max_layers=3))
     dtype = draw(st.sampled_from(kvst.DTYPES))
     batch = draw(st.integers(1, 3))
-    plan = draw(kvst.chunk_plans(max_total=2 * kvst.DEFAULT_CHUNK_SIZE + 1, min_chunks=1))
+    plan = draw(kvst.chunk_plans(max_total=kvst.DEFAULT_CHUNK_SIZE + 1, min_chunks=1, max_chunks=3))
     model = kvst.build_model(config, dtype)
     spec = model.cache_spec(batch, max_length=sum(plan) + 3)
     caches = [kvchk.WatchedCache(factory(spec)) for _ in range(config.num_layers)]
