@@ -51,16 +51,10 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     settings.load_profile(profile)
 
-    names = config.getoption("--kv-impl") or [
-        name for name in os.environ.get("KV_IMPL", "").split(",") if name.strip()
-    ]
-    names = [name.strip() for name in names] or list(kvimpl.CACHES)
-    selected = {}
-    for name in names:
-        try:
-            selected[kvimpl.cache_label(name, names)] = (name, kvimpl.load_factory(name))
-        except ValueError as error:
-            raise pytest.UsageError(f"--kv-impl / KV_IMPL: {error}") from None
+    try:
+        selected = kvimpl.select(config.getoption("--kv-impl"), os.environ.get("KV_IMPL"))
+    except ValueError as error:
+        raise pytest.UsageError(f"--kv-impl / KV_IMPL: {error}") from None
     config.stash[SELECTED] = selected
 
 

@@ -47,6 +47,14 @@ def load_factory(name: str) -> CacheFactory:
     return target
 
 
+def select(option_names: list[str], env_value: str | None) -> dict[str, tuple[str, CacheFactory]]:
+    """The caches under test, by test id: the names given with --kv-impl, else the
+    comma-separated KV_IMPL, else every built-in. Values are (name, factory)."""
+    names = option_names or (env_value or "").split(",")
+    names = [name.strip() for name in names if name.strip()] or list(CACHES)
+    return {cache_label(name, names): (name, load_factory(name)) for name in names}
+
+
 def cache_label(name: str, all_names: list[str]) -> str:
     """A short test id: ATTR of MODULE:ATTR unless another selected name has the same ATTR."""
     short = name.rpartition(":")[2]
@@ -61,4 +69,5 @@ __all__ = [
     "PreallocatedCache",
     "cache_label",
     "load_factory",
+    "select",
 ]
