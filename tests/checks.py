@@ -126,8 +126,9 @@ def run(factory: CacheFactory, scenario: Scenario) -> Iterator[Step]:
                 cache.reset()
         for layer, cache in enumerate(caches):
             assert cache.length == 0, (
-                f"session {session_index}: layer {layer} holds {cache.length} tokens at the start "
-                f"of a session on {session.start} caches; it must hold 0"
+                f"layer {layer} holds {cache.length} tokens at the start of a session on "
+                f"{session.start} caches; it must hold 0\n  at session #{session_index}: "
+                f"{session.describe()}"
             )
         tokens = scenario.tokens(session)
         expected_logits, oracle_kv = model.forward_with_kv(tokens)
