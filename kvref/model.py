@@ -73,6 +73,13 @@ def apply_rope(x: Tensor, positions: Tensor, base: float) -> Tensor:
     return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
 
 
+def causal_mask(query_positions: Tensor, key_count: int) -> Tensor:
+    """(T, key_count) booleans: a query at absolute position p sees keys 0..p, wherever the
+    chunk of queries starts (a one-row tril over the chunk alone would be wrong on a warm cache)."""
+    key_positions = torch.arange(key_count, device=query_positions.device)
+    return key_positions[None, :] <= query_positions[:, None]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, width: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -113,9 +120,7 @@ class Attention(nn.Module):
                 f"{tuple(all_v.shape)}; a cache holding {held[2]} tokens must return {held}"
             )
 
-        # A query at absolute position p sees keys 0..p, wherever the chunk starts.
-        key_positions = torch.arange(all_k.shape[-2], device=x.device)
-        allowed = key_positions[None, :] <= positions[:, None]
+        allowed = causal_mask(positions, all_k.shape[-2])
         group = c.num_heads // c.num_kv_heads
         scores = q @ all_k.repeat_interleave(group, dim=1).transpose(-2, -1)
         scores = scores / math.sqrt(c.head_dim)
