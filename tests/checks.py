@@ -29,6 +29,7 @@ class RecordingCache:
 
     def __init__(self, cache: LayerCache) -> None:
         self.cache = cache
+        self.lent: tuple[Tensor, Tensor] | None = None
         self.forget()
 
     def forget(self) -> None:
@@ -48,7 +49,14 @@ class RecordingCache:
 
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         self.given = (key.clone(), value.clone())
-        all_keys, all_values = self.cache.append(key, value)
+        # The cache gets copies that are scribbled over at the next call, as by an engine that
+        # reuses its input buffers: a cache that keeps the caller's tensors instead of copying
+        # them then shows nan rows where earlier keys and values should be.
+        if self.lent is not None:
+            for tensor in self.lent:
+                tensor.fill_(float("nan"))
+        self.lent = (key.clone(), value.clone())
+        all_keys, all_values = self.cache.append(*self.lent)
         self.returned = (all_keys.clone(), all_values.clone())  # views die at the next call
         return all_keys, all_values
 
@@ -97,7 +105,10 @@ def run(factory: CacheFactory, scenario: Scenario) -> Iterator[Step]:
     for session_index, session in enumerate(scenario.sessions):
         if session.start == "fresh":
             built = model.new_caches(factory, batch=scenario.batch, max_length=scenario.max_length)
-            caches = [RecordingCache(cache) for cache in built]
+            # One recorder per distinct cache: a factory that hands one object to several
+            # layers must still look like that to the model, whose guard rejects it.
+            recorders: dict[int, RecordingCache] = {}
+            caches = [recorders.setdefault(id(cache), RecordingCache(cache)) for cache in built]
         else:
             for cache in caches:
                 cache.reset()
