@@ -73,6 +73,12 @@ def apply_rope(x: Tensor, positions: Tensor, base: float) -> Tensor:
     return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
 
 
+def causal_mask(query_positions: Tensor, key_positions: Tensor) -> Tensor:
+    """(T, keys) booleans: a query at absolute position p sees the keys at positions <= p,
+    wherever its chunk starts (a tril over the chunk alone is wrong on a warm cache)."""
+    return key_positions[None, :] <= query_positions[:, None]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, width: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -107,19 +113,18 @@ class Attention(nn.Module):
         k = apply_rope(k, positions, c.rope_base)  # stored rotated: never rotate them again
         all_k, all_v = (k, v) if cache is None else cache.append(k, v)
         if cache is not None:
-            held = (batch, c.num_kv_heads, int(positions[-1]) + 1, c.head_dim)
-            if all_k.shape != held or all_v.shape != held:
+            must_return = (batch, c.num_kv_heads, int(positions[-1]) + 1, c.head_dim)
+            if all_k.shape != must_return or all_v.shape != must_return:
                 raise RuntimeError(
                     f"layer {self.layer}: cache.append returned keys {tuple(all_k.shape)} and "
-                    f"values {tuple(all_v.shape)}; a cache holding {held[2]} tokens must return "
-                    f"{held}"
+                    f"values {tuple(all_v.shape)}; a cache holding {must_return[2]} tokens must "
+                    f"return {must_return}"
                 )
 
-        # A query at absolute position p sees keys up to p, wherever the chunk starts. The
-        # keys held end at the last new position; with caches they start at 0.
+        # The keys held end at the last new position (with caches they start at 0).
         held = all_k.shape[-2]
         key_positions = torch.arange(held, device=x.device) + (int(positions[-1]) + 1 - held)
-        allowed = key_positions[None, :] <= positions[:, None]
+        allowed = causal_mask(positions, key_positions)
         group = c.num_heads // c.num_kv_heads
         scores = q @ all_k.repeat_interleave(group, dim=1).transpose(-2, -1)
         scores = scores / math.sqrt(c.head_dim)

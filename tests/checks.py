@@ -33,6 +33,7 @@ class WatchedCache:
         self.cache = cache
         self.held: tuple[Tensor, Tensor] | None = None  # None while nothing is held
         self.returned: tuple[Tensor, Tensor] | None = None
+        self.lent: tuple[Tensor, ...] = ()
 
     def __getattr__(self, name: str):
         return getattr(self.cache, name)  # e.g. the optional `spec` the model looks for
@@ -50,7 +51,13 @@ class WatchedCache:
         return 0 if self.held is None else self.held[0].shape[2]
 
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        all_keys, all_values = self.cache.append(key, value)  # a refusal records nothing
+        # The cache gets copies that are scribbled over at the next call, as by an engine
+        # that reuses its input buffers: a cache that keeps the caller's tensors instead of
+        # copying them then shows nan where earlier keys and values should be.
+        for tensor in self.lent:
+            tensor.fill_(float("nan"))
+        self.lent = (key.clone(), value.clone())
+        all_keys, all_values = self.cache.append(*self.lent)  # a refusal records nothing
         new = (key.clone(), value.clone())
         if self.held is not None:
             new = tuple(
@@ -120,7 +127,10 @@ def run(factory: CacheFactory, scenario: Scenario) -> Iterator[Step]:
     for session_index, session in enumerate(scenario.sessions):
         if session.start == "fresh":
             built = model.new_caches(factory, batch=scenario.batch, max_length=scenario.max_length)
-            caches = [WatchedCache(cache) for cache in built]
+            # One watcher per distinct cache, so that a factory handing one object to every
+            # layer still meets the model's guard against that.
+            watchers: dict[int, WatchedCache] = {}
+            caches = [watchers.setdefault(id(cache), WatchedCache(cache)) for cache in built]
         else:
             for cache in caches:
                 cache.reset()

@@ -1,0 +1,44 @@
+"""A catalogue of broken caches and broken models that the suite must catch.
+
+``MUTANTS`` lists them all. A cache mutant is a factory with one bug, run on the reference
+model; a model mutant is a patch of the reference model with one bug, run on ``ConcatCache``.
+``tests/test_mutants.py`` checks that some property catches each one, and
+``python -m tests.mutants.report`` prints which property does and the shrunk counterexample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+from kvimpl import ConcatCache
+from kvref import CacheFactory
+from tests.mutants.caches import CACHE_MUTANTS
+from tests.mutants.model import MODEL_MUTANTS
+
+
+@dataclass(frozen=True)
+class Mutant:
+    factory: CacheFactory
+    patch: Callable[[], AbstractContextManager] = nullcontext  # applied while it runs
+
+    @property
+    def broken(self) -> Callable:
+        """The cache factory or the model patch that holds the bug."""
+        return self.factory if self.patch is nullcontext else self.patch
+
+    @property
+    def name(self) -> str:
+        return self.broken.__name__
+
+    @property
+    def bug(self) -> str:
+        """The first paragraph of the docstring, on one line."""
+        return " ".join(self.broken.__doc__.split("\n\n")[0].split())
+
+
+MUTANTS = (
+    *(Mutant(factory) for factory in CACHE_MUTANTS),
+    *(Mutant(ConcatCache, patch) for patch in MODEL_MUTANTS),
+)

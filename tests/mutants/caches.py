@@ -1,0 +1,308 @@
+"""Broken caches: each a few lines away from a built-in, with exactly one bug.
+
+The first line of each docstring names the bug; the rest says which real failure it stands
+for and what it takes to show it. All of them are silent: they return tensors of plausible
+shapes or raise nothing of their own, so only the suite can tell that they are wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from kvimpl import ChunkedCache, ConcatCache, PreallocatedCache
+from kvref import CacheSpec, check_append
+
+
+class WrongAxis(ConcatCache):
+    """Concatenates along the heads axis, not the length axis (seen through a heads x length
+    view, so the shapes come out right and nothing crashes).
+
+    Stands for layout mix-ups between (batch, heads, length, dim) and a flattened or
+    (batch, length, heads, dim) layout: with kv_heads > 1, rows of new tokens land in other
+    heads. A bare ``torch.cat(dim=1)`` would crash loudly; this is the silent form.
+    """
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        check_append(self.spec, self.length, key, value)
+        self.key = _join_heads_major(self.key, key)
+        self.value = _join_heads_major(self.value, value)
+        return self.key, self.value
+
+
+def _join_heads_major(held: Tensor, new: Tensor) -> Tensor:
+    batch, heads, _, head_dim = new.shape
+    joined = torch.cat((held.flatten(1, 2), new.flatten(1, 2)), dim=1)
+    return joined.view(batch, heads, -1, head_dim)
+
+
+class Prepends(ConcatCache):
+    """Puts new tokens in front of the held ones instead of after them.
+
+    Stands for ``torch.cat((new, old))`` argument-order slips: every shape is right and a
+    one-token prompt hides it, but positions no longer line up with rows.
+    """
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        super().append(key, value)
+        new_tokens = key.shape[2]
+        self.key, self.value = self.key.roll(new_tokens, 2), self.value.roll(new_tokens, 2)
+        return self.key, self.value
+
+
+class ForgetsPrefix(PreallocatedCache):
+    """Never stores the prompt: the prefill hands the prompt's keys and values straight back.
+
+    Stands for a prefill fast path that bypasses the cache ("nothing to attend to yet"): the
+    prompt's own logits are right, and every decode step attends to zeros or stale rows
+    where the prompt should be.
+    """
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        if self.length == 0:
+            self._length = check_append(self.spec, 0, key, value, capacity=self.spec.max_length)
+            return key, value
+        return super().append(key, value)
+
+
+class WholeBuffer(PreallocatedCache):
+    """Returns the whole preallocated buffer, unwritten rows included.
+
+    Stands for returning ``self.key`` instead of ``self.key[:, :, :end]``: a model that
+    trusted the cache would attend to zero rows; it is right only when the buffer is full.
+    """
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        super().append(key, value)
+        return self.key, self.value
+
+
+class _RowWriter(PreallocatedCache):
+    """PreallocatedCache with the write of the new rows in a method of its own, so that a
+    mutant can get only that wrong (not a mutant itself)."""
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        start = self._length
+        end = start + check_append(self.spec, start, key, value, capacity=self.spec.max_length)
+        self._write(self.key, start, key)
+        self._write(self.value, start, value)
+        self._length = end
+        return self.key[:, :, :end], self.value[:, :, :end]
+
+    def _write(self, buffer: Tensor, start: int, rows: Tensor) -> None:
+        buffer[:, :, start : start + rows.shape[2]] = rows
+
+
+class OffByOneWrite(_RowWriter):
+    """Writes new rows from the last held position instead of the next free one.
+
+    Stands for a write index taken from the last token's position (``length - 1``), clamped
+    at 0 so that the prefill works: on a warm cache each append overwrites the newest held
+    row and leaves its own last row unwritten.
+    """
+
+    def _write(self, buffer: Tensor, start: int, rows: Tensor) -> None:
+        super()._write(buffer, max(start - 1, 0), rows)
+
+
+class MiddleRowsUnwritten(_RowWriter):
+    """On a warm cache, writes only the first and last of the new rows.
+
+    Stands for a decode path written for one token (or a speculative pair) and then fed a
+    chunk: it breaks only for appends of 3 or more tokens to a warm cache, which one-token
+    decoding never tries.
+    """
+
+    def _write(self, buffer: Tensor, start: int, rows: Tensor) -> None:
+        if start == 0:
+            super()._write(buffer, start, rows)
+            return
+        buffer[:, :, start] = rows[:, :, 0]
+        buffer[:, :, start + rows.shape[2] - 1] = rows[:, :, -1]
+
+
+WINDOW = 48
+
+
+class WrapsPast48(_RowWriter):
+    """Past 48 tokens, wraps around and overwrites the oldest rows.
+
+    Stands for a sliding-window ring buffer (or a hard-coded context size) in front of a
+    full-attention model: correct for every prompt a quick test tries, wrong past 48 tokens.
+    """
+
+    def _write(self, buffer: Tensor, start: int, rows: Tensor) -> None:
+        positions = torch.arange(start, start + rows.shape[2], device=buffer.device)
+        buffer.index_copy_(2, positions % WINDOW, rows)
+
+
+class SwapsKeysAndValues(PreallocatedCache):
+    """Stores keys as values and values as keys.
+
+    Stands for ``cache.update(v, k)``: every shape is the same, so nothing complains.
+    """
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        return super().append(value, key)
+
+
+class MixesBatchRows(PreallocatedCache):
+    """Stores batch row b in slot batch - 1 - b and reads the slots back in order.
+
+    Stands for a slot or beam reordering applied on write but not on read (continuous
+    batching, beam search): invisible with batch 1.
+    """
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        return super().append(key.flip(0), value.flip(0))
+
+
+class FirstKvHeadOnly(PreallocatedCache):
+    """Stores kv head 0 for every kv head.
+
+    Stands for a cache written for multi-query attention (one kv head) and used with
+    grouped-query attention: invisible with kv_heads 1.
+    """
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        return super().append(key[:, :1].expand_as(key), value[:, :1].expand_as(value))
+
+
+class KeepsCallersTensors(ConcatCache):
+    """Keeps the prompt's key and value tensors themselves, not copies of them.
+
+    Stands for ``if empty: self.key = key`` fast paths: when the caller reuses its input
+    buffers (static buffers, CUDA graphs), the stored prompt changes under the cache.
+    """
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        if self.length == 0:
+            check_append(self.spec, 0, key, value)
+            self.key, self.value = key, value
+            return key, value
+        return super().append(key, value)
+
+
+class ResetKeepsChunks(ChunkedCache):
+    """``reset()`` rewinds the length but keeps the chunks, old rows and all.
+
+    Stands for a reset meant to reuse allocations: ``length`` says 0, yet whenever the old
+    prompt spanned more chunks than the new one, its rows come back with the new ones.
+    """
+
+    def reset(self) -> None:
+        self._length = 0
+        self.chunks = getattr(self, "chunks", [])  # none yet when __init__ calls reset()
+
+
+class CountsAppends(ConcatCache):
+    """``length`` counts append calls, not tokens.
+
+    Stands for decode loops written for one token per step (``self.pos += 1``): right for a
+    one-token prompt decoded token by token, wrong once a prompt or chunk is longer.
+    """
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        self.appends += 1
+        return super().append(key, value)
+
+    def reset(self) -> None:
+        super().reset()
+        self.appends = 0
+
+    @property
+    def length(self) -> int:
+        return self.appends
+
+
+class StoresFloat32(PreallocatedCache):
+    """Stores in float32 and casts back: float64 keys and values silently lose precision.
+
+    Stands for a cache that hard-codes its storage dtype (or quantises) and still returns
+    the caller's dtype: right for float32 models, about 1e-7 off for float64 ones.
+    """
+
+    def __init__(self, spec: CacheSpec) -> None:
+        super().__init__(spec)
+        self.key, self.value = self.key.float(), self.value.float()
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        keys, values = super().append(key, value)
+        return keys.to(self.spec.dtype), values.to(self.spec.dtype)
+
+
+class DropsFullLastChunk(ChunkedCache):
+    """Joins no rows of the last chunk when it is exactly full (the length is a multiple of
+    the chunk size).
+
+    Stands for ``length % chunk_size`` used as "rows in the last chunk": it is 0, not
+    chunk_size, exactly at a chunk boundary, so 16 tokens vanish there and only there.
+    """
+
+    def _joined(self, which: int) -> Tensor:
+        rows_in_last = self._length % self.chunk_size
+        parts = [chunk[which] for chunk in self.chunks[:-1]]
+        parts.append(self.chunks[-1][which][:, :, :rows_in_last])
+        return torch.cat(parts, dim=2)
+
+
+class SharedStorage(PreallocatedCache):
+    """Every cache built for the same spec writes into one buffer (a distinct object per
+    layer, but shared storage).
+
+    Stands for buffers memoised per shape "to save allocations" (or a class-level buffer):
+    the model accepts the caches, since they are different objects, but each layer's history
+    is overwritten by the next layer's, and two caches from one factory are not independent.
+    """
+
+    def __init__(self, spec: CacheSpec) -> None:
+        super().__init__(spec)
+        self.key, self.value = _shared_buffers(spec)
+
+
+@functools.lru_cache(maxsize=4)
+def _shared_buffers(spec: CacheSpec) -> tuple[Tensor, Tensor]:
+    shape = (spec.batch, spec.kv_heads, spec.max_length, spec.head_dim)
+    return (
+        torch.zeros(shape, dtype=spec.dtype, device=spec.device),
+        torch.zeros(shape, dtype=spec.dtype, device=spec.device),
+    )
+
+
+def same_cache_every_layer(spec: CacheSpec) -> ConcatCache:
+    """Hands out one cache per spec, reset, to every caller: all layers get the same object.
+
+    Stands for a cache pool keyed by shape. The model rejects the same object for two layers
+    (its ValueError is a catch); with one layer the pool is harmless.
+    """
+    cache = _pooled_cache(spec)
+    cache.reset()
+    return cache
+
+
+@functools.lru_cache(maxsize=1)
+def _pooled_cache(spec: CacheSpec) -> ConcatCache:
+    return ConcatCache(spec)
+
+
+CACHE_MUTANTS = (
+    WrongAxis,
+    Prepends,
+    ForgetsPrefix,
+    WholeBuffer,
+    OffByOneWrite,
+    MiddleRowsUnwritten,
+    WrapsPast48,
+    SwapsKeysAndValues,
+    MixesBatchRows,
+    FirstKvHeadOnly,
+    KeepsCallersTensors,
+    ResetKeepsChunks,
+    CountsAppends,
+    StoresFloat32,
+    DropsFullLastChunk,
+    SharedStorage,
+    same_cache_every_layer,
+)

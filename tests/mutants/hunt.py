@@ -1,0 +1,124 @@
+"""Hunting a mutant: search each property with Hypothesis until one of them fails.
+
+What counts as a catch:
+
+- an ``AssertionError`` from a check: the property itself is violated;
+- a ``ValueError`` or ``RuntimeError`` raised by a ``raise`` statement of ``kvref/model.py``:
+  the reference model's own guards refused what the cache did (same object for two layers,
+  layers of different lengths, ``append`` returning the wrong number of rows). These guards
+  are part of the oracle (DESIGN.md section 3), so a mutant they stop is stopped by the suite.
+
+Anything else (a ``TypeError`` in a check, a torch error inside a cache, a ``ValueError`` a
+cache raises for valid input) is a crash, not a catch: it stops the hunt with ``Crashed``,
+since it says more about the mutant or the suite than about the property under test.
+"""
+
+from __future__ import annotations
+
+import linecache
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hypothesis import Phase, find, settings
+from hypothesis.errors import NoSuchExample
+from hypothesis.strategies import SearchStrategy
+
+from kvref import CacheFactory, model
+from tests.mutants import Mutant
+
+MODEL_SOURCE = Path(model.__file__).resolve()
+
+
+@dataclass(frozen=True)
+class Property:
+    """A check and the strategy that draws its input: ``check(factory, drawn)`` raises
+    AssertionError when the property does not hold."""
+
+    name: str
+    check: Callable[[CacheFactory, Any], None]
+    strategy: SearchStrategy
+
+
+@dataclass(frozen=True)
+class Catch:
+    property: str
+    example: Any  # what the strategy drew, shrunk when the search shrinks
+    error: BaseException
+
+    @property
+    def by_model_guard(self) -> bool:
+        return not isinstance(self.error, AssertionError)
+
+    def describe(self) -> str:
+        guard = " (the reference model's guard)" if self.by_model_guard else ""
+        first_line = str(self.error).strip().splitlines()[0]
+        return f"{self.property}{guard}: {type(self.error).__name__}: {first_line}"
+
+
+class Crashed(Exception):
+    """A run raised something that is neither a property failure nor a model guard."""
+
+
+def hunt(
+    mutant: Mutant, properties: Sequence[Property], *, max_examples: int, shrink: bool = False
+) -> Catch | None:
+    """The first property, in order, under which Hypothesis finds the mutant out, or None
+    when none does within ``max_examples`` examples each."""
+    with mutant.patch():
+        for prop in properties:
+            catch = search(mutant.factory, prop, max_examples=max_examples, shrink=shrink)
+            if catch is not None:
+                return catch
+    return None
+
+
+def search(
+    factory: CacheFactory, prop: Property, *, max_examples: int, shrink: bool = False
+) -> Catch | None:
+    """Run Hypothesis on one property until it fails; shrink the failure when asked."""
+    errors: list[BaseException] = []
+
+    def fails(example: Any) -> bool:
+        try:
+            prop.check(factory, example)
+        except AssertionError as error:
+            errors.append(error)
+            return True
+        except (ValueError, RuntimeError) as error:
+            if not raised_by_model_guard(error):
+                raise
+            errors.append(error)
+            return True
+        return False
+
+    # No example database: a catch must come from this run's search, not a replay of an
+    # earlier one. Shrinking is off unless asked for: a test only needs to know it failed.
+    phases = [Phase.explicit, Phase.generate, *([Phase.shrink] if shrink else [])]
+    try:
+        example = find(
+            prop.strategy,
+            fails,
+            settings=settings(max_examples=max_examples, phases=phases, database=None),
+        )
+    except NoSuchExample:
+        return None
+    except Exception as error:
+        raise Crashed(
+            f"not a catch: while searching property {prop.name!r}, a run crashed with "
+            f"{type(error).__name__}: {error}"
+        ) from error
+    return Catch(prop.name, example, errors[-1])  # find's last call is on the example it returns
+
+
+def raised_by_model_guard(error: BaseException) -> bool:
+    """Whether ``error`` comes from a ``raise`` statement of the reference model itself."""
+    frame = error.__traceback__
+    if frame is None:
+        return False
+    while frame.tb_next is not None:
+        frame = frame.tb_next
+    source = Path(frame.tb_frame.f_code.co_filename).resolve()
+    line = linecache.getline(str(source), frame.tb_lineno).lstrip()
+    return source == MODEL_SOURCE and line.startswith("raise ")

@@ -1,0 +1,62 @@
+"""Print the README's table of mutants: ``python -m tests.mutants.report``.
+
+For each mutant: the first property (in ``tests/test_mutants.py``'s order) that catches it,
+the counterexample Hypothesis shrinks that failure to, and which of the other properties
+catch it too. The search is derandomized, so the table is the same on every run.
+"""
+
+from __future__ import annotations
+
+from hypothesis import settings
+
+from tests import mutants as kvmut
+from tests.mutants.hunt import hunt, search
+from tests.scenarios import Scenario
+from tests.test_mutants import EXAMPLES_PER_PROPERTY, PROPERTIES
+
+settings.register_profile("mutant-report", derandomize=True, deadline=None, database=None)
+
+HEADER = (
+    "| mutant | the bug | caught first by | shrunk counterexample: tokens (chunks per session) "
+    "| layers | batch | also caught by |\n|---|---|---|---|---|---|---|"
+)
+
+
+def row(mutant: kvmut.Mutant) -> str:
+    catch = hunt(mutant, PROPERTIES, max_examples=EXAMPLES_PER_PROPERTY, shrink=True)
+    if catch is None:
+        return f"| `{mutant.name}` | {mutant.bug} | **not caught** | | | | |"
+    with mutant.patch():
+        others = [
+            prop.name
+            for prop in PROPERTIES
+            if prop.name != catch.property
+            and search(mutant.factory, prop, max_examples=EXAMPLES_PER_PROPERTY) is not None
+        ]
+    caught_by = f"{catch.property} (model guard)" if catch.by_model_guard else catch.property
+    sizes = " | ".join(size(catch.example))
+    return (
+        f"| `{mutant.name}` | {mutant.bug} | {caught_by} | {sizes} | {', '.join(others) or '-'} |"
+    )
+
+
+def size(example: object) -> tuple[str, str, str]:
+    """Tokens (with the plan), layers and batch of a counterexample."""
+    if not isinstance(example, Scenario):
+        return repr(example), "", ""
+    plans = "; ".join(
+        f"{session.start} {'+'.join(map(str, session.chunks))}" for session in example.sessions
+    )
+    tokens = sum(session.length for session in example.sessions)
+    return f"{tokens} ({plans})", str(example.config.num_layers), str(example.batch)
+
+
+def main() -> None:
+    settings.load_profile("mutant-report")
+    print(HEADER)
+    for mutant in kvmut.MUTANTS:
+        print(row(mutant), flush=True)
+
+
+if __name__ == "__main__":
+    main()
