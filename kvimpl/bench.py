@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import resource
 import sys
 import time
@@ -328,26 +329,36 @@ def markdown_table(rows: list[Row]) -> str:
 
 
 def plot(rows: list[Row], title: str, path: Path) -> None:
+    """ms per token against context length (log-log), and each cache relative to the ideal."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(7.5, 4.8))
+    figure = Figure(figsize=(11, 4.5))
     FigureCanvasAgg(figure)  # draw with Agg: no display, no global pyplot state
-    axes = figure.subplots()
+    absolute, relative = figure.subplots(1, 2)
+    ideal = {row.length: row.ms_per_token for row in rows if row.cache == "ideal"}
     for label in dict.fromkeys(row.cache for row in rows):
         timed = [row for row in rows if row.cache == label and row.ms_per_token is not None]
         lengths = [row.length for row in timed]
-        axes.plot(lengths, [row.ms_per_token for row in timed], marker="o", label=label)
+        # The floor, dashed and on top: a cache that reaches it would otherwise hide it.
+        style = {"color": "black", "linestyle": "--", "zorder": 3} if label == "ideal" else {}
+        ms = [row.ms_per_token for row in timed]
+        absolute.plot(lengths, ms, marker="o", label=label, **style)
+        if label != "uncached":  # hundreds of times the floor: it would flatten the rest
+            ratios = [row.ms_per_token / ideal[row.length] for row in timed]
+            relative.plot(lengths, ratios, marker="o", label=label, **style)
     lengths = sorted({row.length for row in rows})
-    axes.set_xscale("log", base=2)
-    axes.set_yscale("log")
-    axes.set_xticks(lengths, [str(length) for length in lengths])
-    axes.set_xlabel("context length (tokens attended by the decoded token)")
-    axes.set_ylabel("ms per decoded token (median)")
-    axes.set_title(title, fontsize=10)
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend()
-    figure.savefig(path, dpi=120, bbox_inches="tight")
+    for axes in (absolute, relative):
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(lengths, [str(length) for length in lengths])
+        axes.set_xlabel("context length (tokens attended by the decoded token)")
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend()
+    absolute.set_yscale("log")
+    absolute.set_ylabel("ms per decoded token (median)")
+    relative.set_ylabel("ms per token / ideal's ms per token")
+    figure.suptitle(title, fontsize=10)
+    figure.savefig(path, dpi=110, bbox_inches="tight")
 
 
 def describe(workload: Workload, args: argparse.Namespace) -> str:
@@ -365,7 +376,7 @@ def _positive(kind: type, text: str):
         number = kind(text)
     except ValueError:
         number = 0
-    if number <= 0:
+    if not 0 < number < math.inf:  # also refuses nan
         raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
     return number
 
@@ -425,6 +436,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str
         help="time the uncached model only up to this context (default 4096; it is quadratic)",
     )
     args = parser.parse_args(argv)
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out}: exists and is not a directory")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
     names = [name.strip() for name in args.kv_impl] or list(kvimpl.CACHES)
@@ -448,8 +461,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         lengths=args.lengths or workload.lengths,
         min_run_time=args.min_run_time or workload.min_run_time,
     )
+    args.out.mkdir(parents=True, exist_ok=True)  # before the run, so it fails fast
     rows = run(workload, caches, args)
-    args.out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, args.out / "results.csv")
     plot(rows, describe(workload, args), args.out / "decode.png")
     print(describe(workload, args))

@@ -45,6 +45,7 @@ def test_quick_run_writes_results_and_plot(tmp_path):
         (["--lengths", "256,x"], "--lengths"),
         (["--lengths", "1"], "--lengths"),
         (["--threads", "0"], "--threads"),
+        (["--min-run-time", "nan"], "--min-run-time"),
         (["--kv-impl", "nosuchcache"], "nosuchcache"),
         (["--kv-impl", "concat", "--kv-impl", "concat"], "concat"),
     ],
