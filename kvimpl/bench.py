@@ -414,12 +414,15 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str
         help="comma-separated context lengths (default 256,1024,4096; with --quick 16,64,256)",
     )
     parser.add_argument("--quick", action="store_true", help="a small model, done in seconds")
-    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="default ./bench-out")
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench-out"), metavar="DIR", help="default ./bench-out"
+    )
     parser.add_argument(
         "--threads",
         type=partial(_positive, int),
         default=1,
-        help="torch threads while timing (default 1, for repeatable numbers; setup uses all)",
+        help="torch threads while timing (default 1, for repeatable numbers; the setup before "
+        "timing uses torch's default)",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
