@@ -126,10 +126,15 @@ class Attention(nn.Module):
         key_positions = torch.arange(held, device=x.device) + (int(positions[-1]) + 1 - held)
         allowed = causal_mask(positions, key_positions)
         group = c.num_heads // c.num_kv_heads
-        scores = q @ all_k.repeat_interleave(group, dim=1).transpose(-2, -1)
+        if group > 1:  # query head h reads kv head h // group
+            # Skipped for ordinary multi-head attention: repeat_interleave copies even when
+            # group is 1, and at long contexts that copy costs more than the attention.
+            all_k = all_k.repeat_interleave(group, dim=1)
+            all_v = all_v.repeat_interleave(group, dim=1)
+        scores = q @ all_k.transpose(-2, -1)
         scores = scores / math.sqrt(c.head_dim)
         weights = F.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-        mixed = weights @ all_v.repeat_interleave(group, dim=1)
+        mixed = weights @ all_v
         mixed = mixed.transpose(1, 2).reshape(batch, new_tokens, c.d_model)
         return self.out(mixed), k, v
 

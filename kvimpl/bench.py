@@ -1,0 +1,477 @@
+"""Decode cost, memory and scaling of every cache, side by side, on one reference model.
+
+    python -m kvimpl.bench                        # every built-in cache at 256, 1024, 4096 tokens
+    python -m kvimpl.bench --quick --out /tmp/b   # a small model, in seconds
+    python -m kvimpl.bench --kv-impl preallocated --kv-impl mypkg.caches:MyCache
+
+How one decode step at context L is timed: each layer's cache is given the rotated keys and
+values of the first L - 1 tokens in one append (what a model prefill hands it), then one model
+call with token L is timed: it appends one row and attends to L keys. Each call grows the
+cache, so before every timed call the cache is put back at L - 1 tokens (reset, then the same
+append) while the clock is paused. torch.utils.benchmark still warms up, picks a block size
+and repeats, but only decode steps at exactly context L are on the clock. The rows of one
+length take turns, a share of the time each per round, so a change in the machine's load
+falls on all of them alike.
+
+Besides the caches there are two rows: `ideal`, the same step with the keys and values of all
+L tokens already in place and no bookkeeping at all (the floor a cache can approach), and
+`uncached`, the model recomputing all L tokens to decode the last one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import resource
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, fields, replace
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.utils import benchmark
+
+import kvimpl
+from kvref import CacheFactory, LayerCache, ModelConfig, ReferenceTransformer
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model every cache is timed on, and how long to time each row."""
+
+    config: ModelConfig
+    batch: int
+    lengths: tuple[int, ...]
+    min_run_time: float  # seconds of timed decode steps per row
+    rounds: int  # the rows of one length take turns this many times
+    dtype: torch.dtype = torch.float32
+
+
+# Big enough that attention over the cache, not the fixed per-token work, dominates at 4096.
+FULL = Workload(
+    ModelConfig(1024, num_layers=4, num_heads=8, num_kv_heads=8, head_dim=64, ffn_dim=2048),
+    batch=4,
+    lengths=(256, 1024, 4096),
+    min_run_time=2.0,
+    rounds=5,
+)
+QUICK = Workload(
+    ModelConfig(64, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16, ffn_dim=64),
+    batch=2,
+    lengths=(16, 64, 256),
+    min_run_time=0.05,
+    rounds=2,
+)
+
+
+@dataclass
+class Row:
+    """One line of results.csv: a cache (or `ideal`, `uncached`) at one context length."""
+
+    cache: str
+    length: int
+    ms_per_token: float | None  # median over samples; None when not timed
+    ms_spread: float | None  # interquartile range of the same samples
+    samples: int  # timed blocks; blocked_autorange picks how many steps make one
+    nbytes: int  # summed over layers, after the timed step (the cache holds L tokens)
+    formula_bytes: int  # 2 x layers x batch x kv_heads x L x head_dim x itemsize
+    peak_rss_bytes: int  # the whole process's high-water mark (ru_maxrss) when the row was done
+    note: str = ""
+
+
+class IdealCache:
+    """The floor: keys and values of the whole context already in place, no bookkeeping.
+
+    It claims to hold all but the last row, so the model decodes the last position, and its
+    append hands back the full tensors without reading or storing what it is given.
+    """
+
+    def __init__(self, key: Tensor, value: Tensor) -> None:
+        self.key, self.value = key, value
+
+    @property
+    def length(self) -> int:
+        return self.key.shape[2] - 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.key.nbytes + self.value.nbytes
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        return self.key, self.value
+
+    def reset(self) -> None:
+        pass
+
+
+class DecodeClock:
+    """A perf_counter that stops while caches are put back, so only decode steps count."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._paused = 0.0
+        self._sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+
+    def now(self) -> float:
+        self._sync()  # queued GPU work belongs to the step that queued it
+        return time.perf_counter() - self._paused
+
+    def off_the_clock(self, action: Callable[[], object]) -> None:
+        start = self.now()
+        action()
+        self._paused += self.now() - start
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size so far: ru_maxrss, in KiB on Linux, bytes on macOS."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def formula_bytes(model: ReferenceTransformer, batch: int, length: int) -> int:
+    c = model.config
+    itemsize = torch.empty((), dtype=model.dtype).element_size()
+    return 2 * c.num_layers * batch * c.num_kv_heads * length * c.head_dim * itemsize
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done = total, 0
+
+    def show(self, doing: str) -> None:
+        filled = 30 * self.done // self.total
+        bar = "#" * filled + "." * (30 - filled)
+        sys.stderr.write(f"\r[{bar}] {self.done}/{self.total} {doing:<36}")
+        sys.stderr.flush()
+
+    def advance(self, doing: str) -> None:
+        self.done += 1
+        self.show(doing)
+        if self.done == self.total:
+            sys.stderr.write("\n")
+
+
+class Bench:
+    """One model, one batch of tokens and their keys and values, shared by every row."""
+
+    def __init__(self, workload: Workload, device: torch.device, threads: int) -> None:
+        self.workload = workload
+        self.device = device
+        self.threads = threads
+        self.model = ReferenceTransformer(workload.config, dtype=workload.dtype, device=device)
+        generator = torch.Generator().manual_seed(0)
+        shape = (workload.batch, max(workload.lengths))
+        tokens = torch.randint(workload.config.vocab_size, shape, generator=generator)
+        self.tokens = tokens.to(device)
+        self.keys_values = self._prefill()
+
+    def _prefill(self, chunk: int = 64) -> list[tuple[Tensor, Tensor]]:
+        """Each layer's rotated keys and values of all the tokens, a chunk of them at a time.
+
+        In one pass the model would hold (batch, heads, L, L) scores, gigabytes at 4096 tokens,
+        and that would be the peak RSS reported for every row.
+        """
+        caches = self.model.new_caches(
+            kvimpl.ConcatCache, batch=self.workload.batch, max_length=self.tokens.shape[1]
+        )
+        for start in range(0, self.tokens.shape[1], chunk):
+            self.model(self.tokens[:, start : start + chunk], caches)
+        return [(cache.key, cache.value) for cache in caches]
+
+    def decode_rows(
+        self, factories: dict[str, CacheFactory], length: int, progress: Progress
+    ) -> list[Row]:
+        """Time decoding token ``length`` on the ideal and every cache, taking turns."""
+        caches = {
+            label: self.model.new_caches(factory, batch=self.workload.batch, max_length=length)
+            for label, factory in factories.items()
+        }
+        caches = {"ideal": self._ideal_caches(length), **caches}
+        timers = {label: self._decode_timer(layers, length) for label, layers in caches.items()}
+        rounds = self.workload.rounds
+        parts: dict[str, list[benchmark.Measurement]] = {label: [] for label in timers}
+        for round_number in range(1, rounds + 1):
+            for label, timer in timers.items():
+                share = self.workload.min_run_time / rounds
+                parts[label].append(timer.blocked_autorange(min_run_time=share))
+            progress.advance(f"{length} tokens, round {round_number} of {rounds}")
+        return [
+            self._row(
+                label,
+                length,
+                benchmark.Measurement.merge(parts[label])[0],
+                nbytes=sum(cache.nbytes for cache in caches[label]),
+            )
+            for label in timers
+        ]
+
+    def uncached_row(self, length: int) -> Row:
+        """Time the model recomputing all ``length`` tokens, which is how it decodes the last."""
+        timer = self._timer(partial(self.model, self.tokens[:, :length]), restore=lambda: None)
+        measurement = timer.blocked_autorange(min_run_time=self.workload.min_run_time)
+        return self._row("uncached", length, measurement, nbytes=0)
+
+    def skipped_row(self, label: str, length: int, note: str) -> Row:
+        return self._row(label, length, None, nbytes=0, note=note)
+
+    def _ideal_caches(self, length: int) -> list[LayerCache]:
+        return [
+            IdealCache(key[:, :, :length].clone(), value[:, :, :length].clone())
+            for key, value in self.keys_values
+        ]
+
+    def _decode_timer(self, caches: Sequence[LayerCache], length: int) -> benchmark.Timer:
+        """A timer of one decode step at context ``length``, from ``length - 1`` cached tokens."""
+        prefix = [
+            (key[:, :, : length - 1], value[:, :, : length - 1]) for key, value in self.keys_values
+        ]
+
+        def restore() -> None:
+            for cache, (key, value) in zip(caches, prefix, strict=True):
+                cache.reset()
+                cache.append(key, value)
+
+        restore()  # the caches' nbytes are read after timing: then they hold `length` tokens
+        return self._timer(
+            partial(self.model, self.tokens[:, length - 1 : length], caches), restore
+        )
+
+    def _timer(self, step: Callable[[], object], restore: Callable[[], object]) -> benchmark.Timer:
+        """A timer of ``step`` that runs ``restore`` off the clock before each call."""
+        clock = DecodeClock(self.device)
+        return benchmark.Timer(
+            stmt="clock.off_the_clock(restore); step()",
+            globals={"clock": clock, "restore": restore, "step": step},
+            timer=clock.now,
+            num_threads=self.threads,
+        )
+
+    def _row(
+        self,
+        label: str,
+        length: int,
+        measurement: benchmark.Measurement | None,
+        nbytes: int,
+        note: str = "",
+    ) -> Row:
+        samples = 0 if measurement is None else len(measurement.times)
+        if samples == 1:
+            note = "one sample: no spread"
+        return Row(
+            cache=label,
+            length=length,
+            ms_per_token=measurement.median * 1e3 if samples else None,
+            ms_spread=measurement.iqr * 1e3 if samples > 1 else None,
+            samples=samples,
+            nbytes=nbytes,
+            formula_bytes=formula_bytes(self.model, self.workload.batch, length),
+            peak_rss_bytes=peak_rss_bytes(),
+            note=note,
+        )
+
+
+def run(workload: Workload, caches: dict[str, CacheFactory], args: argparse.Namespace) -> list[Row]:
+    progress = Progress(total=len(workload.lengths) * (workload.rounds + 1))
+    progress.show(f"prefill of {max(workload.lengths)} tokens")
+    bench = Bench(workload, torch.device(args.device), args.threads)
+    rows = []
+    for length in workload.lengths:
+        rows += bench.decode_rows(caches, length, progress)
+    # Last, so that its (batch, heads, L, L) scores do not set the peak RSS of the rows above.
+    for length in workload.lengths:
+        progress.show(f"uncached at {length} tokens")
+        if length <= args.uncached_max_length:
+            rows.append(bench.uncached_row(length))
+        else:
+            note = f"not timed: above --uncached-max-length {args.uncached_max_length}"
+            rows.append(bench.skipped_row("uncached", length, note))
+        progress.advance(f"uncached at {length} tokens")
+    return rows
+
+
+def write_csv(rows: list[Row], path: Path) -> None:
+    with path.open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=[field.name for field in fields(Row)])
+        writer.writeheader()
+        writer.writerows(asdict(row) for row in rows)
+
+
+def markdown_table(rows: list[Row]) -> str:
+    """The results as a Markdown table: readable on a terminal, pasteable into the README."""
+    ideal = {row.length: row.ms_per_token for row in rows if row.cache == "ideal"}
+    mib = 2**20
+    lines = [
+        "| cache | length | ms/token | IQR ms | x ideal | samples | nbytes MiB | formula MiB "
+        "| peak RSS MiB | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in sorted(rows, key=lambda row: row.length):
+        ms, spread = row.ms_per_token, row.ms_spread
+        cells = [
+            row.cache,
+            str(row.length),
+            "-" if ms is None else f"{ms:.3f}",
+            "-" if spread is None else f"{spread:.3f}",
+            "-" if ms is None else f"{ms / ideal[row.length]:.2f}",
+            str(row.samples),
+            f"{row.nbytes / mib:.1f}",
+            f"{row.formula_bytes / mib:.1f}",
+            f"{row.peak_rss_bytes / mib:.0f}",
+            row.note,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], title: str, path: Path) -> None:
+    """ms per token against context length (log-log), and each cache relative to the ideal."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(11, 4.5))
+    FigureCanvasAgg(figure)  # draw with Agg: no display, no global pyplot state
+    absolute, relative = figure.subplots(1, 2)
+    ideal = {row.length: row.ms_per_token for row in rows if row.cache == "ideal"}
+    for label in dict.fromkeys(row.cache for row in rows):
+        timed = [row for row in rows if row.cache == label and row.ms_per_token is not None]
+        lengths = [row.length for row in timed]
+        # The floor, dashed and on top: a cache that reaches it would otherwise hide it.
+        style = {"color": "black", "linestyle": "--", "zorder": 3} if label == "ideal" else {}
+        ms = [row.ms_per_token for row in timed]
+        absolute.plot(lengths, ms, marker="o", label=label, **style)
+        if label != "uncached":  # hundreds of times the floor: it would flatten the rest
+            ratios = [row.ms_per_token / ideal[row.length] for row in timed]
+            relative.plot(lengths, ratios, marker="o", label=label, **style)
+    lengths = sorted({row.length for row in rows})
+    for axes in (absolute, relative):
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(lengths, [str(length) for length in lengths])
+        axes.set_xlabel("context length (tokens attended by the decoded token)")
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend()
+    absolute.set_yscale("log")
+    absolute.set_ylabel("ms per decoded token (median)")
+    relative.set_ylabel("ms per token / ideal's ms per token")
+    figure.suptitle(title, fontsize=10)
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+
+
+def describe(workload: Workload, args: argparse.Namespace) -> str:
+    c = workload.config
+    threads = f"{args.threads} thread" + ("s" if args.threads > 1 else "")
+    return (
+        f"{c.num_layers} layers, {c.num_heads} heads ({c.num_kv_heads} kv) of {c.head_dim}, "
+        f"batch {workload.batch}, {str(workload.dtype).removeprefix('torch.')}, "
+        f"{args.device}, {threads}, torch {torch.__version__}"
+    )
+
+
+def _positive(kind: type, text: str):
+    try:
+        number = kind(text)
+    except ValueError:
+        number = 0
+    if not 0 < number < math.inf:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+    return number
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        lengths = [int(part) for part in text.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 2:
+        # Length 1 would leave nothing to prefill: the decoded token would be the first.
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated context lengths, each >= 2 (e.g. 256,1024), got {text!r}"
+        )
+    return tuple(sorted(set(lengths)))
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str, CacheFactory]]:
+    """The options, and the caches to time by label (every built-in unless --kv-impl)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m kvimpl.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--kv-impl",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="cache to time: a built-in name or MODULE:ATTR (repeatable; default: every built-in)",
+    )
+    parser.add_argument(
+        "--lengths",
+        type=_lengths,
+        help="comma-separated context lengths (default 256,1024,4096; with --quick 16,64,256)",
+    )
+    parser.add_argument("--quick", action="store_true", help="a small model, done in seconds")
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench-out"), metavar="DIR", help="default ./bench-out"
+    )
+    parser.add_argument(
+        "--threads",
+        type=partial(_positive, int),
+        default=1,
+        help="torch threads while timing (default 1, for repeatable numbers; the setup before "
+        "timing uses torch's default)",
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--min-run-time",
+        type=partial(_positive, float),
+        metavar="SECONDS",
+        help="timed decode steps per row (default 2; with --quick 0.05)",
+    )
+    parser.add_argument(
+        "--uncached-max-length",
+        type=partial(_positive, int),
+        default=4096,
+        metavar="N",
+        help="time the uncached model only up to this context (default 4096; it is quadratic)",
+    )
+    args = parser.parse_args(argv)
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out}: exists and is not a directory")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
+    names = [name.strip() for name in args.kv_impl] or list(kvimpl.CACHES)
+    caches: dict[str, CacheFactory] = {}
+    for name in names:
+        label = kvimpl.cache_label(name, names)
+        if label in caches or label in ("ideal", "uncached"):
+            parser.error(f"--kv-impl: {name!r} would be a second row labelled {label!r}")
+        try:
+            caches[label] = kvimpl.load_factory(name)
+        except ValueError as error:
+            parser.error(f"--kv-impl: {error}")
+    return args, caches
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args, caches = parse_args(argv)
+    workload = QUICK if args.quick else FULL
+    workload = replace(
+        workload,
+        lengths=args.lengths or workload.lengths,
+        min_run_time=args.min_run_time or workload.min_run_time,
+    )
+    args.out.mkdir(parents=True, exist_ok=True)  # before the run, so it fails fast
+    rows = run(workload, caches, args)
+    write_csv(rows, args.out / "results.csv")
+    plot(rows, describe(workload, args), args.out / "decode.png")
+    print(describe(workload, args))
+    print(markdown_table(rows))
+    print(f"wrote {args.out / 'results.csv'} and {args.out / 'decode.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Smoke test of the benchmark: a tiny run writes a complete results.csv and a PNG plot.
+
+Timings are machine-dependent, so nothing here asserts on them beyond being positive.
+"""
+
+import csv
+
+import pytest
+
+import kvimpl
+from kvimpl import bench
+
+LENGTHS = (8, 16)
+COLUMNS = {"cache", "length", "ms_per_token", "ms_spread", "nbytes", "formula_bytes"}
+
+
+def test_quick_run_writes_results_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    argv = ["--quick", "--lengths", ",".join(map(str, LENGTHS)), "--min-run-time", "0.005"]
+    bench.main([*argv, "--out", str(tmp_path)])
+
+    with (tmp_path / "results.csv").open(newline="") as file:
+        reader = csv.DictReader(file)
+        assert set(reader.fieldnames) >= COLUMNS, f"missing columns in {reader.fieldnames}"
+        rows = list(reader)
+    labels = [*kvimpl.CACHES, "ideal", "uncached"]
+    expected = {(label, length) for label in labels for length in LENGTHS}
+    got = [(row["cache"], int(row["length"])) for row in rows]
+    assert sorted(got) == sorted(expected), f"want one row per (cache, length), got {got}"
+    for row in rows:
+        where = f"row {row['cache']} at {row['length']}"
+        assert float(row["ms_per_token"]) > 0, f"{where}: ms_per_token {row['ms_per_token']}"
+        assert row["ms_spread"] == "" or float(row["ms_spread"]) >= 0, f"{where}: {row}"
+        assert int(row["formula_bytes"]) > 0, f"{where}: formula_bytes {row['formula_bytes']}"
+        if row["cache"] != "uncached":  # the uncached model keeps nothing between tokens
+            assert int(row["nbytes"]) >= int(row["formula_bytes"]), f"{where}: {row}"
+
+    png = (tmp_path / "decode.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n"), "decode.png is not a PNG file"
+
+
+@pytest.mark.parametrize(
+    ("argv", "complaint"),
+    [
+        (["--lengths", "256,x"], "--lengths"),
+        (["--lengths", "1"], "--lengths"),
+        (["--threads", "0"], "--threads"),
+        (["--min-run-time", "nan"], "--min-run-time"),
+        (["--kv-impl", "nosuchcache"], "nosuchcache"),
+        (["--kv-impl", "concat", "--kv-impl", "concat"], "concat"),
+    ],
+)
+def test_bad_options_are_named(argv, complaint, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert complaint in capsys.readouterr().err
