@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvref import CacheFactory, LayerCache
-from tests.scenarios import Scenario, Session
+from kvref import CacheFactory, LayerCache, min_nbytes
+from tests.scenarios import CachePlan, Scenario, Session, random_rows
 
 TOLERANCES = {
     torch.float64: {"rtol": 1e-9, "atol": 1e-9},
@@ -259,3 +259,31 @@ def check_contents(factory: CacheFactory, scenario: Scenario) -> None:
                     where=step.where(),
                     position_axis=2,
                 )
+
+
+def warm(factory: CacheFactory, plan: CachePlan) -> WatchedCache:
+    """A watched cache from ``factory`` after the plan's appends of random rows."""
+    cache = WatchedCache(factory(plan.spec))
+    for step, rows in enumerate(plan.chunks):
+        keys = random_rows(plan.spec, rows, seed=step)
+        cache.append(keys, random_rows(plan.spec, rows, seed=100 + step))
+    return cache
+
+
+def check_nbytes(factory: CacheFactory, plan: CachePlan) -> None:
+    """Property 6: nbytes is an int, never below 2 x B x H_kv x L x D x itemsize, at every
+    step of the plan and after a reset."""
+    spec, cache = plan.spec, WatchedCache(factory(plan.spec))
+    for step, rows in enumerate([*plan.chunks, "reset"]):
+        if rows == "reset":
+            cache.reset()
+        else:
+            new = random_rows(spec, rows, seed=step)
+            cache.append(new, new)
+        nbytes, needed = cache.nbytes, min_nbytes(spec, cache.length)
+        assert type(nbytes) is int, f"nbytes must be an int, got {type(nbytes).__name__}"
+        assert nbytes >= needed, (
+            f"nbytes is {nbytes} while holding {cache.length} tokens, which take at least "
+            f"{needed} bytes (2 x {spec.batch} x {spec.kv_heads} x {cache.length} x "
+            f"{spec.head_dim} x itemsize)\n  at step {step} of {plan.describe()}"
+        )

@@ -200,3 +200,25 @@ def random_rows(spec: CacheSpec, rows: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     shape = (spec.batch, spec.kv_heads, rows, spec.head_dim)
     return torch.randn(shape, generator=generator, dtype=torch.float64).to(spec.dtype)
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """A cache spec and the sizes of the appends that warm it (rows from ``random_rows``)."""
+
+    spec: CacheSpec
+    chunks: tuple[int, ...]
+
+    def describe(self) -> str:
+        return (
+            f"a cache warmed by appends of {list(self.chunks)} rows ({sum(self.chunks)} "
+            f"tokens), built for {self.spec}"
+        )
+
+
+@st.composite
+def cache_plans(draw, room: int = 1, min_chunks: int = 0) -> CachePlan:
+    """A spec and appends that leave room for ``room`` more rows within its max_length."""
+    spec = draw(cache_specs())
+    chunks = draw(chunk_plans(max_total=spec.max_length - room, min_chunks=min_chunks))
+    return CachePlan(spec, tuple(chunks))

@@ -14,8 +14,10 @@ that needs two sessions per example comes last.
 """
 
 import pytest
+from hypothesis import strategies as st
 
 import kvimpl
+from tests import badinput as kvbad
 from tests import checks as kvchk
 from tests import mutants as kvmut
 from tests import scenarios as kvst
@@ -23,6 +25,19 @@ from tests.mutants.hunt import Property, hunt
 
 PROPERTIES = (
     Property("logits", kvchk.check_logits_match_uncached, kvst.scenarios()),
+    # The cache-level properties need no model, so they cost little to try next.
+    Property("memory", kvchk.check_nbytes, kvst.cache_plans(room=0, min_chunks=1)),
+    Property(
+        "overflow",
+        lambda factory, drawn: kvbad.check_overflow(factory, *drawn),
+        st.tuples(kvst.cache_plans(), st.integers(1, 3)),
+    ),
+    Property(
+        "bad append",
+        lambda factory, drawn: kvbad.check_every_bad_append(factory, *drawn),
+        st.tuples(kvst.cache_plans(), st.integers(1, 3)),
+    ),
+    Property("bad model call", kvbad.check_every_bad_model_call, kvbad.model_plans()),
     Property("lengths", kvchk.check_lengths, kvst.scenarios()),
     Property("contents", kvchk.check_contents, kvst.scenarios()),
     Property(

@@ -287,6 +287,88 @@ def _pooled_cache(spec: CacheSpec) -> ConcatCache:
     return ConcatCache(spec)
 
 
+class CastsWrongDtype(ConcatCache):
+    """Casts keys and values of another dtype to its own instead of refusing them.
+
+    Stands for a "forgiving" cache that hides a caller's dtype bug (a float32 model writing
+    into a float64 cache, or the reverse) where the protocol says to refuse it.
+    """
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        if isinstance(key, Tensor) and isinstance(value, Tensor):
+            key, value = key.to(self.spec.dtype), value.to(self.spec.dtype)
+        return super().append(key, value)
+
+
+class MovesOnRefusal(PreallocatedCache):
+    """A refused append still moves the write position by one.
+
+    Stands for bookkeeping updated before validation: the error is raised, but the cache is
+    left one row longer than what it was given, with an unwritten row in it.
+    """
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        try:
+            return super().append(key, value)
+        except ValueError:
+            self._length += 1
+            raise
+
+
+class TrimsLongerValue(ConcatCache):
+    """Accepts a value with more tokens than its key, cutting it to the key's length.
+
+    Stands for a cache that trusts the key's shape for both tensors: a caller that passes
+    mismatched keys and values loses rows without an error.
+    """
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        if isinstance(key, Tensor) and isinstance(value, Tensor) and key.ndim == value.ndim == 4:
+            value = value[:, :, : key.shape[2]]
+        return super().append(key, value)
+
+
+class CountsKeysOnly(ConcatCache):
+    """``nbytes`` counts the keys and forgets the values.
+
+    Stands for memory accounting that under-reports by half: a server sizing its batch by
+    nbytes would run out of memory.
+    """
+
+    @property
+    def nbytes(self) -> int:
+        return self.key.nbytes
+
+
+class StaleRowsAfterReset(PreallocatedCache):
+    """After reset(), hands back every row up to the most it ever held, old ones included.
+
+    Stands for a returned slice computed from a high-water mark instead of the length: the
+    rows past the length are stale, from before the reset, and a mask would hide them.
+    """
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        super().append(key, value)
+        self.most = max(getattr(self, "most", 0), self._length)
+        return self.key[:, :, : self.most], self.value[:, :, : self.most]
+
+
+class WrapsAtCapacity(PreallocatedCache):
+    """Past max_length, wraps around and overwrites the oldest rows instead of refusing.
+
+    Stands for a ring buffer used where the protocol promises to refuse or hold everything:
+    the caller is never told that tokens were lost.
+    """
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        new = check_append(self.spec, self._length, key, value)  # no capacity: never refuses
+        rows = (self._length + torch.arange(new)) % self.spec.max_length
+        self.key[:, :, rows], self.value[:, :, rows] = key, value
+        self._length += new
+        held = min(self._length, self.spec.max_length)
+        return self.key[:, :, :held], self.value[:, :, :held]
+
+
 CACHE_MUTANTS = (
     WrongAxis,
     Prepends,
@@ -305,4 +387,10 @@ CACHE_MUTANTS = (
     DropsFullLastChunk,
     SharedStorage,
     same_cache_every_layer,
+    CastsWrongDtype,
+    MovesOnRefusal,
+    TrimsLongerValue,
+    CountsKeysOnly,
+    StaleRowsAfterReset,
+    WrapsAtCapacity,
 )
