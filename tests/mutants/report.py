@@ -10,8 +10,9 @@ from __future__ import annotations
 from hypothesis import settings
 
 from tests import mutants as kvmut
+from tests.badinput import ModelPlan
 from tests.mutants.hunt import hunt, search
-from tests.scenarios import Scenario
+from tests.scenarios import CachePlan
 from tests.test_mutants import EXAMPLES_PER_PROPERTY, PROPERTIES
 
 settings.register_profile("mutant-report", derandomize=True, deadline=None, database=None)
@@ -42,8 +43,18 @@ def row(mutant: kvmut.Mutant) -> str:
 
 def size(example: object) -> tuple[str, str, str]:
     """Tokens (with the plan), layers and batch of a counterexample."""
-    if not isinstance(example, Scenario):
-        return repr(example), "", ""
+    if isinstance(example, tuple):  # (plan, a number drawn with it)
+        example = example[0]
+    if isinstance(example, CachePlan):
+        appends = "+".join(map(str, example.chunks)) or "none"
+        return f"{sum(example.chunks)} (appends {appends})", "1 cache", str(example.spec.batch)
+    if isinstance(example, ModelPlan):
+        chunks = "+".join(map(str, example.chunks))
+        return (
+            f"{sum(example.chunks)} ({chunks})",
+            str(example.config.num_layers),
+            str(example.batch),
+        )
     plans = "; ".join(
         f"{session.start} {'+'.join(map(str, session.chunks))}" for session in example.sessions
     )
