@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.utils import benchmark
 
 import kvimpl
-from kvref import CacheFactory, LayerCache, ModelConfig, ReferenceTransformer
+from kvref import CacheFactory, LayerCache, ModelConfig, ReferenceTransformer, min_nbytes
 
 
 @dataclass(frozen=True)
@@ -132,9 +132,8 @@ def peak_rss_bytes() -> int:
 
 
 def formula_bytes(model: ReferenceTransformer, batch: int, length: int) -> int:
-    c = model.config
-    itemsize = torch.empty((), dtype=model.dtype).element_size()
-    return 2 * c.num_layers * batch * c.num_kv_heads * length * c.head_dim * itemsize
+    """2 x layers x B x H_kv x L x D x itemsize: what the model's caches must hold at least."""
+    return model.config.num_layers * min_nbytes(model.cache_spec(batch, length), length)
 
 
 class Progress:

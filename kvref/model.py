@@ -261,12 +261,8 @@ class ReferenceTransformer(nn.Module):
             raise ValueError(
                 f"token_ids must have rank 2 (batch, T), got shape {tuple(token_ids.shape)}"
             )
-        if (
-            token_ids.dtype.is_floating_point
-            or token_ids.dtype.is_complex
-            or (token_ids.dtype == torch.bool)
-        ):
-            raise ValueError(f"token_ids must have an integer dtype, got {token_ids.dtype}")
+        if token_ids.dtype not in (torch.int64, torch.int32):  # what nn.Embedding takes
+            raise ValueError(f"token_ids must have dtype int64 or int32, got {token_ids.dtype}")
         if token_ids.numel() == 0:
             raise ValueError(f"token_ids is empty: shape {tuple(token_ids.shape)}")
         low, high = int(token_ids.min()), int(token_ids.max())

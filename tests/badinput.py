@@ -44,17 +44,21 @@ def grow(tensor: torch.Tensor, axis: int) -> torch.Tensor:
 
 
 BAD_APPENDS = [
-    BadInput("key of rank 3", lambda k, v: (k[..., 0], v), ValueError, r"rank|ndim|dim"),
-    BadInput("value of rank 5", lambda k, v: (k, v[None]), ValueError, r"rank|ndim|dim"),
+    BadInput("key of rank 3", lambda k, v: (k[..., 0], v), ValueError, r"\brank\b|ndim"),
+    BadInput("value of rank 5", lambda k, v: (k, v[None]), ValueError, r"\brank\b|ndim"),
     BadInput(
         "value with one token more than key",
         lambda k, v: (k, grow(v, 2)),
         ValueError,
-        r"shape|differ|match|token",
+        r"differ|mismatch|match",
     ),
     BadInput("wrong batch", lambda k, v: (grow(k, 0), grow(v, 0)), ValueError, r"batch"),
-    BadInput("wrong kv_heads", lambda k, v: (grow(k, 1), grow(v, 1)), ValueError, r"head"),
-    BadInput("wrong head_dim", lambda k, v: (grow(k, 3), grow(v, 3)), ValueError, r"head_dim|dim"),
+    BadInput(
+        "wrong kv_heads", lambda k, v: (grow(k, 1), grow(v, 1)), ValueError, r"kv_heads|kv heads"
+    ),
+    BadInput(
+        "wrong head_dim", lambda k, v: (grow(k, 3), grow(v, 3)), ValueError, r"head_dim|head dim"
+    ),
     BadInput(
         "zero new tokens",
         lambda k, v: (k[:, :, :0], v[:, :, :0]),
@@ -238,6 +242,7 @@ BAD_CALLS = [
     BadInput("token ids of rank 1", lambda s: (s.tokens[0], s.caches), ValueError, r"rank"),
     BadInput("token ids of rank 3", lambda s: (s.tokens[None], s.caches), ValueError, r"rank"),
     BadInput("float token ids", lambda s: (s.tokens.double(), s.caches), ValueError, r"dtype"),
+    BadInput("uint8 token ids", lambda s: (s.tokens.byte(), s.caches), ValueError, r"dtype"),
     BadInput(
         "token id past the vocabulary",
         lambda s: (with_token(s.tokens, s.model.config.vocab_size), s.caches),

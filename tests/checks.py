@@ -15,13 +15,12 @@ import torch
 from torch import Tensor
 
 from kvref import CacheFactory, LayerCache, min_nbytes
-from tests.scenarios import CachePlan, Scenario, Session, random_rows
+from tests.scenarios import POISON_VALUES, CachePlan, Scenario, Session, random_rows
 
 TOLERANCES = {
     torch.float64: {"rtol": 1e-9, "atol": 1e-9},
     torch.float32: {"rtol": 1e-4, "atol": 1e-4},
 }
-POISON_VALUES = {"nan": float("nan"), "inf": float("inf"), "huge": 1e30}
 
 
 class WatchedCache:
@@ -164,7 +163,7 @@ def run(factory: CacheFactory, scenario: Scenario) -> Iterator[Step]:
 
 
 def poison(caches: list[WatchedCache], session: Session, scenario: Scenario) -> None:
-    """Leave rows of nan, inf or huge values behind for the next session to shed."""
+    """Leave rows of nan, inf, -inf or huge values behind for the next session to shed."""
     c = scenario.config
     shape = (scenario.batch, c.num_kv_heads, session.poison_rows, c.head_dim)
     bad = torch.full(shape, POISON_VALUES[session.poison], dtype=scenario.dtype)

@@ -21,6 +21,7 @@ DTYPES = (torch.float64, torch.float32)
 
 # Sizes near the chunked cache's boundary (and twice it) are where off-by-ones live.
 _edge = DEFAULT_CHUNK_SIZE
+POISON_VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "huge": 1e30}
 BOUNDARY_SIZES = (_edge - 1, _edge, _edge + 1, 2 * _edge - 1, 2 * _edge, 2 * _edge + 1)
 LONG_SESSION = 64  # sessions are drawn beyond this too: some bugs only show past it
 MAX_SESSION = 100
@@ -38,7 +39,7 @@ class Session:
     chunks: tuple[int, ...]
     token_seed: int
     start: str  # "fresh": new caches from the factory; "reset": reset() the previous ones
-    poison: str | None = None  # after the session, append rows full of nan/inf/huge values
+    poison: str | None = None  # after the session, append rows full of nan/inf/-inf/huge values
     poison_rows: int = 0
 
     @property
@@ -90,7 +91,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype) -> ReferenceTransformer
 def model_configs(draw, min_layers: int = 1, max_layers: int = 4) -> ModelConfig:
     kv_heads = draw(st.integers(1, 3))
     group = draw(st.integers(1, 3))  # heads per kv head: 1 is plain multi-head attention
-    head_dim = draw(st.sampled_from((2, 4, 8)))
+    head_dim = draw(st.sampled_from((2, 4, 6, 8)))
     return ModelConfig(
         vocab_size=draw(st.integers(5, 40)),
         num_layers=draw(st.integers(min_layers, max_layers)),
@@ -109,7 +110,7 @@ def sessions(draw, start: str, poison: bool = False) -> Session:
         if sum(chunks) + size > MAX_SESSION:
             break
         chunks.append(size)
-    poison_kind = draw(st.sampled_from(("nan", "inf", "huge"))) if poison else None
+    poison_kind = draw(st.sampled_from(sorted(POISON_VALUES))) if poison else None
     return Session(
         chunks=tuple(chunks),
         token_seed=draw(st.integers(0, 2**16)),
@@ -129,7 +130,7 @@ def scenarios(
     dtypes: tuple[torch.dtype, ...] = DTYPES,
 ) -> Scenario:
     """A model, a batch, a dtype and sessions; with ``poison``, every session but the last
-    leaves nan/inf/huge rows behind for the next one's reset or fresh caches to shed."""
+    leaves nan/inf/-inf/huge rows behind for the next one's reset or fresh caches to shed."""
     count = draw(st.integers(min_sessions, max_sessions))
     drawn = []
     for index in range(count):
@@ -171,12 +172,12 @@ POISONED_RESET = Scenario(
 
 
 @st.composite
-def cache_specs(draw, dtypes: tuple[torch.dtype, ...] = DTYPES) -> CacheSpec:
+def cache_specs(draw, dtypes: tuple[torch.dtype, ...] = DTYPES, min_length: int = 1) -> CacheSpec:
     return CacheSpec(
         batch=draw(st.integers(1, 3)),
         kv_heads=draw(st.integers(1, 3)),
-        head_dim=draw(st.sampled_from((2, 4, 8))),
-        max_length=draw(st.integers(1, 3 * _edge)),
+        head_dim=draw(st.sampled_from((2, 4, 6, 8))),
+        max_length=draw(st.integers(max(1, min_length), 3 * _edge)),
         dtype=draw(st.sampled_from(dtypes)),
         device=torch.device("cpu"),
     )
@@ -219,6 +220,6 @@ class CachePlan:
 @st.composite
 def cache_plans(draw, room: int = 1, min_chunks: int = 0) -> CachePlan:
     """A spec and appends that leave room for ``room`` more rows within its max_length."""
-    spec = draw(cache_specs())
+    spec = draw(cache_specs(min_length=room))
     chunks = draw(chunk_plans(max_total=spec.max_length - room, min_chunks=min_chunks))
     return CachePlan(spec, tuple(chunks))

@@ -35,7 +35,7 @@ PROPERTIES = (
     Property(
         "bad append",
         lambda factory, drawn: kvbad.check_every_bad_append(factory, *drawn),
-        st.tuples(kvst.cache_plans(), st.integers(1, 3)),
+        st.tuples(kvst.cache_plans(room=3), st.integers(1, 3)),
     ),
     Property("bad model call", kvbad.check_every_bad_model_call, kvbad.model_plans()),
     Property("lengths", kvchk.check_lengths, kvst.scenarios()),

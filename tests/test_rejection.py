@@ -14,7 +14,7 @@ from tests import scenarios as kvst
 
 
 @pytest.mark.parametrize("case", kvbad.BAD_APPENDS, ids=str)
-@given(plan=kvst.cache_plans(), new_tokens=st.integers(1, 3))
+@given(plan=kvst.cache_plans(room=3), new_tokens=st.integers(1, 3))
 def test_bad_append_is_rejected_and_changes_nothing(cache_factory, case, plan, new_tokens):
     kvbad.check_bad_append(cache_factory, case, plan, new_tokens)
 

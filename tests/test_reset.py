@@ -1,5 +1,5 @@
 """Property 4: after reset() or on fresh caches, an unrelated prompt gives the uncached
-model's logits, even when the session before left nan, inf or huge rows behind."""
+model's logits, even when the session before left nan, inf, -inf or huge rows behind."""
 
 from hypothesis import example, given
 
