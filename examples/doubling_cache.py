@@ -2,7 +2,8 @@
 
 Run the suite on it with ``pytest -n auto --kv-impl examples.doubling_cache:DoublingCache``.
 Growth copies the held rows once per doubling, so appends cost amortised O(1) copies per
-token, and at most half of what it reserves is unused.
+token; once it holds more than ``initial_capacity`` tokens, at most half of what it
+reserves is unused.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from kvref import CacheSpec, check_append
 
 class DoublingCache:
     def __init__(self, spec: CacheSpec, initial_capacity: int = 8) -> None:
+        if isinstance(initial_capacity, bool) or not isinstance(initial_capacity, int):
+            raise TypeError(f"initial_capacity must be an int, got {initial_capacity!r}")
+        if initial_capacity < 1:  # doubling 0 would never make room
+            raise ValueError(f"initial_capacity must be >= 1, got {initial_capacity}")
         self.spec = spec
         self.initial_capacity = initial_capacity
         self.reset()

@@ -116,9 +116,10 @@ class Attention(nn.Module):
             must_return = (batch, c.num_kv_heads, int(positions[-1]) + 1, c.head_dim)
             if all_k.shape != must_return or all_v.shape != must_return:
                 raise RuntimeError(
-                    f"layer {self.layer}: cache.append returned keys {tuple(all_k.shape)} and "
-                    f"values {tuple(all_v.shape)}; a cache holding {must_return[2]} tokens must "
-                    f"return {must_return}"
+                    f"layer {self.layer}: the caches' length was {int(positions[0])} before "
+                    f"this call, so after appending {new_tokens} tokens append must return "
+                    f"{must_return[2]} rows {must_return}; it returned keys "
+                    f"{tuple(all_k.shape)} and values {tuple(all_v.shape)}"
                 )
 
         # The keys held end at the last new position (with caches they start at 0).

@@ -94,7 +94,7 @@ class Step:
     step_index: int
     start: int  # absolute position of the first new token
     end: int  # one past the last
-    logits: Tensor
+    logits: Tensor | None  # None until the model has run the step
     expected_logits: Tensor
     caches: list[WatchedCache]
     lengths_before: list[int]
@@ -144,19 +144,24 @@ def run(factory: CacheFactory, scenario: Scenario) -> Iterator[Step]:
         start = 0
         for step_index, size in enumerate(session.chunks):
             lengths_before = [cache.length for cache in caches]
-            logits = model(tokens[:, start : start + size], caches=caches)
-            yield Step(
+            step = Step(
                 scenario,
                 session_index,
                 step_index,
                 start,
                 start + size,
-                logits,
+                None,
                 expected_logits[:, start : start + size],
                 caches,
                 lengths_before,
                 oracle_kv,
             )
+            try:
+                step.logits = model(tokens[:, start : start + size], caches=caches)
+            except (ValueError, RuntimeError) as error:  # the model's guards refused the caches
+                error.add_note(f"  at {step.where()}")
+                raise
+            yield step
             start += size
         if session.poison:
             poison(caches, session, scenario)

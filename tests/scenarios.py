@@ -145,9 +145,9 @@ def scenarios(
     )
 
 
-# Hand-picked edges, pinned with @example so that a derandomized run is not the only guard.
-# Both fill a buffer exactly (slack 0) with chunks that start, end and straddle the chunked
-# cache's boundaries; the second session reuses reset caches and the third gets fresh ones.
+# Hand-picked edges, run by tests/test_regressions.py so that a derandomized search is not
+# the only guard. Both fill a buffer exactly (slack 0) with chunks that start, end and
+# straddle the chunked cache's boundaries; later sessions reuse reset caches or get fresh ones.
 _small = ModelConfig(vocab_size=17, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4, seed=7)
 BOUNDARIES = Scenario(
     config=_small,
@@ -223,3 +223,21 @@ def cache_plans(draw, room: int = 1, min_chunks: int = 0) -> CachePlan:
     spec = draw(cache_specs(min_length=room))
     chunks = draw(chunk_plans(max_total=spec.max_length - room, min_chunks=min_chunks))
     return CachePlan(spec, tuple(chunks))
+
+
+# Shrunk counterexamples of the mutant catalogue (tests/mutants), pinned with @example on
+# the core properties: small, and each at an edge where a real cache broke.
+_tiny = ModelConfig(vocab_size=11, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, seed=3)
+PINNED = (
+    # ResetKeepsChunks: a reset after a full chunk, then one token.
+    Scenario(
+        _tiny,
+        1,
+        torch.float64,
+        (Session((1, _edge), 1, "fresh"), Session((1,), 2, "reset")),
+    ),
+    # DropsFullLastChunk: a prompt of exactly one chunk.
+    Scenario(_tiny, 1, torch.float64, (Session((_edge,), 3, "fresh"),)),
+    # WrapsPast48: one token past 48.
+    Scenario(_tiny, 1, torch.float64, (Session((1, 47, 1), 4, "fresh"),)),
+)

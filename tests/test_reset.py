@@ -8,6 +8,6 @@ from tests import scenarios as kvst
 
 
 @given(scenario=kvst.scenarios(min_sessions=2, poison=True))
-@example(scenario=kvst.POISONED_RESET)
+@example(scenario=kvst.PINNED[0])
 def test_poisoned_session_leaves_no_trace(cache_factory, scenario):
     kvchk.check_logits_match_uncached(cache_factory, scenario)
