@@ -1,5 +1,5 @@
-"""Stateful sessions: one model and up to two independent sets of caches, driven by prefill,
-decode, reset, fresh caches and bad calls in any order Hypothesis finds. After every step,
+"""Stateful sessions: one model and independent sets of caches, driven by prefill, decode,
+reset, fresh caches and bad calls, interleaved in any order Hypothesis finds. After every step,
 each set's lengths and the last logits are checked against the uncached model run over that
 set's whole history, and what append returned against every row it was given."""
 
@@ -9,6 +9,7 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
+    Bundle,
     RuleBasedStateMachine,
     initialize,
     invariant,
@@ -20,11 +21,11 @@ from tests import checks as kvchk
 from tests import scenarios as kvst
 
 MAX_LENGTH = 64
-SET_NAMES = st.sampled_from(["A", "B"])  # B exists once a rule has made it
 
 
 class CacheSet:
-    def __init__(self, caches: list[kvchk.WatchedCache], batch: int) -> None:
+    def __init__(self, name: str, caches: list[kvchk.WatchedCache], batch: int) -> None:
+        self.name = name
         self.caches = caches
         self.history = torch.empty(batch, 0, dtype=torch.long)  # every token fed since reset
 
@@ -48,30 +49,37 @@ def bad_calls(state: CachedDecoding, caches: list) -> dict:
 
 
 class CachedDecoding(RuleBasedStateMachine):
+    cache_sets = Bundle("cache_sets")  # independent sets of caches, one per layer each
+
     def __init__(self, factory) -> None:
         super().__init__()
         self.factory = factory
-        self.sets: dict[str, CacheSet] = {}
+        self.every_set: list[CacheSet] = []
         self.tokens = torch.Generator().manual_seed(0)
 
     @initialize(
+        target=cache_sets,
         config=kvst.model_configs(max_layers=3),
         batch=st.integers(1, 3),
         dtype=st.sampled_from(kvst.DTYPES),
     )
     def build_model(self, config, batch, dtype):
         self.model, self.batch = kvst.build_model(config, dtype), batch
-        self.sets["A"] = self.fresh_set()
+        return self.new_set()
 
-    def fresh_set(self) -> CacheSet:
+    @rule(target=cache_sets)
+    def fresh_caches(self):
+        """Another set of caches from the factory, to interleave with the others."""
+        return self.new_set()
+
+    def new_set(self) -> CacheSet:
         built = self.model.new_caches(self.factory, batch=self.batch, max_length=MAX_LENGTH)
-        return CacheSet([kvchk.WatchedCache(cache) for cache in built], self.batch)
+        name = f"cache set {len(self.every_set)}"
+        cache_set = CacheSet(name, [kvchk.WatchedCache(cache) for cache in built], self.batch)
+        self.every_set.append(cache_set)
+        return cache_set
 
-    def pick(self, name: str) -> tuple[str, CacheSet]:
-        return (name, self.sets[name]) if name in self.sets else ("A", self.sets["A"])
-
-    def feed(self, name: str, size: int) -> None:
-        name, cache_set = self.pick(name)
+    def feed(self, cache_set: CacheSet, size: int) -> None:
         size = min(size, MAX_LENGTH - cache_set.history.shape[1])
         if size == 0:
             return  # full: only a reset or a prefill makes room
@@ -79,7 +87,7 @@ class CachedDecoding(RuleBasedStateMachine):
         new = torch.randint(0, vocab, (self.batch, size), generator=self.tokens)
         cache_set.history = torch.cat((cache_set.history, new), dim=1)
         start, end = cache_set.history.shape[1] - size, cache_set.history.shape[1]
-        at = f"cache set {name}, {size} new tokens at absolute positions {start}..{end - 1}"
+        at = f"{cache_set.name}, {size} new tokens at absolute positions {start}..{end - 1}"
         logits = self.model(new, caches=cache_set.caches)
         kvchk.assert_close_at(
             logits,
@@ -92,35 +100,31 @@ class CachedDecoding(RuleBasedStateMachine):
         for layer, cache in enumerate(cache_set.caches):
             kvchk.assert_returned_what_is_held(cache, layer=layer, at=f"\n  at {at}")
 
-    @rule(name=SET_NAMES, size=st.integers(1, 2 * kvst.DEFAULT_CHUNK_SIZE + 1))
-    def prefill(self, name, size):
-        """A new prompt on this set: reset if it holds anything, then feed the prompt."""
-        self.reset(name)
-        self.feed(name, size)
-
-    @rule(name=SET_NAMES)
-    def decode_one_token(self, name):
-        self.feed(name, 1)
-
-    @rule(name=SET_NAMES, size=st.integers(2, kvst.DEFAULT_CHUNK_SIZE + 1))
-    def decode_a_chunk(self, name, size):
-        self.feed(name, size)
-
-    @rule(name=SET_NAMES)
-    def reset(self, name):
-        name, cache_set = self.pick(name)
+    def empty(self, cache_set: CacheSet) -> None:
         for cache in cache_set.caches:
             cache.reset()
         cache_set.history = cache_set.history[:, :0]
 
-    @rule(name=SET_NAMES)
-    def fresh_caches(self, name):
-        """New caches from the factory, for set A or a second, interleaved set B."""
-        self.sets[name] = self.fresh_set()
+    @rule(cache_set=cache_sets, size=st.integers(1, 2 * kvst.DEFAULT_CHUNK_SIZE + 1))
+    def prefill(self, cache_set, size):
+        """A new prompt on this set: reset it, then feed the prompt."""
+        self.empty(cache_set)
+        self.feed(cache_set, size)
 
-    @rule(name=SET_NAMES, data=st.data())
-    def bad_call(self, name, data):
-        name, cache_set = self.pick(name)
+    @rule(cache_set=cache_sets)
+    def decode_one_token(self, cache_set):
+        self.feed(cache_set, 1)
+
+    @rule(cache_set=cache_sets, size=st.integers(2, kvst.DEFAULT_CHUNK_SIZE + 1))
+    def decode_a_chunk(self, cache_set, size):
+        self.feed(cache_set, size)
+
+    @rule(cache_set=cache_sets)
+    def reset(self, cache_set):
+        self.empty(cache_set)
+
+    @rule(cache_set=cache_sets, data=st.data())
+    def bad_call(self, cache_set, data):
         calls = bad_calls(self, cache_set.caches)
         which = data.draw(st.sampled_from(sorted(calls)), label="bad call")
         call, mentions = calls[which]
@@ -129,18 +133,18 @@ class CachedDecoding(RuleBasedStateMachine):
             call()
         except (ValueError, TypeError) as raised:
             error = raised
-        assert error is not None, f"{which} on cache set {name}: accepted without an error"
+        assert error is not None, f"{which} on {cache_set.name}: accepted without an error"
         assert any(word in str(error) for word in mentions.split("|")), (
-            f"{which} on cache set {name}: the message does not mention {mentions!r}: {error}"
+            f"{which} on {cache_set.name}: the message does not mention {mentions!r}: {error}"
         )
 
     @invariant()
     def every_layer_holds_the_history(self):
-        for name, cache_set in self.sets.items():
+        for cache_set in self.every_set:
             lengths = [cache.length for cache in cache_set.caches]
             expected = cache_set.history.shape[1]
             assert lengths == [expected] * len(lengths), (
-                f"cache set {name}: layer lengths {lengths}, but {expected} tokens were fed "
+                f"{cache_set.name}: layer lengths {lengths}, but {expected} tokens were fed "
                 "since its reset"
             )
 
