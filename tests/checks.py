@@ -224,14 +224,43 @@ def first_divergence(
 def check_logits_match_uncached(factory: CacheFactory, scenario: Scenario) -> None:
     """Property 1: every new position's cached logits equal the uncached model's."""
     for step in run(factory, scenario):
-        assert_close_at(
-            step.logits,
-            step.expected_logits,
-            what="cached and uncached logits",
-            where=step.where(),
-            position_axis=1,
-            first_position=step.start,
-        )
+        try:
+            assert_close_at(
+                step.logits,
+                step.expected_logits,
+                what="cached and uncached logits",
+                where=step.where(),
+                position_axis=1,
+                first_position=step.start,
+            )
+        except AssertionError as error:
+            error.add_note(first_wrong_layer(step))
+            raise
+
+
+def first_wrong_layer(step: Step) -> str:
+    """Which layer's cache first hands back keys or values the uncached pass did not make:
+    the first place to look when logits diverge (later layers inherit its error)."""
+    for layer, cache in enumerate(step.caches):
+        pairs = zip(("keys", "values"), cache.returned, step.oracle_kv[layer], strict=True)
+        for name, got, want in pairs:
+            want = want[:, :, : step.end]
+            if got.shape != want.shape:
+                return (
+                    f"  diagnosis: layer {layer}'s cache returned {name} shaped "
+                    f"{tuple(got.shape)}, not {tuple(want.shape)}"
+                )
+            bad = ~torch.isclose(got, want, **TOLERANCES[want.dtype])
+            rows = bad.movedim(2, 0).flatten(1).any(1).nonzero().flatten().tolist()
+            if rows:
+                return (
+                    f"  diagnosis: layer {layer} is the first whose cache returned {name} unlike "
+                    f"the uncached pass's, at rows {rows[:8]}{' ...' if len(rows) > 8 else ''}"
+                )
+    return (
+        "  diagnosis: every layer's cache returned the uncached pass's keys and values, so the "
+        "model used them wrongly (mask, positions) or the cache changed them after returning"
+    )
 
 
 def check_lengths(factory: CacheFactory, scenario: Scenario) -> None:
