@@ -192,6 +192,7 @@ class Bench:
         }
         caches = {"ideal": self._ideal_caches(length), **caches}
         timers = {label: self._decode_timer(layers, length) for label, layers in caches.items()}
+        self._check_against_ideal(caches, length)
         rounds = self.workload.rounds
         parts: dict[str, list[benchmark.Measurement]] = {label: [] for label in timers}
         for round_number in range(1, rounds + 1):
@@ -208,6 +209,26 @@ class Bench:
             )
             for label in timers
         ]
+
+    def _check_against_ideal(self, caches: dict[str, list[LayerCache]], length: int) -> None:
+        """A fast wrong cache is no result: each must decode token ``length`` as the ideal does.
+
+        The timers put every cache back at ``length - 1`` tokens before each timed call, so
+        this one untimed step changes nothing they measure.
+        """
+        new_token = self.tokens[:, length - 1 : length]
+        expected = self.model(new_token, caches["ideal"])
+        for label, layers in caches.items():
+            torch.testing.assert_close(
+                self.model(new_token, layers),
+                expected,
+                rtol=1e-4,
+                atol=1e-4,
+                msg=lambda report, label=label: (
+                    f"{label} decodes token {length} unlike the ideal row, so its timing "
+                    f"would mean nothing; run the test suite on it.\n{report}"
+                ),
+            )
 
     def uncached_row(self, length: int) -> Row:
         """Time the model recomputing all ``length`` tokens, which is how it decodes the last."""
@@ -464,7 +485,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         min_run_time=args.min_run_time or workload.min_run_time,
     )
     args.out.mkdir(parents=True, exist_ok=True)  # before the run, so it fails fast
-    rows = run(workload, caches, args)
+    try:
+        rows = run(workload, caches, args)
+    except AssertionError as wrong:  # a cache that decodes unlike the ideal: no timing
+        sys.exit(f"\nkvimpl.bench: error: {wrong}")
     write_csv(rows, args.out / "results.csv")
     plot(rows, describe(workload, args), args.out / "decode.png")
     print(describe(workload, args))

@@ -55,3 +55,11 @@ def test_bad_options_are_named(argv, complaint, capsys):
         bench.parse_args(argv)
     assert exit_info.value.code == 2
     assert complaint in capsys.readouterr().err
+
+
+def test_a_cache_that_decodes_wrongly_is_not_timed(tmp_path):
+    argv = ["--quick", "--lengths", "8", "--min-run-time", "0.005", "--out", str(tmp_path)]
+    broken = "tests.mutants.caches:SwapsKeysAndValues"
+    with pytest.raises(SystemExit, match="SwapsKeysAndValues decodes token 8 unlike the ideal"):
+        bench.main([*argv, "--kv-impl", broken])
+    assert not (tmp_path / "results.csv").exists(), "a wrong cache's timings were written"
