@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from hypothesis import strategies as st
@@ -38,7 +39,7 @@ class Session:
 
     chunks: tuple[int, ...]
     token_seed: int
-    start: str  # "fresh": new caches from the factory; "reset": reset() the previous ones
+    start: Literal["fresh", "reset"]  # new caches from the factory, or reset() the previous
     poison: str | None = None  # after the session, append rows full of nan/inf/-inf/huge values
     poison_rows: int = 0
 
@@ -65,9 +66,7 @@ class Scenario:
         return max(s.length + s.poison_rows for s in self.sessions) + self.slack
 
     def tokens(self, session: Session) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(session.token_seed)
-        shape = (self.batch, session.length)
-        return torch.randint(0, self.config.vocab_size, shape, generator=generator)
+        return random_tokens(self.config, self.batch, session.length, session.token_seed)
 
     def model(self) -> ReferenceTransformer:
         return build_model(self.config, self.dtype)
@@ -79,6 +78,12 @@ class Scenario:
             f"width {c.head_dim}, batch {self.batch}, {str(self.dtype).removeprefix('torch.')}, "
             f"max_length {self.max_length}"
         )
+
+
+def random_tokens(config: ModelConfig, batch: int, length: int, seed: int) -> torch.Tensor:
+    """Token ids from a seed of their own, so that no test depends on the global RNG."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, config.vocab_size, (batch, length), generator=generator)
 
 
 @functools.lru_cache(maxsize=64)

@@ -13,11 +13,6 @@ from tests import checks as kvchk
 from tests import scenarios as kvst
 
 
-def random_tokens(config: ModelConfig, batch: int, length: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, config.vocab_size, (batch, length), generator=generator)
-
-
 @given(data=st.data())
 def test_changing_a_later_token_never_changes_earlier_logits(data):
     config = data.draw(kvst.model_configs(), label="config")
@@ -25,7 +20,9 @@ def test_changing_a_later_token_never_changes_earlier_logits(data):
     length = data.draw(st.integers(2, 40), label="length")
     changed_from = data.draw(st.integers(1, length - 1), label="changed_from")
     model = kvst.build_model(config, torch.float64)
-    tokens = random_tokens(config, batch, length, seed=data.draw(st.integers(0, 99), label="seed"))
+    tokens = kvst.random_tokens(
+        config, batch, length, seed=data.draw(st.integers(0, 99), label="seed")
+    )
     edited = tokens.clone()
     edited[:, changed_from:] = (edited[:, changed_from:] + 1) % config.vocab_size
     kvchk.assert_close_at(
@@ -44,7 +41,7 @@ def test_a_global_position_offset_does_not_change_logits(data):
     length = data.draw(st.integers(1, 30), label="length")
     offset = data.draw(st.integers(1, 5000), label="offset")
     model = kvst.build_model(config, dtype)
-    tokens = random_tokens(config, 2, length, seed=length)
+    tokens = kvst.random_tokens(config, 2, length, seed=length)
     kvchk.assert_close_at(
         model(tokens, start_position=offset),
         model(tokens),
@@ -105,7 +102,7 @@ def test_agrees_with_a_naive_attention(data):
     batch = data.draw(st.integers(1, 2), label="batch")
     length = data.draw(st.integers(1, 8), label="length")
     model = kvst.build_model(config, torch.float64)
-    tokens = random_tokens(config, batch, length, seed=length)
+    tokens = kvst.random_tokens(config, batch, length, seed=length)
     kvchk.assert_close_at(
         model(tokens),
         naive_logits(model, tokens),
@@ -119,7 +116,7 @@ def test_golden_checksum():
     """Pins the model's function: a refactor of kvref that changes any logit fails here."""
     config = ModelConfig(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, seed=1234)
     model = ReferenceTransformer(config, dtype=torch.float64)
-    logits = model(random_tokens(config, batch=2, length=12, seed=99))
+    logits = model(kvst.random_tokens(config, batch=2, length=12, seed=99))
     observed = [logits.sum().item(), logits.abs().sum().item(), *logits[1, -1, :3].tolist()]
     assert observed == pytest.approx(GOLDEN, rel=1e-9), (
         f"the reference model's logits moved: got {observed}, golden {GOLDEN}. If the change "
