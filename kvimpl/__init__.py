@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from typing import NamedTuple
 
 from kvimpl.chunked import ChunkedCache
 from kvimpl.concat import ConcatCache
@@ -47,12 +48,22 @@ def load_factory(name: str) -> CacheFactory:
     return target
 
 
-def select(option_names: list[str], env_value: str | None) -> dict[str, tuple[str, CacheFactory]]:
+class Selected(NamedTuple):
+    """A cache under test: the name it was given by, and its factory."""
+
+    name: str
+    factory: CacheFactory
+
+
+def select(option_names: list[str], env_value: str | None) -> dict[str, Selected]:
     """The caches under test, by test id: the names given with --kv-impl, else the
-    comma-separated KV_IMPL, else every built-in. Values are (name, factory)."""
+    comma-separated KV_IMPL, else every built-in. A name given twice is refused."""
     names = option_names or (env_value or "").split(",")
     names = [name.strip() for name in names if name.strip()] or list(CACHES)
-    return {cache_label(name, names): (name, load_factory(name)) for name in names}
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(f"{name!r} is named {names.count(name)} times; name each cache once")
+    return {cache_label(name, names): Selected(name, load_factory(name)) for name in names}
 
 
 def cache_label(name: str, all_names: list[str]) -> str:
@@ -67,6 +78,7 @@ __all__ = [
     "ChunkedCache",
     "ConcatCache",
     "PreallocatedCache",
+    "Selected",
     "cache_label",
     "load_factory",
     "select",

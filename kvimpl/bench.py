@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import os
 import resource
 import sys
 import time
@@ -426,7 +427,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str
         action="append",
         default=[],
         metavar="NAME",
-        help="cache to time: a built-in name or MODULE:ATTR (repeatable; default: every built-in)",
+        help="cache to time: a built-in name or MODULE:ATTR (repeatable; default: KV_IMPL, "
+        "comma-separated, else every built-in)",
     )
     parser.add_argument(
         "--lengths",
@@ -463,17 +465,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str
         parser.error(f"--out {args.out}: exists and is not a directory")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
-    names = [name.strip() for name in args.kv_impl] or list(kvimpl.CACHES)
-    caches: dict[str, CacheFactory] = {}
-    for name in names:
-        label = kvimpl.cache_label(name, names)
-        if label in caches or label in ("ideal", "uncached"):
+    try:  # the same selection as the test suite's: --kv-impl, else KV_IMPL, else built-ins
+        selected = kvimpl.select(args.kv_impl, os.environ.get("KV_IMPL"))
+    except ValueError as error:
+        parser.error(f"--kv-impl / KV_IMPL: {error}")
+    for label, (name, _) in selected.items():
+        if label in ("ideal", "uncached"):
             parser.error(f"--kv-impl: {name!r} would be a second row labelled {label!r}")
-        try:
-            caches[label] = kvimpl.load_factory(name)
-        except ValueError as error:
-            parser.error(f"--kv-impl: {error}")
-    return args, caches
+    return args, {label: factory for label, (_, factory) in selected.items()}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -490,9 +489,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     except AssertionError as wrong:  # a cache that decodes unlike the ideal: no timing
         sys.exit(f"\nkvimpl.bench: error: {wrong}")
     write_csv(rows, args.out / "results.csv")
-    plot(rows, describe(workload, args), args.out / "decode.png")
     print(describe(workload, args))
     print(markdown_table(rows))
+    try:
+        plot(rows, describe(workload, args), args.out / "decode.png")
+    except ImportError:  # the plot is the one part that needs the bench extra
+        print(
+            f"wrote {args.out / 'results.csv'}; for the plot, pip install 'kvcache-verify[bench]'"
+        )
+        return
     print(f"wrote {args.out / 'results.csv'} and {args.out / 'decode.png'}")
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvref.protocol import CacheFactory, CacheSpec, LayerCache
+from kvref.protocol import CacheContractError, CacheFactory, CacheSpec, LayerCache
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class Attention(nn.Module):
         if cache is not None:
             must_return = (batch, c.num_kv_heads, int(positions[-1]) + 1, c.head_dim)
             if all_k.shape != must_return or all_v.shape != must_return:
-                raise RuntimeError(
+                raise CacheContractError(
                     f"layer {self.layer}: the caches' length was {int(positions[0])} before "
                     f"this call, so after appending {new_tokens} tokens append must return "
                     f"{must_return[2]} rows {must_return}; it returned keys "
@@ -279,13 +279,13 @@ class ReferenceTransformer(nn.Module):
             raise TypeError(f"caches must be a sequence of caches, got {type(caches).__name__}")
         layers = self.config.num_layers
         if len(caches) != layers:
-            raise ValueError(
+            raise CacheContractError(
                 f"wrong number of caches: {layers} layers need {layers}, got {len(caches)}"
             )
         first_layer_of: dict[int, int] = {}
         for layer, cache in enumerate(caches):
             if id(cache) in first_layer_of:
-                raise ValueError(
+                raise CacheContractError(
                     f"the same cache object is used for layers {first_layer_of[id(cache)]} and "
                     f"{layer}; each layer needs a cache of its own"
                 )
@@ -293,10 +293,14 @@ class ReferenceTransformer(nn.Module):
         lengths = [cache.length for cache in caches]
         for layer, length in enumerate(lengths):
             if isinstance(length, bool) or not isinstance(length, int) or length < 0:
-                raise ValueError(f"layer {layer}: cache.length must be an int >= 0, got {length!r}")
+                raise CacheContractError(
+                    f"layer {layer}: cache.length must be an int >= 0, got {length!r}"
+                )
         if len(set(lengths)) > 1:
             problem = "some layers are empty and some are not" if 0 in lengths else "lengths differ"
-            raise ValueError(f"inconsistent layer caches: {problem}; lengths by layer {lengths}")
+            raise CacheContractError(
+                f"inconsistent layer caches: {problem}; lengths by layer {lengths}"
+            )
         wanted = self.cache_spec(batch, max(lengths[0], 1))
         for layer, cache in enumerate(caches):
             # `spec` is not part of the protocol, but a cache that exposes one lets the model
@@ -306,7 +310,7 @@ class ReferenceTransformer(nn.Module):
                 continue
             for field in ("batch", "kv_heads", "head_dim", "dtype"):
                 if getattr(spec, field) != getattr(wanted, field):
-                    raise ValueError(
+                    raise CacheContractError(
                         f"layer {layer}: cache built for {field} {getattr(spec, field)}, but this "
                         f"call needs {field} {getattr(wanted, field)}"
                     )

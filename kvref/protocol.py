@@ -1,8 +1,22 @@
 """The public cache protocol: what a key/value cache for one decoder layer must do.
 
-This module is a contract with users (DESIGN.md section 2). ``check_append`` is offered to
-implementers so that every cache rejects bad input with the same clear messages; using it
-is optional, keeping its rules is not.
+This module is a contract with users; ``docs/contract.md`` states every rule and how the
+suite checks it. In short:
+
+- ``append(key, value)`` takes tensors shaped (batch, kv_heads, T, head_dim), T >= 1, of the
+  spec's dtype and device, copies them, and returns every row appended since the last reset,
+  oldest first, each exactly as given (views are fine until the next call).
+- ``length`` grows by exactly T per append; ``reset()`` makes it 0, and nothing written
+  before a reset may influence a later result. Caches from one factory share no rows.
+- At least ``spec.max_length`` tokens fit; past that a cache may refuse, never drop, wrap or
+  overwrite.
+- Bad input raises ``ValueError`` (or a subclass; ``TypeError`` is also fine for an argument
+  that is not a tensor) whose message names the problem in the implementer's own words, and
+  leaves the cache exactly as it was. T = 0 may be refused or accepted as a no-op.
+- ``nbytes`` is what the cache really reserves: at least 2 x B x H_kv x length x D x itemsize.
+
+``check_append`` is offered to implementers so that a cache can reject bad input with clear
+messages in one call; using it is optional, keeping the rules is not.
 """
 
 from __future__ import annotations
@@ -51,6 +65,17 @@ class LayerCache(Protocol):
 
 
 CacheFactory = Callable[[CacheSpec], LayerCache]  # a class taking a CacheSpec qualifies
+
+
+class CacheContractError(ValueError):
+    """Caches handed to the reference model that break the protocol or do not fit the call:
+    the wrong number of them, one object for two layers, layers of different lengths, a
+    spec for another batch, or an ``append`` that returned the wrong number of rows.
+
+    Raised before any cache changes where it can be (all but the last, which is only known
+    after ``append``). A subclass of ``ValueError``, so that callers who passed bad caches
+    see the error they expect; the suite tells it apart from a caller's bad token ids.
+    """
 
 
 def check_append(

@@ -8,9 +8,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvcheck import asserts as kvassert
+from kvcheck import strategies as kvst
 from kvref import ModelConfig, ReferenceTransformer
-from tests import checks as kvchk
-from tests import scenarios as kvst
 
 
 @given(data=st.data())
@@ -25,7 +25,7 @@ def test_changing_a_later_token_never_changes_earlier_logits(data):
     )
     edited = tokens.clone()
     edited[:, changed_from:] = (edited[:, changed_from:] + 1) % config.vocab_size
-    kvchk.assert_close_at(
+    kvassert.assert_close_at(
         model(edited)[:, :changed_from],
         model(tokens)[:, :changed_from],
         what="logits before the edited tokens",
@@ -42,7 +42,7 @@ def test_a_global_position_offset_does_not_change_logits(data):
     offset = data.draw(st.integers(1, 5000), label="offset")
     model = kvst.build_model(config, dtype)
     tokens = kvst.random_tokens(config, 2, length, seed=length)
-    kvchk.assert_close_at(
+    kvassert.assert_close_at(
         model(tokens, start_position=offset),
         model(tokens),
         what="logits at shifted and unshifted positions",
@@ -103,7 +103,7 @@ def test_agrees_with_a_naive_attention(data):
     length = data.draw(st.integers(1, 8), label="length")
     model = kvst.build_model(config, torch.float64)
     tokens = kvst.random_tokens(config, batch, length, seed=length)
-    kvchk.assert_close_at(
+    kvassert.assert_close_at(
         model(tokens),
         naive_logits(model, tokens),
         what="the model's and the naive transformer's logits",

@@ -3,10 +3,10 @@
 What counts as a catch:
 
 - an ``AssertionError`` from a check: the property itself is violated;
-- a ``ValueError`` or ``RuntimeError`` raised by a ``raise`` statement of ``kvref/model.py``:
-  the reference model's own guards refused what the cache did (same object for two layers,
-  layers of different lengths, ``append`` returning the wrong number of rows). These guards
-  are part of the oracle (DESIGN.md section 3), so a mutant they stop is stopped by the suite.
+- a ``kvref.CacheContractError``: the reference model's own guards refused what the cache
+  did (same object for two layers, layers of different lengths, ``append`` returning the
+  wrong number of rows). These guards are part of the oracle (DESIGN.md section 3), so a
+  mutant they stop is stopped by the suite.
 
 Anything else (a ``TypeError`` in a check, a torch error inside a cache, a ``ValueError`` a
 cache raises for valid input) is a crash, not a catch: it stops the hunt with ``Crashed``,
@@ -15,30 +15,16 @@ since it says more about the mutant or the suite than about the property under t
 
 from __future__ import annotations
 
-import linecache
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from hypothesis import Phase, find, settings
 from hypothesis.errors import NoSuchExample
-from hypothesis.strategies import SearchStrategy
 
-from kvref import CacheFactory, model
+from kvcheck.properties import Property
+from kvref import CacheContractError, CacheFactory
 from tests.mutants import Mutant
-
-MODEL_SOURCE = Path(model.__file__).resolve()
-
-
-@dataclass(frozen=True)
-class Property:
-    """A check and the strategy that draws its input: ``check(factory, drawn)`` raises
-    AssertionError when the property does not hold."""
-
-    name: str
-    check: Callable[[CacheFactory, Any], None]
-    strategy: SearchStrategy
 
 
 @dataclass(frozen=True)
@@ -68,6 +54,8 @@ def hunt(
     when none does within ``max_examples`` examples each."""
     with mutant.patch():
         for prop in properties:
+            if prop.strategy is None:  # a state machine: it draws for itself
+                continue
             catch = search(mutant.factory, prop, max_examples=max_examples, shrink=shrink)
             if catch is not None:
                 return catch
@@ -82,13 +70,8 @@ def search(
 
     def fails(example: Any) -> bool:
         try:
-            prop.check(factory, example)
-        except AssertionError as error:
-            errors.append(error)
-            return True
-        except (ValueError, RuntimeError) as error:
-            if not raised_by_model_guard(error):
-                raise
+            prop.check_all_cases(factory, example)
+        except (AssertionError, CacheContractError) as error:
             errors.append(error)
             return True
         return False
@@ -110,15 +93,3 @@ def search(
             f"{type(error).__name__}: {error}"
         ) from error
     return Catch(prop.name, example, errors[-1])  # find's last call is on the example it returns
-
-
-def raised_by_model_guard(error: BaseException) -> bool:
-    """Whether ``error`` comes from a ``raise`` statement of the reference model itself."""
-    frame = error.__traceback__
-    if frame is None:
-        return False
-    while frame.tb_next is not None:
-        frame = frame.tb_next
-    source = Path(frame.tb_frame.f_code.co_filename).resolve()
-    line = linecache.getline(str(source), frame.tb_lineno).lstrip()
-    return source == MODEL_SOURCE and line.startswith("raise ")

@@ -2,7 +2,7 @@
 correct cache.
 
 Each is a context manager that patches a function or class attribute of ``kvref.model``
-(so the models ``tests.scenarios.build_model`` keeps are affected too) and undoes the patch on
+(so the models ``kvcheck.strategies.build_model`` keeps are affected too) and undoes the patch on
 exit. Only cached calls are wrong: with no caches, every patched path computes what the
 unpatched model does, so the uncached oracle stays right.
 """

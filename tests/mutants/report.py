@@ -1,6 +1,6 @@
 """Print the README's table of mutants: ``python -m tests.mutants.report``.
 
-For each mutant: the first property (in ``tests/test_mutants.py``'s order) that catches it,
+For each mutant: the first property (in ``kvcheck.properties.ALL``'s order) that catches it,
 the counterexample Hypothesis shrinks that failure to, and which of the other properties
 catch it too. The search is derandomized, so the table is the same on every run.
 """
@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from hypothesis import settings
 
+from kvcheck.properties import ALL as PROPERTIES
+from kvcheck.strategies import CachePlan, IsolationPlan, ModelPlan, StaleRowsPlan
 from tests import mutants as kvmut
-from tests.badinput import ModelPlan
 from tests.mutants.hunt import hunt, search
-from tests.scenarios import CachePlan
-from tests.test_mutants import EXAMPLES_PER_PROPERTY, PROPERTIES
+
+EXAMPLES_PER_PROPERTY = 20  # as tests/test_mutants.py
 
 settings.register_profile("mutant-report", derandomize=True, deadline=None, database=None)
 
@@ -32,6 +33,7 @@ def row(mutant: kvmut.Mutant) -> str:
             prop.name
             for prop in PROPERTIES
             if prop.name != catch.property
+            and prop.strategy is not None
             and search(mutant.factory, prop, max_examples=EXAMPLES_PER_PROPERTY) is not None
         ]
     caught_by = f"{catch.property} (model guard)" if catch.by_model_guard else catch.property
@@ -43,8 +45,12 @@ def row(mutant: kvmut.Mutant) -> str:
 
 def size(example: object) -> tuple[str, str, str]:
     """Tokens (with the plan), layers and batch of a counterexample."""
-    if isinstance(example, tuple):  # (plan, a number drawn with it)
-        example = example[0]
+    if isinstance(example, IsolationPlan | StaleRowsPlan):
+        return (
+            example.describe(),
+            "2 caches" if isinstance(example, IsolationPlan) else "1 cache",
+            str(example.spec.batch),
+        )
     if isinstance(example, CachePlan):
         appends = "+".join(map(str, example.chunks)) or "none"
         return f"{sum(example.chunks)} (appends {appends})", "1 cache", str(example.spec.batch)

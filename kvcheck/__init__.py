@@ -1,0 +1,46 @@
+"""kvcheck: a conformance kit for transformer key/value caches.
+
+Install the project, then run every property of the kit on your cache in one of two ways.
+
+With a test file of your own (this is all it needs)::
+
+    from kvcheck import CacheTests
+    from mypkg.caches import MyCache
+
+    class TestMyCache(CacheTests):
+        factory = MyCache
+
+and ``pytest -n auto`` in your repository. Or with no file at all::
+
+    pytest -n auto --pyargs kvcheck --kv-impl mypkg.caches:MyCache
+
+Either way the run ends with a verdict per cache (each property: pass, or FAIL with its
+severity and first line), ``--kv-report PATH`` writes it as JSON, and Hypothesis prints the
+smallest input it found for each failure. New properties reach you with a new release of the
+kit, with no change on your side.
+
+``CacheTests`` inherits one class per area (``CoreTests``, ``ResetTests``,
+``IsolationTests``, ``RejectionTests``, ``MemoryTests``, ``StatefulTests``); subclass one of
+them instead to run only that area. The contract a cache must keep is in ``kvref.protocol``
+and ``docs/contract.md``.
+"""
+
+from kvcheck.base import (
+    CacheTests,
+    CoreTests,
+    IsolationTests,
+    MemoryTests,
+    RejectionTests,
+    ResetTests,
+    StatefulTests,
+)
+
+__all__ = [
+    "CacheTests",
+    "CoreTests",
+    "IsolationTests",
+    "MemoryTests",
+    "RejectionTests",
+    "ResetTests",
+    "StatefulTests",
+]

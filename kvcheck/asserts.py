@@ -1,0 +1,167 @@
+"""Assertions with messages for a person at 2 a.m.: what differs, where, by how much.
+
+Every message has one shape: ``{who}: {what went wrong}`` then a line ``  at {where}``,
+where ``who`` names a layer (``layer 1``) or a cache (``cache B``) and ``where`` the step of
+the plan. Each raises the ``kvcheck.failures`` class that says how serious the failure is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from kvcheck.failures import (
+    AcceptsBadInput,
+    DataLoss,
+    PropertyFailure,
+    RefusalChangedState,
+    UnclearError,
+    WrongResults,
+)
+from kvcheck.strategies import random_rows
+
+TOLERANCES = {
+    torch.float64: {"rtol": 1e-9, "atol": 1e-9},
+    torch.float32: {"rtol": 1e-4, "atol": 1e-4},
+}
+
+
+def assert_close_at(
+    actual: Tensor,
+    expected: Tensor,
+    *,
+    what: str,
+    where: str,
+    position_axis: int,
+    first_position: int = 0,
+    failure: type[PropertyFailure] = WrongResults,
+) -> None:
+    """``torch.testing.assert_close`` at the dtype's tolerance, naming the first bad position."""
+    __tracebackhide__ = True
+    tolerance = TOLERANCES[expected.dtype]
+    if (
+        actual.shape == expected.shape
+        and actual.dtype == expected.dtype
+        and torch.isclose(actual, expected, **tolerance).all()
+    ):
+        return  # the same test assert_close makes, without building its report (10x faster)
+
+    def message(default: str) -> str:
+        located = first_divergence(actual, expected, position_axis, first_position)
+        return f"{what} differ\n  at {where}\n  {located}\n{default}"
+
+    try:
+        torch.testing.assert_close(actual, expected, **tolerance, msg=message)
+    except AssertionError as error:
+        raise failure(str(error)) from None
+
+
+def first_divergence(
+    actual: Tensor, expected: Tensor, position_axis: int, first_position: int
+) -> str:
+    if actual.shape != expected.shape:
+        return f"shapes differ: got {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    tolerance = TOLERANCES[expected.dtype]
+    bad = ~torch.isclose(actual, expected, **tolerance)
+    by_position = bad.movedim(position_axis, 0).flatten(1)
+    positions = by_position.any(dim=1).nonzero().flatten().tolist()
+    if not positions:
+        return "dtype or layout differs"
+    first = positions[0]
+    gap = (actual - expected).abs().movedim(position_axis, 0)[first].max().item()
+    return (
+        f"first diverging absolute position: {first_position + first} (index {first} "
+        f"below; {len(positions)} of {by_position.shape[0]} positions diverge); max |diff| there "
+        f"{gap:.3g} against atol={tolerance['atol']}, rtol={tolerance['rtol']}"
+    )
+
+
+def differing_rows(got: Tensor, want: Tensor) -> list[int]:
+    """Indices along the length axis (2) where ``got`` and ``want`` are not bit-identical."""
+    return (got != want).movedim(2, 0).flatten(1).any(1).nonzero().flatten().tolist()
+
+
+def assert_returned_rows(cache, *, who: str, where: str) -> None:
+    """What the recorded cache's last append returned is, bit for bit, every row it was given
+    since its reset: none missing, stale, unwritten, moved or changed."""
+    __tracebackhide__ = True
+    for name, got, given in zip(("keys", "values"), cache.returned, cache.given, strict=True):
+        if got.shape != given.shape:
+            raise DataLoss(
+                f"{who}: append returned {name} shaped {tuple(got.shape)}; a cache that was "
+                f"given {given.shape[2]} rows since its reset must return {tuple(given.shape)}"
+                f"\n  at {where}"
+            )
+        if rows := differing_rows(got, given):
+            raise DataLoss(
+                f"{who}: {name} row {rows[0]} returned by append is not the row appended there "
+                f"({len(rows)} of {given.shape[2]} rows differ: {rows[:8]})\n  at {where}"
+            )
+
+
+def assert_length(cache, expected: int, *, who: str, where: str) -> None:
+    __tracebackhide__ = True
+    if cache.length != expected:
+        raise DataLoss(f"{who}: length is {cache.length}, expected {expected}\n  at {where}")
+
+
+def fail_if_not_empty(caches: Sequence, where: str) -> None:
+    """Every cache of a fresh or reset set holds nothing."""
+    __tracebackhide__ = True
+    for layer, cache in enumerate(caches):
+        if cache.length != 0:
+            raise DataLoss(
+                f"layer {layer}: holds {cache.length} tokens on fresh or reset caches; it must "
+                f"hold 0\n  at {where}"
+            )
+
+
+def raised_by(call: Callable[[], object]) -> Exception | None:
+    try:
+        call()
+    except Exception as error:  # which exception is what the callers check
+        return error
+    return None
+
+
+def assert_rejected(call: Callable[[], object], case, bad: tuple, *, where: str) -> bool:
+    """``call`` refuses the bad input of ``case`` as the contract says: one of its exception
+    types, with a message that names the problem. Returns False when the case may be
+    accepted and was: the caller then checks that the cache is as the contract says."""
+    __tracebackhide__ = True
+    error = raised_by(call)
+    if error is None:
+        if case.may_be_accepted:
+            return False
+        raise AcceptsBadInput(f"{case}: accepted without an error\n  at {where}")
+    if not isinstance(error, case.errors):
+        allowed = " or ".join(kind.__name__ for kind in case.errors)
+        raise UnclearError(
+            f"{case}: refused with {type(error).__name__}, not {allowed}: {error}\n  at {where}"
+        ) from error
+    if not str(error).strip() or not case.named_in(str(error), bad):
+        raise UnclearError(
+            f"{case}: refused, but the message names neither the problem nor an offending "
+            f"value (expected a word matching {case.words!r} or the bad shape, dtype or "
+            f"device): {str(error)!r}\n  at {where}"
+        ) from error
+    return True
+
+
+def assert_unchanged(cache, spec, *, who: str, where: str, seed: int = 0) -> None:
+    """Same length as before a refused call, and a read-back append returns the rows held
+    before, then the new one."""
+    __tracebackhide__ = True
+    if cache.length != cache.given_length:
+        raise RefusalChangedState(
+            f"{who}: length is {cache.length} after a refused call, was {cache.given_length}"
+            f"\n  at {where}"
+        )
+    row = random_rows(spec, 1, seed=seed + cache.given_length)
+    cache.append(row, -row)
+    try:
+        assert_returned_rows(cache, who=who, where=f"reading back after a refused call, {where}")
+    except DataLoss as error:
+        raise RefusalChangedState(str(error)) from None

@@ -1,0 +1,264 @@
+"""Tables of bad input, and what counts as an error message that names the problem.
+
+``BAD_APPENDS`` lists bad ``LayerCache.append`` calls, each made from good (key, value)
+tensors. ``BAD_CALLS`` lists bad calls of the reference model with caches, each made from a
+``ModelState``. The properties apply them to warm caches and then read the caches back.
+
+The contract asks for a ``ValueError`` (or a subclass; ``TypeError`` too for an argument
+that is not a tensor) whose message names the problem in the implementer's own words. The
+suite never checks wording: a message passes when it names the axis or quantity in any
+usual wording (``words``) or shows an offending value (``shows``: the bad shape, dtype,
+device or type name). It fails only when empty or about something else entirely.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvcheck.harness import Recorder, record
+from kvcheck.strategies import ModelPlan, build_model, random_rows
+from kvref import CacheFactory, CacheSpec, ReferenceTransformer
+
+
+def _nothing(_bad: Any) -> Iterable[str]:
+    return ()
+
+
+def _always(_state: Any) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class BadInput:
+    """One kind of bad input: how to make it, and what a refusal of it must look like."""
+
+    name: str
+    make: Callable[..., tuple]  # good arguments -> bad ones (each table says which)
+    words: str  # regex (case-insensitive): the problem named in any usual wording
+    shows: Callable[[tuple], Iterable[str]] = field(default=_nothing)  # regexes of bad values
+    errors: tuple[type[Exception], ...] = (ValueError,)
+    # Accepting it is fine too, if the cache is then as the contract says (unchanged for
+    # zero new tokens, holding everything for an append past max_length).
+    may_be_accepted: bool = False
+    # Whether the input is bad at all in a given state (a model call may need two layers).
+    applies: Callable[[Any], bool] = field(default=_always)
+
+    def __str__(self) -> str:
+        return self.name
+
+    def named_in(self, message: str, bad: tuple) -> bool:
+        """Whether ``message`` names this problem or shows one of its offending values."""
+        if re.search(self.words, message, re.IGNORECASE):
+            return True
+        return any(re.search(pattern, message) for pattern in self.shows(bad))
+
+
+def shape_pattern(shape: Iterable[int]) -> str:
+    """A regex for a shape printed any usual way: (1, 2, 3), [1, 2, 3], 1x2x3, torch.Size."""
+    return r"\b" + r"\D{1,4}".join(str(size) for size in shape) + r"\b"
+
+
+def shapes_of(*which: int) -> Callable[[tuple], list[str]]:
+    """The shapes of the bad arguments at ``which`` (0 key, 1 value), as ``shows``."""
+
+    def shows(bad: tuple) -> list[str]:
+        return [shape_pattern(bad[i].shape) for i in which if isinstance(bad[i], Tensor)]
+
+    return shows
+
+
+def dtypes_of(bad: tuple) -> list[str]:
+    return [re.escape(str(t.dtype).removeprefix("torch.")) for t in bad if isinstance(t, Tensor)]
+
+
+def other_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype == torch.float64 else torch.float64
+
+
+def grow(tensor: Tensor, axis: int) -> Tensor:
+    """One more entry along ``axis``: a copy of the first."""
+    return torch.cat((tensor, tensor.narrow(axis, 0, 1)), dim=axis)
+
+
+RANK = r"rank|ndim|\bdim|dimension|\d-?d\b"
+SHAPE = r"shape|size"
+NOT_A_TENSOR = r"tensor|list|tuple|type"
+NOT_A_TENSOR_ERRORS = (TypeError, ValueError)
+# An append past max_length: the one bad input that a cache may also take, by growing.
+OVERFLOW = BadInput(
+    "append past max_length",
+    lambda k, v: (k, v),
+    r"overflow|capacity|max_length|max length|maximum|exceed|full|room|space|limit|"
+    r"too many|too long|beyond|more than|at most|out of",
+    may_be_accepted=True,
+)
+
+# make(key, value) -> (bad key, bad value)
+BAD_APPENDS = [
+    BadInput("key of rank 3", lambda k, v: (k[..., 0], v), RANK, shapes_of(0)),
+    BadInput("value of rank 5", lambda k, v: (k, v[None]), RANK, shapes_of(1)),
+    BadInput(
+        "value with one token more than key",
+        lambda k, v: (k, grow(v, 2)),
+        rf"{SHAPE}|differ|mismatch|match|!=|same|equal|length|token",
+        shapes_of(0, 1),
+    ),
+    BadInput("wrong batch", lambda k, v: (grow(k, 0), grow(v, 0)), rf"batch|{SHAPE}", shapes_of(0)),
+    BadInput(
+        "wrong kv_heads", lambda k, v: (grow(k, 1), grow(v, 1)), rf"head|{SHAPE}", shapes_of(0)
+    ),
+    BadInput(
+        "wrong head_dim",
+        lambda k, v: (grow(k, 3), grow(v, 3)),
+        rf"head|dim|width|{SHAPE}",
+        shapes_of(0),
+    ),
+    BadInput(
+        "zero new tokens",
+        lambda k, v: (k[:, :, :0], v[:, :, :0]),
+        rf"zero|empty|\b0\b|at least|no tokens|T ?=|length|{SHAPE}",
+        shapes_of(0),
+        may_be_accepted=True,
+    ),
+    BadInput(
+        "wrong dtype",
+        lambda k, v: (k.to(other_dtype(k.dtype)), v.to(other_dtype(v.dtype))),
+        r"dtype|type|precision",
+        dtypes_of,
+    ),
+    BadInput(
+        "wrong dtype of value only",
+        lambda k, v: (k, v.to(torch.float16)),
+        r"dtype|type|precision",
+        dtypes_of,
+    ),
+    BadInput(
+        "wrong device", lambda k, v: (k.to("meta"), v.to("meta")), r"device|meta|cpu|cuda|place"
+    ),
+    BadInput(
+        "key not a tensor",
+        lambda k, v: (k.tolist(), v),
+        NOT_A_TENSOR,
+        errors=NOT_A_TENSOR_ERRORS,
+    ),
+    BadInput(
+        "value not a tensor",
+        lambda k, v: (k, tuple(v.flatten().tolist())),
+        NOT_A_TENSOR,
+        errors=NOT_A_TENSOR_ERRORS,
+    ),
+]
+
+
+@dataclass
+class ModelState:
+    """A model, its recorded caches after a prefill and some decode steps, good next tokens,
+    and one more cache from the same factory that was never used."""
+
+    model: ReferenceTransformer
+    caches: list[Recorder]
+    spare: Recorder
+    spec: CacheSpec
+    tokens: Tensor
+    layer: int  # the layer a case may make inconsistent
+
+    def describe(self) -> str:
+        return (
+            f"{len(self.caches)} layers holding {self.caches[0].given_length} tokens each "
+            f"(caches built for {self.spec}); layer picked: {self.layer}"
+        )
+
+
+def build_model_state(factory: CacheFactory, plan: ModelPlan) -> ModelState:
+    model = build_model(plan.config, plan.dtype)
+    fed = sum(plan.chunks)
+    # Room for a bad call that lengthens one layer, then one more token to read back.
+    caches = record(model.new_caches(factory, batch=plan.batch, max_length=fed + 3))
+    generator = torch.Generator().manual_seed(plan.token_seed)
+    history = torch.randint(0, plan.config.vocab_size, (plan.batch, fed + 2), generator=generator)
+    start = 0
+    for size in plan.chunks:
+        model(history[:, start : start + size], caches=caches)
+        start += size
+    spec = model.cache_spec(plan.batch, max_length=fed + 3)
+    return ModelState(model, caches, Recorder(factory(spec)), spec, history[:, start:], plan.layer)
+
+
+def with_token(tokens: Tensor, token: int) -> Tensor:
+    bad = tokens.clone()
+    bad[-1, -1] = token
+    return bad
+
+
+def lengthen(state: ModelState) -> list[Recorder]:
+    row = random_rows(state.spec, 1, seed=1)
+    state.caches[state.layer].append(row, row)
+    return state.caches
+
+
+def empty(state: ModelState) -> list[Recorder]:
+    state.caches[state.layer].reset()
+    return state.caches
+
+
+# make(state) -> (token ids, caches) for ``state.model(token_ids, caches=caches)``. All but
+# one are refused by the reference model itself, so these words are the model's.
+def two_layers(state: ModelState) -> bool:
+    return len(state.caches) >= 2
+
+
+def two_warm_layers(state: ModelState) -> bool:
+    return two_layers(state) and state.caches[0].length > 0
+
+
+BAD_CALLS = [
+    BadInput("one cache too few", lambda s: (s.tokens, s.caches[:-1]), r"number"),
+    BadInput("one cache too many", lambda s: (s.tokens, [*s.caches, s.spare]), r"number"),
+    BadInput(
+        "one object for two layers",
+        lambda s: (s.tokens, [s.caches[0], *s.caches[:-1]]),
+        r"same",
+        applies=two_layers,
+    ),
+    BadInput(
+        "layers of different lengths",
+        lambda s: (s.tokens, lengthen(s)),
+        r"length",
+        applies=two_layers,
+    ),
+    BadInput(
+        "some layers empty, some not",
+        lambda s: (s.tokens, empty(s)),
+        r"empty",
+        applies=two_warm_layers,
+    ),
+    # Refused by the model when a cache exposes its spec, else by layer 0's own append.
+    BadInput(
+        "caches built for another batch size",
+        lambda s: (grow(s.tokens, 0), s.caches),
+        rf"batch|{SHAPE}",
+    ),
+    BadInput("token ids of rank 1", lambda s: (s.tokens[0], s.caches), r"rank"),
+    BadInput("token ids of rank 3", lambda s: (s.tokens[None], s.caches), r"rank"),
+    BadInput("float token ids", lambda s: (s.tokens.double(), s.caches), r"dtype"),
+    BadInput("uint8 token ids", lambda s: (s.tokens.byte(), s.caches), r"dtype"),
+    BadInput(
+        "token id past the vocabulary",
+        lambda s: (with_token(s.tokens, s.model.config.vocab_size), s.caches),
+        r"vocabulary",
+    ),
+    BadInput("negative token id", lambda s: (with_token(s.tokens, -1), s.caches), r"vocabulary"),
+    BadInput("no token ids", lambda s: (s.tokens[:, :0], s.caches), r"empty"),
+    BadInput(
+        "token ids not a tensor",
+        lambda s: (s.tokens.tolist(), s.caches),
+        r"[Tt]ensor",
+        errors=(TypeError,),
+    ),
+]

@@ -1,0 +1,131 @@
+"""The test classes a user subclasses: one class per area, each test bound to one property.
+
+``CacheTests`` inherits them all; subclass it and set ``factory`` to run every property on
+your cache (new properties reach you with the next release, with no change on your side)::
+
+    from kvcheck import CacheTests
+    from mypkg.caches import MyCache
+
+    class TestMyCache(CacheTests):
+        factory = MyCache
+
+With ``factory`` left as None, the caches come from ``--kv-impl`` / ``KV_IMPL`` (every
+built-in when neither is given), one test per cache, named in the test id.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import example, given, settings
+
+from kvcheck import profiles as kvprofiles
+from kvcheck import properties as kvprop
+from kvcheck.properties import Property
+
+
+def property_test(prop: Property):
+    """A test method that searches ``prop`` with Hypothesis on the cache under test.
+
+    The search is built when the test runs, with the kit's settings for this run
+    (``kvcheck.profiles``): a Hypothesis profile loaded for the host process does not change
+    it, and the kit changes none."""
+    if prop.strategy is None:
+
+        def test(self, cache_factory):
+            with kvprofiles.torch_threads():
+                prop.check(cache_factory)
+
+    elif prop.cases:
+
+        @pytest.mark.parametrize("case", prop.cases, ids=str)
+        def test(self, cache_factory, case):
+            search(prop, lambda drawn: prop.check(cache_factory, drawn, case))
+
+    else:
+
+        def test(self, cache_factory):
+            search(prop, lambda drawn: prop.check(cache_factory, drawn))
+
+    test.__doc__ = prop.title
+    return pytest.mark.kv_property(prop.name)(test)
+
+
+def search(prop: Property, check) -> None:
+    """Search ``prop.strategy`` for an input that fails ``check``, pinned inputs first."""
+
+    def falsify(drawn):
+        check(drawn)
+
+    falsify.__name__ = falsify.__qualname__ = prop.name.replace(" ", "_")
+    test = falsify
+    for pinned in prop.pinned:
+        test = example(drawn=pinned)(test)
+    with kvprofiles.torch_threads():
+        given(drawn=prop.strategy)(settings(kvprofiles.current())(test))()
+
+
+def edge_test(prop: Property):
+    """A plain test of ``prop`` on each of its hand-picked edge inputs."""
+
+    @pytest.mark.parametrize("edge", prop.edges.values(), ids=list(prop.edges))
+    def test(self, cache_factory, edge):
+        with kvprofiles.torch_threads():
+            prop.check(cache_factory, edge)
+
+    test.__doc__ = f"{prop.title} (hand-picked edges)"
+    return pytest.mark.kv_property(prop.name)(test)
+
+
+class KitTests:
+    """What every class of the kit shares: the cache under test."""
+
+    factory = None  # a CacheFactory (a class taking a CacheSpec qualifies); None: --kv-impl
+    cache_name: str | None = None  # the name in test ids; default: the factory's __name__
+
+
+class CoreTests(KitTests):
+    """Cached decoding computes what the uncached model computes, step by step."""
+
+    test_logits_match_uncached = property_test(kvprop.LOGITS)
+    test_logits_at_edges = edge_test(kvprop.LOGITS)
+    test_length_invariants = property_test(kvprop.LENGTHS)
+    test_lengths_at_edges = edge_test(kvprop.LENGTHS)
+    test_contents_equal_uncached_keys_and_values = property_test(kvprop.CONTENTS)
+    test_contents_at_edges = edge_test(kvprop.CONTENTS)
+
+
+class ResetTests(KitTests):
+    """Nothing from before a reset, or from a cache's earlier life, comes back."""
+
+    test_poisoned_session_leaves_no_trace = property_test(kvprop.RESET)
+    test_rows_from_before_a_reset_never_come_back = property_test(kvprop.STALE_ROWS)
+
+
+class IsolationTests(KitTests):
+    """Caches from one factory share no rows."""
+
+    test_caches_from_one_factory_share_no_storage = property_test(kvprop.ISOLATION)
+
+
+class RejectionTests(KitTests):
+    """Bad input is refused as the contract says, and changes nothing."""
+
+    test_bad_append_is_refused_and_changes_nothing = property_test(kvprop.BAD_APPEND)
+    test_append_past_max_length_is_refused_or_held_exactly = property_test(kvprop.OVERFLOW)
+    test_bad_model_call_is_refused_before_any_cache_changes = property_test(kvprop.BAD_MODEL_CALL)
+
+
+class MemoryTests(KitTests):
+    """``nbytes`` never claims less than the keys and values held."""
+
+    test_nbytes_never_less_than_what_is_held = property_test(kvprop.MEMORY)
+
+
+class StatefulTests(KitTests):
+    """Any interleaving of the calls an engine makes keeps every set of caches right."""
+
+    test_any_sequence_of_prefill_decode_reset_and_bad_calls = property_test(kvprop.STATEFUL)
+
+
+class CacheTests(CoreTests, ResetTests, IsolationTests, RejectionTests, MemoryTests, StatefulTests):
+    """Every property of the kit. Subclass it, set ``factory``, and pytest runs them all."""

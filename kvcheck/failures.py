@@ -1,0 +1,91 @@
+"""What a failed property means: the exception a check raises says how serious it is.
+
+Every check in the kit raises a subclass of ``PropertyFailure`` (itself an
+``AssertionError``, so pytest and Hypothesis treat it as a test failure). Its class is the
+severity the verdict reports. Anything else escaping a property means something else:
+
+- ``kvref.CacheContractError``: the reference model refused what the cache handed it (rows
+  of the wrong count, layers of different lengths, one object for two layers): the cache
+  broke the protocol, reported as data loss or corruption;
+- any other exception: the cache (or a user's override) crashed on valid input.
+"""
+
+from __future__ import annotations
+
+from kvref import CacheContractError
+
+# The severities, most serious first; the verdict shows the worst one of a property.
+WRONG_RESULTS = "wrong results"
+DATA_LOSS = "data loss or corruption"
+CRASH = "crash"
+REFUSAL_CHANGED_STATE = "refusal changed state"
+ACCEPTS_BAD_INPUT = "accepts bad input"
+UNCLEAR_ERROR = "unclear error"
+SEVERITIES = (
+    WRONG_RESULTS,
+    DATA_LOSS,
+    CRASH,
+    REFUSAL_CHANGED_STATE,
+    ACCEPTS_BAD_INPUT,
+    UNCLEAR_ERROR,
+)
+MEANINGS = {
+    WRONG_RESULTS: "the model computes something else with this cache than without one",
+    DATA_LOSS: "rows lost, stale, moved or changed; a length that lies; rows shared between "
+    "caches or surviving a reset",
+    CRASH: "an exception on valid input",
+    REFUSAL_CHANGED_STATE: "bad input was refused, but the cache changed",
+    ACCEPTS_BAD_INPUT: "bad input was taken without an error",
+    UNCLEAR_ERROR: "bad input was refused with another exception type, or a message that "
+    "names neither the problem nor the offending values",
+}
+
+
+class PropertyFailure(AssertionError):
+    """A property does not hold; subclasses say how serious that is."""
+
+    severity = WRONG_RESULTS
+
+
+class WrongResults(PropertyFailure):
+    severity = WRONG_RESULTS
+
+
+class DataLoss(PropertyFailure):
+    severity = DATA_LOSS
+
+
+class RefusalChangedState(PropertyFailure):
+    severity = REFUSAL_CHANGED_STATE
+
+
+class AcceptsBadInput(PropertyFailure):
+    severity = ACCEPTS_BAD_INPUT
+
+
+class UnclearError(PropertyFailure):
+    severity = UNCLEAR_ERROR
+
+
+def severity_of(error: BaseException, default: str) -> str:
+    """The severity of ``error`` escaping a property whose plain assertions mean ``default``."""
+    if isinstance(error, BaseExceptionGroup):  # Hypothesis found several distinct failures
+        return min((severity_of(e, default) for e in error.exceptions), key=SEVERITIES.index)
+    if isinstance(error, PropertyFailure):
+        return error.severity
+    if isinstance(error, CacheContractError):
+        return DATA_LOSS
+    if isinstance(error, AssertionError):  # e.g. a check a user overrode with plain asserts
+        return default
+    return CRASH
+
+
+def first_line(error: BaseException) -> str:
+    """The one line a verdict shows for ``error``."""
+    if isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0] if lines else "(no message)"
+    if not isinstance(error, PropertyFailure):
+        text = f"{type(error).__name__}: {text}"
+    return text

@@ -1,0 +1,182 @@
+"""Running caches under watch: the recorder between model and cache, and the step loop.
+
+``Recorder`` wraps a cache without changing what it does and keeps its own copy of every
+row given since the last reset, so any check can compare what the cache returns with what
+it was given. ``run`` drives the reference model through a scenario on recorded caches and
+yields each step next to the uncached model's answer for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvcheck.asserts import fail_if_not_empty
+from kvcheck.strategies import POISON_VALUES, CachePlan, Scenario, Session, random_rows
+from kvref import CacheFactory, LayerCache
+
+
+class Recorder:
+    """A cache passed through unchanged and watched.
+
+    ``given`` is the rows appended since the last reset (what the cache must hold; None
+    while there are none) and ``returned`` what the last append returned, copied because a
+    cache's views are valid only until its next call.
+    """
+
+    def __init__(self, cache: LayerCache) -> None:
+        self.cache = cache
+        self.given: tuple[Tensor, Tensor] | None = None
+        self.returned: tuple[Tensor, Tensor] | None = None
+        self.lent: tuple[Tensor, ...] = ()
+
+    def __getattr__(self, name: str):
+        return getattr(self.cache, name)  # e.g. the optional `spec` the model looks for
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes
+
+    @property
+    def given_length(self) -> int:
+        return 0 if self.given is None else self.given[0].shape[2]
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        # The cache gets copies that are scribbled over at the next call, as by an engine
+        # that reuses its input buffers: a cache that keeps the caller's tensors instead of
+        # copying them then shows nan where earlier keys and values should be.
+        for tensor in self.lent:
+            tensor.fill_(float("nan"))
+        self.lent = (key.clone(), value.clone())
+        all_keys, all_values = self.cache.append(*self.lent)  # a refusal records nothing
+        new = (key.clone(), value.clone())
+        if self.given is not None:
+            new = tuple(
+                torch.cat((old, rows), dim=2) for old, rows in zip(self.given, new, strict=True)
+            )
+        self.given = new
+        self.returned = (all_keys.clone(), all_values.clone())
+        return all_keys, all_values
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.given = self.returned = None
+
+
+def record(caches: Iterable[LayerCache]) -> list[Recorder]:
+    """One recorder per distinct cache object, so that a factory that hands the same object
+    to every layer still meets the model's guard against that."""
+    recorders: dict[int, Recorder] = {}
+    return [recorders.setdefault(id(cache), Recorder(cache)) for cache in caches]
+
+
+def warm(factory: CacheFactory, plan: CachePlan) -> Recorder:
+    """A recorded cache from ``factory`` after the plan's appends of random rows."""
+    cache = Recorder(factory(plan.spec))
+    for step, rows in enumerate(plan.chunks):
+        keys = random_rows(plan.spec, rows, seed=step)
+        cache.append(keys, random_rows(plan.spec, rows, seed=100 + step))
+    return cache
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step:
+    """One model call on the caches, with the uncached model's answer for the same positions.
+
+    ``caches`` are the live recorders: a Step describes them as they are right after its
+    call, and only until the generator that yielded it moves on.
+    """
+
+    scenario: Scenario
+    session_index: int
+    step_index: int
+    start: int  # absolute position of the first new token
+    end: int  # one past the last
+    logits: Tensor
+    expected_logits: Tensor
+    caches: list[Recorder]
+    lengths_before: list[int]
+    oracle_kv: list[tuple[Tensor, Tensor]]  # each layer's rotated K, V over the whole session
+
+    @property
+    def session(self) -> Session:
+        return self.scenario.sessions[self.session_index]
+
+    @property
+    def new_tokens(self) -> int:
+        return self.end - self.start
+
+    def where(self) -> str:
+        return where_in_session(self.scenario, self.session_index, self.step_index, self.start)
+
+
+def where_in_session(scenario: Scenario, session_index: int, step_index: int, start: int) -> str:
+    session = scenario.sessions[session_index]
+    size = session.chunks[step_index]
+    kind = "prefill" if step_index == 0 else "decode"
+    return (
+        f"session #{session_index} (of {len(scenario.sessions)}), step #{step_index} (of "
+        f"{len(session.chunks)}): {kind} of {size} tokens at absolute positions "
+        f"{start}..{start + size - 1}\n"
+        f"  session plan: {session.describe()}\n  model: {scenario.describe()}"
+    )
+
+
+def run(factory: CacheFactory, scenario: Scenario) -> Iterator[Step]:
+    """Run every session of ``scenario`` on caches from ``factory``, yielding each step."""
+    model = scenario.model()
+    caches: list[Recorder] = []
+    for session_index, session in enumerate(scenario.sessions):
+        if session.start == "fresh":
+            built = model.new_caches(factory, batch=scenario.batch, max_length=scenario.max_length)
+            caches = record(built)
+        else:
+            for cache in caches:
+                cache.reset()
+        fail_if_not_empty(
+            caches,
+            f"the start of session #{session_index} on {session.start} "
+            f"caches: {session.describe()}",
+        )
+        tokens = scenario.tokens(session)
+        expected_logits, oracle_kv = model.forward_with_kv(tokens)
+        start = 0
+        for step_index, size in enumerate(session.chunks):
+            lengths_before = [cache.length for cache in caches]
+            try:
+                logits = model(tokens[:, start : start + size], caches=caches)
+            except Exception as error:
+                where = where_in_session(scenario, session_index, step_index, start)
+                error.add_note(f"  at {where}")
+                raise
+            yield Step(
+                scenario=scenario,
+                session_index=session_index,
+                step_index=step_index,
+                start=start,
+                end=start + size,
+                logits=logits,
+                expected_logits=expected_logits[:, start : start + size],
+                caches=caches,
+                lengths_before=lengths_before,
+                oracle_kv=oracle_kv,
+            )
+            start += size
+        if session.poison:
+            poison(caches, session, scenario)
+
+
+def poison(caches: list[Recorder], session: Session, scenario: Scenario) -> None:
+    """Leave rows of nan, inf, -inf or huge values behind for the next session to shed."""
+    c = scenario.config
+    shape = (scenario.batch, c.num_kv_heads, session.poison_rows, c.head_dim)
+    bad = torch.full(shape, POISON_VALUES[session.poison], dtype=scenario.dtype)
+    for cache in caches:
+        cache.append(bad, bad.clone())

@@ -1,0 +1,124 @@
+"""The pytest plugin of the kit, registered by the installed package (entry point ``pytest11``).
+
+It adds, wherever the package is installed:
+
+- ``--kv-impl NAME`` (repeatable), the ``KV_IMPL`` environment variable (comma-separated) and
+  the ``kv_impl`` ini option: the caches that the kit's classes without a ``factory`` test
+  (every built-in when none is named); NAME is a built-in or ``MODULE:ATTR``;
+- ``--kv-profile dev|ci|thorough``: how hard the kit's tests search (``kvcheck.profiles``;
+  the kit loads no Hypothesis profile for the process);
+- ``--kv-torch-threads N|keep``: torch threads while a kit test runs (default 1);
+- the run header line naming the caches under test, and the verdict per cache at the end
+  of the run (``--kv-report PATH`` writes it as JSON).
+
+It changes nothing else in the process that hosts it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+SELECTED = pytest.StashKey[dict]()  # test id -> kvimpl.Selected, resolved once per run
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kvcheck", "kv cache conformance kit")
+    group.addoption(
+        "--kv-impl",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="cache to test: a built-in name or MODULE:ATTR (repeatable; default: KV_IMPL, "
+        "comma-separated, else the kv_impl ini option, else every built-in)",
+    )
+    group.addoption(
+        "--kv-profile",
+        metavar="NAME",
+        default=None,
+        help="how hard the kit searches: dev (20 examples a property), ci (20, derandomized) "
+        "or thorough (2,000); default ci where Hypothesis detects CI, else dev",
+    )
+    group.addoption(
+        "--kv-report",
+        metavar="PATH",
+        default=None,
+        help="write the verdict per cache as JSON to PATH",
+    )
+    group.addoption(
+        "--kv-torch-threads",
+        metavar="N|keep",
+        default=None,
+        help="torch threads while a kit test runs (default 1: the kit's tensors are tiny; "
+        "keep: torch's own setting); the host's setting is restored after each test",
+    )
+    parser.addini("kv_impl", type="linelist", default=[], help="caches to test, as --kv-impl")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "kv_property(name): the kit property a test checks")
+    config.addinivalue_line("markers", "kv_cache(label, name): the cache a test runs on")
+    from kvcheck import profiles, verdict
+
+    for option, choose in (
+        ("--kv-profile", profiles.choose),
+        ("--kv-torch-threads", profiles.choose_threads),
+    ):
+        try:
+            choose(config.getoption(option))
+        except ValueError as error:
+            raise pytest.UsageError(f"{option}: {error}") from None
+    names = config.getoption("--kv-impl") or config.getini("kv_impl")
+    try:
+        import kvimpl
+
+        config.stash[SELECTED] = kvimpl.select(names, os.environ.get("KV_IMPL"))
+    except ValueError as error:
+        raise pytest.UsageError(f"--kv-impl / KV_IMPL: {error}") from None
+    verdict.configure(config)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    from kvcheck import profiles
+
+    described = [
+        label if label == selected.name else f"{label} ({selected.name})"
+        for label, selected in config.stash[SELECTED].items()
+    ]
+    return f"kv caches under test: {', '.join(described)}; kit profile: {profiles.current_name()}"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    from kvcheck.base import KitTests
+
+    cls = metafunc.cls
+    if cls is None or not issubclass(cls, KitTests) or "cache_factory" not in metafunc.fixturenames:
+        return
+    if cls.factory is not None:
+        label = cls.cache_name or getattr(cls.factory, "__name__", None) or cls.__name__
+        module = getattr(cls.factory, "__module__", "?")
+        caches = [(label, f"{module}:{label}", cls.factory)]
+    else:
+        selected = metafunc.config.stash[SELECTED]
+        caches = [(label, name, factory) for label, (name, factory) in selected.items()]
+    metafunc.parametrize(
+        "cache_factory",
+        [
+            pytest.param(factory, id=label, marks=pytest.mark.kv_cache(label, name))
+            for label, name, factory in caches
+        ],
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    from kvcheck import verdict
+
+    entry = verdict.entry_for(item, call, report)
+    if entry is not None:
+        # A list of its own: item.user_properties is shared by the setup, call and teardown
+        # reports. Values are plain data, so pytest-xdist carries them to the controller.
+        report.user_properties = [*report.user_properties, (verdict.KEY, entry)]
+    return report

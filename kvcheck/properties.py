@@ -1,0 +1,340 @@
+"""Every property of the kit, defined once: a check, the strategy that draws its input, and
+what its failure means.
+
+A check is a plain function ``check(factory, drawn)`` (or ``check(factory, drawn, case)``
+for a property with a table of cases) that raises a ``kvcheck.failures.PropertyFailure``
+when the property does not hold for the drawn input. ``ALL`` is the registry: the base test
+classes bind each property to one test (``kvcheck.base``), the verdict has a row for each,
+and this repository's mutant hunt searches them in this order, so cheap properties that
+catch most come first.
+
+To add a property: write its check here, add a ``Property`` to ``ALL``, and bind it in the
+right class of ``kvcheck.base`` (``tests/test_registry.py`` fails until every property is
+bound exactly once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+
+from kvcheck import asserts as kvassert
+from kvcheck import badinput as kvbad
+from kvcheck import failures
+from kvcheck import strategies as kvst
+from kvcheck.harness import Recorder, Step, run, warm
+from kvcheck.stateful import run_machine
+from kvref import CacheFactory, min_nbytes
+
+
+def check_logits_match_uncached(factory: CacheFactory, scenario: kvst.Scenario) -> None:
+    """Every new position's cached logits equal the uncached model's."""
+    for step in run(factory, scenario):
+        try:
+            kvassert.assert_close_at(
+                step.logits,
+                step.expected_logits,
+                what="cached and uncached logits",
+                where=step.where(),
+                position_axis=1,
+                first_position=step.start,
+            )
+        except failures.WrongResults as error:
+            error.add_note(first_wrong_layer(step))
+            raise
+
+
+def first_wrong_layer(step: Step) -> str:
+    """Which layer's cache first hands back keys or values the uncached pass did not make:
+    the first place to look when logits diverge (later layers inherit its error)."""
+    for layer, cache in enumerate(step.caches):
+        pairs = zip(("keys", "values"), cache.returned, step.oracle_kv[layer], strict=True)
+        for name, got, want in pairs:
+            want = want[:, :, : step.end]
+            if got.shape != want.shape:
+                return (
+                    f"  diagnosis: layer {layer}'s cache returned {name} shaped "
+                    f"{tuple(got.shape)}, not {tuple(want.shape)}"
+                )
+            bad = ~torch.isclose(got, want, **kvassert.TOLERANCES[want.dtype])
+            rows = bad.movedim(2, 0).flatten(1).any(1).nonzero().flatten().tolist()
+            if rows:
+                return (
+                    f"  diagnosis: layer {layer} is the first whose cache returned {name} unlike "
+                    f"the uncached pass's, at rows {rows[:8]}{' ...' if len(rows) > 8 else ''}"
+                )
+    return (
+        "  diagnosis: every layer's cache returned the uncached pass's keys and values, so the "
+        "model used them wrongly (mask, positions) or the cache changed them after returning"
+    )
+
+
+def check_lengths(factory: CacheFactory, scenario: kvst.Scenario) -> None:
+    """Lengths grow by the chunk, layers agree, and append returns exactly the rows given
+    since the reset: no stale or unwritten rows, none moved, none changed."""
+    for step in run(factory, scenario):
+        where = step.where()
+        for layer, cache in enumerate(step.caches):
+            expected = step.lengths_before[layer] + step.new_tokens
+            kvassert.assert_length(cache, expected, who=f"layer {layer}", where=where)
+            kvassert.assert_returned_rows(cache, who=f"layer {layer}", where=where)
+
+
+def check_contents(factory: CacheFactory, scenario: kvst.Scenario) -> None:
+    """What each layer holds equals the uncached pass's rotated keys and its values."""
+    for step in run(factory, scenario):
+        for layer, cache in enumerate(step.caches):
+            oracle = step.oracle_kv[layer]
+            for name, got, want in zip(("keys", "values"), cache.returned, oracle, strict=True):
+                kvassert.assert_close_at(
+                    got,
+                    want[:, :, : step.end],
+                    what=f"layer {layer}'s cached {name} and the uncached pass's (rotated) {name}",
+                    where=step.where(),
+                    position_axis=2,
+                    failure=failures.DataLoss,
+                )
+
+
+def check_isolation(factory: CacheFactory, plan: kvst.IsolationPlan) -> None:
+    """Two caches from one factory, given distinct rows in turns, each return only their own."""
+    caches = {"A": Recorder(factory(plan.spec)), "B": Recorder(factory(plan.spec))}
+    # Each plan's appends, then one more row for each cache to read it back.
+    turns = [[*chunks, 1] for chunks in plan.chunks]
+    for step in range(max(map(len, turns))):
+        for which, ((name, cache), sizes) in enumerate(zip(caches.items(), turns, strict=True)):
+            if step >= len(sizes):
+                continue
+            new = kvst.random_rows(plan.spec, sizes[step], seed=1000 * which + step)
+            cache.append(new, new * 3)
+            where = f"append #{step} of cache {name}: {plan.describe()}"
+            kvassert.assert_length(cache, cache.given_length, who=f"cache {name}", where=where)
+            kvassert.assert_returned_rows(cache, who=f"cache {name}", where=where)
+
+
+def check_stale_rows(factory: CacheFactory, plan: kvst.StaleRowsPlan) -> None:
+    """Rows given before a reset (or to another cache), even nan, inf or huge ones, never
+    come back."""
+    cache = Recorder(factory(plan.spec))
+    for rows in plan.poisoned:
+        bad = kvst.random_rows(plan.spec, rows, seed=rows).fill_(kvst.POISON_VALUES[plan.poison])
+        cache.append(bad, bad.clone())
+    if plan.how == "reset":
+        cache.reset()
+    else:
+        cache = Recorder(factory(plan.spec))
+    kvassert.fail_if_not_empty([cache], plan.describe())
+    for step, rows in enumerate(plan.clean):
+        clean = kvst.random_rows(plan.spec, rows, seed=step)
+        cache.append(clean, clean * 2)
+        where = f"clean append #{step} of {plan.describe()}"
+        kvassert.assert_returned_rows(cache, who="the cache", where=where)
+
+
+def check_bad_append(factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.BadInput) -> None:
+    """``case`` applied to a warm cache is refused as the contract says and changes nothing."""
+    cache = warm(factory, plan)
+    good = kvst.random_rows(plan.spec, plan.new_tokens, seed=7)
+    bad = case.make(good, good.clone())
+    where = plan.describe()
+    # Straight to the cache, past the recorder: the recorder copies tensors and records
+    # rows, and a bad call must record nothing.
+    kvassert.assert_rejected(lambda: cache.cache.append(*bad), case, bad, where=where)
+    kvassert.assert_unchanged(cache, plan.spec, who="the cache", where=where)
+
+
+def check_every_bad_append(factory: CacheFactory, plan: kvst.CachePlan) -> None:
+    for case in kvbad.BAD_APPENDS:
+        check_bad_append(factory, plan, case)
+
+
+def check_overflow(factory: CacheFactory, plan: kvst.CachePlan) -> None:
+    """Past max_length a cache may refuse or grow, but never drop, wrap or overwrite."""
+    cache = warm(factory, plan)
+    rows = plan.spec.max_length - cache.given_length + plan.new_tokens
+    new = kvst.random_rows(plan.spec, rows, seed=rows)
+    where = f"{rows} tokens appended to {plan.describe()}, {plan.new_tokens} past max_length"
+    bad = (new, new * 2)
+    if kvassert.assert_rejected(lambda: cache.append(*bad), kvbad.OVERFLOW, bad, where=where):
+        kvassert.assert_unchanged(cache, plan.spec, who="the cache", where=where)
+    else:  # it grew: it must hold everything, exactly
+        kvassert.assert_length(cache, cache.given_length, who="the cache", where=where)
+        kvassert.assert_returned_rows(cache, who="the cache", where=where)
+
+
+def check_bad_model_call(factory: CacheFactory, plan: kvst.ModelPlan, case: kvbad.BadInput):
+    """``case`` is refused before any cache changes."""
+    state = kvbad.build_model_state(factory, plan)
+    tokens, caches = bad = case.make(state)
+    where = state.describe()
+    kvassert.assert_rejected(lambda: state.model(tokens, caches=caches), case, bad, where=where)
+    for layer, cache in enumerate([*state.caches, state.spare]):
+        who = "the spare cache" if cache is state.spare else f"layer {layer}"
+        kvassert.assert_unchanged(cache, state.spec, who=who, where=where)
+
+
+def check_every_bad_model_call(factory: CacheFactory, plan: kvst.ModelPlan) -> None:
+    for case in kvbad.BAD_CALLS:
+        check_bad_model_call(factory, plan, case)
+
+
+def check_nbytes(factory: CacheFactory, plan: kvst.CachePlan) -> None:
+    """nbytes is an int, never below 2 x B x H_kv x L x D x itemsize, at every step of the
+    plan and after a reset."""
+    spec, cache = plan.spec, Recorder(factory(plan.spec))
+    for step, rows in enumerate([*plan.chunks, "reset"]):
+        if rows == "reset":
+            cache.reset()
+        else:
+            new = kvst.random_rows(spec, rows, seed=step)
+            cache.append(new, new)
+        nbytes, needed = cache.nbytes, min_nbytes(spec, cache.length)
+        where = f"step {step} of {plan.describe()}"
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise failures.WrongResults(
+                f"the cache: nbytes must be an int, got {type(nbytes).__name__}\n  at {where}"
+            )
+        if nbytes < needed:
+            raise failures.WrongResults(
+                f"the cache: nbytes is {nbytes} while holding {cache.length} tokens, which take "
+                f"at least {needed} bytes (2 x {spec.batch} x {spec.kv_heads} x {cache.length} "
+                f"x {spec.head_dim} x itemsize)\n  at {where}"
+            )
+
+
+def check_stateful(factory: CacheFactory, _drawn: None = None) -> None:
+    """Any interleaving of prefill, decode, reset, fresh caches and bad calls on sets of
+    caches from one factory keeps lengths and logits right (a Hypothesis state machine)."""
+    run_machine(factory)
+
+
+@dataclass(frozen=True)
+class Property:
+    """One property of the contract, as the suite checks it."""
+
+    name: str  # the verdict's row and the hunt's name: short, lower case
+    title: str  # what holds, in one line
+    check: Callable[..., None]  # check(factory, drawn) or check(factory, drawn, case)
+    strategy: st.SearchStrategy | None  # None: the check draws for itself (a state machine)
+    severity: str  # what a plain AssertionError from an overridden check means
+    cases: tuple = ()  # a table: one test per case
+    pinned: tuple = ()  # inputs tried first on every run (@example): past regressions
+    # Inputs run as plain tests by name, not as @example, so that a search still shrinks.
+    edges: dict[str, Any] = field(default_factory=dict)
+
+    def check_all_cases(self, factory: CacheFactory, drawn: Any) -> None:
+        """The check on ``drawn`` for every case of the table (or once, without a table)."""
+        if not self.cases:
+            self.check(factory, drawn)
+        for case in self.cases:
+            self.check(factory, drawn, case)
+
+
+SCENARIOS = kvst.scenarios()
+LOGITS = Property(
+    "logits",
+    "cached logits equal uncached logits at every new position of every step",
+    check_logits_match_uncached,
+    SCENARIOS,
+    failures.WRONG_RESULTS,
+    pinned=kvst.PINNED,
+    edges=kvst.EDGES,
+)
+MEMORY = Property(
+    "memory",
+    "nbytes is never below 2 x B x H_kv x L x D x itemsize",
+    check_nbytes,
+    kvst.cache_plans(room=0, min_chunks=1),
+    failures.WRONG_RESULTS,
+)
+OVERFLOW = Property(
+    "overflow",
+    "past max_length an append is refused (changing nothing) or held exactly",
+    check_overflow,
+    kvst.cache_plans(room=1),  # after a refusal, room for one row to read the cache back
+    failures.DATA_LOSS,
+)
+BAD_APPEND = Property(
+    "bad append",
+    "a bad append is refused with a ValueError naming the problem, changing nothing",
+    check_bad_append,
+    kvst.cache_plans(room=3),
+    failures.ACCEPTS_BAD_INPUT,
+    cases=tuple(kvbad.BAD_APPENDS),
+)
+BAD_MODEL_CALL = Property(
+    "bad model call",
+    "a bad model call is refused before any cache changes",
+    check_bad_model_call,
+    kvst.model_plans(),
+    failures.ACCEPTS_BAD_INPUT,
+    cases=tuple(kvbad.BAD_CALLS),
+)
+ISOLATION = Property(
+    "isolation",
+    "two caches from one factory never return each other's rows",
+    check_isolation,
+    kvst.isolation_plans(),
+    failures.DATA_LOSS,
+)
+STALE_ROWS = Property(
+    "stale rows",
+    "rows from before a reset (even nan, inf, huge) never come back",
+    check_stale_rows,
+    kvst.stale_rows_plans(),
+    failures.DATA_LOSS,
+)
+LENGTHS = Property(
+    "lengths",
+    "lengths grow by each chunk; append returns exactly the rows given, bit for bit",
+    check_lengths,
+    SCENARIOS,
+    failures.DATA_LOSS,
+    pinned=kvst.PINNED,
+    edges=kvst.EDGES,
+)
+CONTENTS = Property(
+    "contents",
+    "each layer holds the uncached pass's rotated keys and its values",
+    check_contents,
+    SCENARIOS,
+    failures.DATA_LOSS,
+    pinned=kvst.PINNED,
+    edges=kvst.EDGES,
+)
+RESET = Property(
+    "reset",
+    "after reset() or on fresh caches, a session after a poisoned one matches the model",
+    check_logits_match_uncached,
+    kvst.scenarios(min_sessions=2, poison=True),
+    failures.WRONG_RESULTS,
+    pinned=kvst.PINNED[:1],
+)
+STATEFUL = Property(
+    "stateful",
+    "any interleaving of prefill, decode, reset, fresh caches and bad calls stays right",
+    check_stateful,
+    None,
+    failures.WRONG_RESULTS,
+)
+
+# Search order of the mutant hunt: logits first (it catches anything that changes what the
+# model computes), then the cache-level properties (no model, cheap), then the rest.
+ALL = (
+    LOGITS,
+    MEMORY,
+    OVERFLOW,
+    BAD_APPEND,
+    BAD_MODEL_CALL,
+    ISOLATION,
+    STALE_ROWS,
+    LENGTHS,
+    CONTENTS,
+    RESET,
+    STATEFUL,
+)
+BY_NAME = {prop.name: prop for prop in ALL}

@@ -1,0 +1,368 @@
+"""Hypothesis strategies that draw what a cache is run through, and the plans they draw.
+
+Two kinds of plan:
+
+- a ``Scenario`` runs the reference model: a model config, a batch size, a dtype and a list
+  of sessions, each a prompt plus the rest of its tokens split into chunks, on fresh caches
+  or on reset ones. Tokens come from a per-session seed rather than being drawn one by one,
+  so Hypothesis shrinks plans (how many tokens, in which chunks), not token ids;
+- a ``CachePlan`` (and ``IsolationPlan``, ``ModelPlan``) drives caches directly, with rows of
+  random numbers: no model, so these properties are cheap.
+
+Every plan has ``describe()``, which failure messages quote. Sizes are biased to the
+boundaries of ``EDGE``-row blocks, where off-by-ones live.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
+
+from kvref import CacheSpec, ModelConfig, ReferenceTransformer
+
+DTYPES = (torch.float64, torch.float32)
+
+# Sizes are drawn near multiples of a 16-row block (a common page and chunk size, and the
+# built-in chunked cache's): one below, at, and one past the boundary, once and twice.
+EDGE = 16
+POISON_VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "huge": 1e30}
+BOUNDARY_SIZES = (EDGE - 1, EDGE, EDGE + 1, 2 * EDGE - 1, 2 * EDGE, 2 * EDGE + 1)
+LONG_SESSION = 64  # sessions are drawn beyond this too: some bugs only show past it
+MAX_SESSION = 100
+
+chunk_sizes = st.one_of(
+    st.integers(1, 4), st.integers(5, 2 * EDGE + 1), st.sampled_from(BOUNDARY_SIZES)
+)
+prompt_sizes = st.one_of(chunk_sizes, st.integers(LONG_SESSION - 16, LONG_SESSION + 16))
+
+
+@dataclass(frozen=True)
+class Session:
+    """One prompt's worth of work: ``chunks[0]`` is the prefill, the rest are decode steps."""
+
+    chunks: tuple[int, ...]
+    token_seed: int
+    start: Literal["fresh", "reset"]  # new caches from the factory, or reset() the previous
+    poison: str | None = None  # after the session, append rows full of nan/inf/-inf/huge values
+    poison_rows: int = 0
+
+    @property
+    def length(self) -> int:
+        return sum(self.chunks)
+
+    def describe(self) -> str:
+        plan = f"prompt {self.chunks[0]} + chunks {list(self.chunks[1:])}"
+        poisoned = f", then {self.poison_rows} {self.poison} rows" if self.poison else ""
+        return f"{plan} ({self.length} tokens, {self.start} caches{poisoned})"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    config: ModelConfig
+    batch: int
+    dtype: torch.dtype
+    sessions: tuple[Session, ...]
+    slack: int = 0  # max_length beyond the longest session: 0 tests the exact end of a buffer
+
+    @property
+    def max_length(self) -> int:
+        return max(s.length + s.poison_rows for s in self.sessions) + self.slack
+
+    def tokens(self, session: Session) -> torch.Tensor:
+        return random_tokens(self.config, self.batch, session.length, session.token_seed)
+
+    def model(self) -> ReferenceTransformer:
+        return build_model(self.config, self.dtype)
+
+    def describe(self) -> str:
+        c = self.config
+        return (
+            f"{c.num_layers} layers, {c.num_heads} heads over {c.num_kv_heads} kv heads of "
+            f"width {c.head_dim}, batch {self.batch}, {str(self.dtype).removeprefix('torch.')}, "
+            f"max_length {self.max_length}"
+        )
+
+
+def random_tokens(config: ModelConfig, batch: int, length: int, seed: int) -> torch.Tensor:
+    """Token ids from a seed of their own, so that no test depends on the global RNG."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, config.vocab_size, (batch, length), generator=generator)
+
+
+@functools.lru_cache(maxsize=64)
+def build_model(config: ModelConfig, dtype: torch.dtype) -> ReferenceTransformer:
+    # Models are pure functions of (config, dtype); building one per example would dominate.
+    return ReferenceTransformer(config, dtype=dtype)
+
+
+@st.composite
+def model_configs(draw, min_layers: int = 1, max_layers: int = 4) -> ModelConfig:
+    kv_heads = draw(st.integers(1, 3), label="kv_heads")
+    # Heads per kv head: 1 is plain multi-head attention.
+    group = draw(st.integers(1, 3), label="heads per kv head")
+    return ModelConfig(
+        vocab_size=draw(st.integers(5, 40), label="vocab_size"),
+        num_layers=draw(st.integers(min_layers, max_layers), label="layers"),
+        num_heads=kv_heads * group,
+        num_kv_heads=kv_heads,
+        head_dim=draw(st.sampled_from((2, 4, 6, 8)), label="head_dim"),
+        ffn_dim=draw(st.sampled_from((8, 32)), label="ffn_dim"),
+        seed=draw(st.integers(0, 2**16), label="weight seed"),
+    )
+
+
+@st.composite
+def sessions(draw, start: str, poison: bool = False) -> Session:
+    chunks = [draw(prompt_sizes, label="prompt")]
+    for size in draw(st.lists(chunk_sizes, max_size=10), label="decode chunks"):
+        if sum(chunks) + size > MAX_SESSION:
+            break
+        chunks.append(size)
+    poison_kind = draw(st.sampled_from(sorted(POISON_VALUES)), label="poison") if poison else None
+    return Session(
+        chunks=tuple(chunks),
+        token_seed=draw(st.integers(0, 2**16), label="token seed"),
+        start=start,
+        poison=poison_kind,
+        poison_rows=draw(st.integers(1, 4), label="poison rows") if poison else 0,
+    )
+
+
+@st.composite
+def scenarios(
+    draw,
+    *,
+    min_sessions: int = 1,
+    max_sessions: int = 3,
+    poison: bool = False,
+    dtypes: tuple[torch.dtype, ...] = DTYPES,
+) -> Scenario:
+    """A model, a batch, a dtype and sessions; with ``poison``, every session but the last
+    leaves nan/inf/-inf/huge rows behind for the next one's reset or fresh caches to shed."""
+    if not 1 <= min_sessions <= max_sessions:
+        raise InvalidArgument(
+            f"need 1 <= min_sessions <= max_sessions, got {min_sessions}, {max_sessions}"
+        )
+    count = draw(st.integers(min_sessions, max_sessions), label="sessions")
+    drawn = []
+    for index in range(count):
+        start = "fresh" if index == 0 else draw(st.sampled_from(("reset", "fresh")), label="start")
+        drawn.append(draw(sessions(start, poison=poison and index < count - 1), label="session"))
+    return Scenario(
+        config=draw(model_configs(), label="config"),
+        batch=draw(st.integers(1, 4), label="batch"),
+        dtype=draw(st.sampled_from(dtypes), label="dtype"),
+        sessions=tuple(drawn),
+        slack=draw(st.sampled_from((0, 0, 1, 7)), label="slack"),
+    )
+
+
+# Hand-picked edges, run as plain tests (not @example, so that a search that finds a bug
+# still shrinks it). Both fill a buffer exactly (slack 0) with chunks that start, end and
+# straddle block boundaries; later sessions reuse reset caches or get fresh ones.
+_small = ModelConfig(vocab_size=17, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4, seed=7)
+BOUNDARIES = Scenario(
+    config=_small,
+    batch=2,
+    dtype=torch.float64,
+    sessions=(
+        Session(chunks=(EDGE - 1, 1, EDGE + 1, 3, 1), token_seed=1, start="fresh"),
+        Session(chunks=(EDGE, EDGE, 2, 1, 1, 1), token_seed=2, start="reset"),
+        Session(chunks=(1, 1, 1, 2 * EDGE), token_seed=3, start="fresh"),
+    ),
+)
+POISONED_RESET = Scenario(
+    config=_small,
+    batch=3,
+    dtype=torch.float32,
+    sessions=(
+        Session(chunks=(5, 3), token_seed=4, start="fresh", poison="nan", poison_rows=2),
+        Session(chunks=(4, 1, 2), token_seed=5, start="reset", poison="inf", poison_rows=1),
+        Session(chunks=(2 * EDGE,), token_seed=6, start="fresh"),
+    ),
+)
+EDGES = {"boundaries": BOUNDARIES, "poisoned_reset": POISONED_RESET}
+
+
+@st.composite
+def cache_specs(draw, dtypes: tuple[torch.dtype, ...] = DTYPES, min_length: int = 1) -> CacheSpec:
+    return CacheSpec(
+        batch=draw(st.integers(1, 3), label="batch"),
+        kv_heads=draw(st.integers(1, 3), label="kv_heads"),
+        head_dim=draw(st.sampled_from((2, 4, 6, 8)), label="head_dim"),
+        max_length=draw(st.integers(max(1, min_length), 3 * EDGE), label="max_length"),
+        dtype=draw(st.sampled_from(dtypes), label="dtype"),
+        device=torch.device("cpu"),
+    )
+
+
+def chunk_plans(max_total: int, min_chunks: int = 0, max_chunks: int = 6) -> st.SearchStrategy:
+    """Chunk sizes (each up to two blocks and one row) adding up to at most ``max_total``."""
+    if min_chunks < 0 or max_chunks < min_chunks:
+        raise InvalidArgument(f"need 0 <= min_chunks <= max_chunks, got {min_chunks}, {max_chunks}")
+    if max_total < min_chunks:
+        raise InvalidArgument(
+            f"max_total={max_total} cannot hold min_chunks={min_chunks} chunks of at least 1"
+        )
+    return _chunk_plans(max_total, min_chunks, max_chunks)
+
+
+@st.composite
+def _chunk_plans(draw, max_total: int, min_chunks: int, max_chunks: int) -> list[int]:
+    plan: list[int] = []
+    sizes = st.lists(st.integers(1, 2 * EDGE + 1), min_size=min_chunks, max_size=max_chunks)
+    for size in draw(sizes, label="chunk sizes"):
+        # Cut to what is left, keeping one row for every chunk still owed to min_chunks.
+        owed = max(min_chunks - len(plan) - 1, 0)
+        size = min(size, max_total - sum(plan) - owed)
+        if size < 1:
+            break
+        plan.append(size)
+    return plan
+
+
+def random_rows(spec: CacheSpec, rows: int, seed: int) -> torch.Tensor:
+    """Keys or values for ``rows`` new tokens: normal noise, so every row is distinct."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (spec.batch, spec.kv_heads, rows, spec.head_dim)
+    return torch.randn(shape, generator=generator, dtype=torch.float64).to(spec.dtype)
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """A cache spec, the sizes of the appends that warm it (rows from ``random_rows``), and
+    the size of the next append (the one a property tries)."""
+
+    spec: CacheSpec
+    chunks: tuple[int, ...]
+    new_tokens: int = 1
+
+    @property
+    def warm_length(self) -> int:
+        return sum(self.chunks)
+
+    def describe(self) -> str:
+        return (
+            f"a cache warmed by appends of {list(self.chunks)} rows ({self.warm_length} "
+            f"tokens), then {self.new_tokens} more; built for {self.spec}"
+        )
+
+
+@st.composite
+def cache_plans(draw, room: int = 1, min_chunks: int = 0, max_new: int = 3) -> CachePlan:
+    """A spec and appends that leave room for ``room`` more rows within its max_length, and
+    the size of the next append, 1 to ``max_new``."""
+    spec = draw(cache_specs(min_length=room + min_chunks), label="spec")
+    chunks = draw(chunk_plans(spec.max_length - room, min_chunks=min_chunks), label="warm-up")
+    new_tokens = draw(st.integers(1, max_new), label="new tokens")
+    return CachePlan(spec, tuple(chunks), new_tokens)
+
+
+@dataclass(frozen=True)
+class IsolationPlan:
+    """Two caches from one factory, A and B, given the chunks of their plans in turns (A, B,
+    A, B, ...), then one more row each, to read both back."""
+
+    spec: CacheSpec
+    chunks: tuple[tuple[int, ...], tuple[int, ...]]
+
+    def describe(self) -> str:
+        a, b = (list(plan) for plan in self.chunks)
+        return f"caches A and B from one factory, appends A {a} and B {b} in turns; {self.spec}"
+
+
+@st.composite
+def isolation_plans(draw) -> IsolationPlan:
+    spec = draw(cache_specs(min_length=2), label="spec")
+    # Room for one more row in each, to read both back at the end.
+    a = draw(chunk_plans(spec.max_length - 1), label="plan A")
+    b = draw(chunk_plans(spec.max_length - 1), label="plan B")
+    return IsolationPlan(spec, (tuple(a), tuple(b)))
+
+
+@dataclass(frozen=True)
+class StaleRowsPlan:
+    """A cache given rows full of ``poison``, then reset (or replaced by a fresh cache from
+    the same factory), then given clean rows."""
+
+    spec: CacheSpec
+    poisoned: tuple[int, ...]
+    how: Literal["reset", "fresh cache"]
+    poison: str
+    clean: tuple[int, ...]
+
+    def describe(self) -> str:
+        return (
+            f"appends of {list(self.poisoned)} rows of {self.poison}, a {self.how}, then "
+            f"appends of {list(self.clean)} clean rows; {self.spec}"
+        )
+
+
+@st.composite
+def stale_rows_plans(draw) -> StaleRowsPlan:
+    spec = draw(cache_specs(), label="spec")
+    return StaleRowsPlan(
+        spec,
+        poisoned=tuple(draw(chunk_plans(spec.max_length, min_chunks=1), label="poisoned")),
+        how=draw(st.sampled_from(("reset", "fresh cache")), label="how"),
+        poison=draw(st.sampled_from(sorted(POISON_VALUES)), label="poison"),
+        clean=tuple(draw(chunk_plans(spec.max_length, min_chunks=1), label="clean")),
+    )
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """A model's caches warmed by a prefill and decode steps (``chunks``), a layer a bad call
+    may pick on, and a seed for the tokens."""
+
+    config: ModelConfig
+    dtype: torch.dtype
+    batch: int
+    chunks: tuple[int, ...]
+    layer: int
+    token_seed: int
+
+    def describe(self) -> str:
+        c = self.config
+        return (
+            f"{c.num_layers} layers ({c.num_heads} heads over {c.num_kv_heads} kv heads of "
+            f"width {c.head_dim}), batch {self.batch}, "
+            f"{str(self.dtype).removeprefix('torch.')}, caches fed chunks {list(self.chunks)}; "
+            f"layer picked: {self.layer}"
+        )
+
+
+@st.composite
+def model_plans(draw) -> ModelPlan:
+    config = draw(model_configs(min_layers=2, max_layers=3), label="config")
+    return ModelPlan(
+        config=config,
+        dtype=draw(st.sampled_from(DTYPES), label="dtype"),
+        batch=draw(st.integers(1, 3), label="batch"),
+        chunks=tuple(draw(chunk_plans(EDGE + 1, min_chunks=1, max_chunks=3), label="chunks")),
+        layer=draw(st.integers(0, config.num_layers - 1), label="layer"),
+        token_seed=draw(st.integers(0, 2**16), label="token seed"),
+    )
+
+
+# Shrunk counterexamples of the mutant catalogue (tests/mutants), pinned with @example on
+# the core properties: small, and each at an edge where a real cache broke.
+_tiny = ModelConfig(vocab_size=11, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, seed=3)
+PINNED = (
+    # ResetKeepsChunks: a reset after a full chunk, then one token.
+    Scenario(
+        _tiny,
+        1,
+        torch.float64,
+        (Session((1, EDGE), 1, "fresh"), Session((1,), 2, "reset")),
+    ),
+    # DropsFullLastChunk: a prompt of exactly one chunk.
+    Scenario(_tiny, 1, torch.float64, (Session((EDGE,), 3, "fresh"),)),
+    # WrapsPast48: one token past 48.
+    Scenario(_tiny, 1, torch.float64, (Session((1, 47, 1), 4, "fresh"),)),
+)

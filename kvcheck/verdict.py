@@ -1,0 +1,203 @@
+"""The verdict: per cache under test, which properties hold, which fail and how badly.
+
+Each kit test's report carries one entry (the cache, the property, pass / FAIL / skipped,
+and for a failure its severity and first line) in ``report.user_properties``, which
+pytest-xdist carries from the workers to the controller. The controller gathers them and,
+at the end of the run, prints a short table per cache and writes ``--kv-report PATH``.
+
+Compare two reports, e.g. before and after a refactor::
+
+    python -m kvcheck.verdict OLD.json NEW.json
+
+prints what changed and exits 1 if a property that held in OLD fails in NEW.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from kvcheck import failures, profiles
+
+KEY = "kvcheck"
+PASS, FAIL, SKIPPED = "pass", "FAIL", "skipped"
+
+
+def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport) -> dict | None:
+    """What ``report`` says about a kit property on one cache, or None for other tests."""
+    prop = item.get_closest_marker("kv_property")
+    cache = item.get_closest_marker("kv_cache")
+    if prop is None or cache is None:
+        return None
+    if report.when != "call" and not (report.when == "setup" and not report.passed):
+        return None  # a passed setup says nothing yet; teardown never decides a property
+    entry = {"cache": cache.args[0], "name": cache.args[1], "property": prop.args[0]}
+    entry["test"] = item.nodeid
+    if report.passed:
+        return {**entry, "outcome": PASS}
+    if report.skipped or hasattr(report, "wasxfail"):
+        return {**entry, "outcome": SKIPPED, "reason": _skip_reason(report)}
+    error = call.excinfo.value if call.excinfo is not None else None
+    from kvcheck.properties import BY_NAME
+
+    default = BY_NAME[entry["property"]].severity if entry["property"] in BY_NAME else FAIL
+    return {
+        **entry,
+        "outcome": FAIL,
+        "severity": failures.severity_of(error, default) if error else failures.CRASH,
+        "reason": failures.first_line(error) if error else report.longreprtext.splitlines()[-1],
+    }
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    if isinstance(report.longrepr, tuple):
+        return str(report.longrepr[2]).removeprefix("Skipped: ")
+    return str(report.longrepr)
+
+
+def configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller, or a run without xdist
+        config.pluginmanager.register(Verdict(config), "kvcheck-verdict")
+
+
+class Verdict:
+    """Gathers the entries of a run (on the controller) and reports them at its end."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.entries: list[dict] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.entries.extend(value for key, value in report.user_properties if key == KEY)
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if not self.entries:
+            return
+        terminalreporter.section("kv cache verdict")
+        for line in render(tabulate(self.entries)):
+            terminalreporter.write_line(line)
+        path = self.config.getoption("--kv-report")
+        if path:
+            terminalreporter.write_line(f"(written as JSON to {path})")
+
+    def pytest_sessionfinish(self) -> None:
+        path = self.config.getoption("--kv-report")
+        if path and self.entries:
+            report = {
+                "kvcache-verify": _version(),
+                "kit_profile": profiles.current_name(),
+                "caches": tabulate(self.entries),
+            }
+            Path(path).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def tabulate(entries: list[dict]) -> dict[str, dict]:
+    """Per cache label: its name and, per property in the kit's order, the outcome."""
+    from kvcheck.properties import ALL
+
+    order = {prop.name: index for index, prop in enumerate(ALL)}
+    caches: dict[str, dict] = {}
+    # Sorted by test id, so that the first failure named is the same under any -n.
+    for entry in sorted(entries, key=lambda e: e["test"]):
+        cache = caches.setdefault(entry["cache"], {"name": entry["name"], "properties": {}})
+        row = cache["properties"].setdefault(
+            entry["property"], {"result": PASS, "tests": 0, "failed": 0}
+        )
+        row["tests"] += 1
+        if entry["outcome"] == FAIL:
+            row["failed"] += 1
+            if row["result"] != FAIL or _worse(entry["severity"], row["severity"]):
+                row.update(
+                    result=FAIL,
+                    severity=entry["severity"],
+                    reason=entry["reason"],
+                    test=entry["test"],
+                )
+        elif entry["outcome"] == SKIPPED and row["tests"] == 1:
+            row.update(result=SKIPPED, reason=entry["reason"])
+        elif entry["outcome"] == PASS and row["result"] == SKIPPED:
+            row.update(result=PASS)
+            row.pop("reason")
+    for cache in caches.values():
+        rows = cache["properties"]
+        cache["properties"] = dict(sorted(rows.items(), key=lambda kv: order.get(kv[0], 99)))
+        cache["holds"] = sum(row["result"] == PASS for row in rows.values())
+        cache["failed"] = sum(row["result"] == FAIL for row in rows.values())
+    return caches
+
+
+def _worse(severity: str, than: str) -> bool:
+    ranks = failures.SEVERITIES
+    return ranks.index(severity) < ranks.index(than) if than in ranks else True
+
+
+def render(caches: dict[str, dict], width: int = 200) -> list[str]:
+    lines = []
+    for label, cache in caches.items():
+        rows = cache["properties"]
+        named = label if label == cache["name"] else f"{label} ({cache['name']})"
+        verdict = "holds every property" if not cache["failed"] else f"{cache['failed']} FAIL"
+        lines.append(f"{named}: {verdict} ({cache['holds']} of {len(rows)} pass)")
+        passed = [name for name, row in rows.items() if row["result"] == PASS]
+        if passed:
+            lines.append(f"  pass     {', '.join(passed)}")
+        for name, row in rows.items():
+            if row["result"] == FAIL:
+                tests = f"{row['failed']} of {row['tests']} tests"
+                line = f"  FAIL     {name} [{row['severity']}] ({tests}): {row['reason']}"
+                lines.append(line if len(line) <= width else line[: width - 3] + "...")
+            elif row["result"] == SKIPPED:
+                lines.append(f"  skipped  {name}: {row['reason']}")
+    return lines
+
+
+def _version() -> str:
+    try:
+        return metadata.version("kvcache-verify")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def compare(old: dict, new: dict) -> tuple[list[str], bool]:
+    """What changed from report ``old`` to ``new``; True if something that held now fails."""
+    lines, regressed = [], False
+    for label in sorted(set(old["caches"]) | set(new["caches"])):
+        before = old["caches"].get(label, {}).get("properties", {})
+        after = new["caches"].get(label, {}).get("properties", {})
+        for name in [*before, *(name for name in after if name not in before)]:
+            was = before.get(name, {}).get("result", "absent")
+            now = after.get(name, {}).get("result", "absent")
+            if was == now:
+                continue
+            why = f": [{after[name]['severity']}] {after[name]['reason']}" if now == FAIL else ""
+            lines.append(f"{label}: {name}: {was} -> {now}{why}")
+            regressed |= was == PASS and now == FAIL
+    return lines, regressed
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvcheck.verdict", description="compare two --kv-report files"
+    )
+    parser.add_argument("old", type=Path)
+    parser.add_argument("new", type=Path)
+    args = parser.parse_args(argv)
+    reports = []
+    for path in (args.old, args.new):
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as error:
+            parser.error(f"{path}: {error}")
+    lines, regressed = compare(*reports)
+    print("\n".join(lines) if lines else "no property changed")
+    return 1 if regressed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

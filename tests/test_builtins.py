@@ -1,0 +1,85 @@
+"""The built-in caches through the kit, as a third party runs it on theirs, and what only
+the built-ins promise: exact byte counts and the chunked cache at other chunk sizes.
+
+``TestSelectedCaches`` has no ``factory``, so it runs on the caches named with ``--kv-impl``
+or ``KV_IMPL``, and on every built-in when none is named (``pytest -n auto``)."""
+
+import functools
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvimpl
+from kvcheck import CacheTests
+from kvcheck import properties as kvprop
+from kvcheck import strategies as kvst
+from kvimpl import ChunkedCache
+from kvref import ModelConfig, ReferenceTransformer, min_nbytes
+
+
+class TestSelectedCaches(CacheTests):
+    pass
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 5])
+@given(scenario=kvst.scenarios(max_sessions=2))
+def test_chunked_cache_at_any_chunk_size(chunk_size, scenario):
+    factory = functools.partial(ChunkedCache, chunk_size=chunk_size)
+    kvprop.check_lengths(factory, scenario)
+    kvprop.check_logits_match_uncached(factory, scenario)
+
+
+@pytest.mark.parametrize("chunk_size", [0, -1, 1.5, True])
+def test_a_chunk_size_that_is_not_a_positive_int_is_refused(chunk_size):
+    spec = kvst.PINNED[0].model().cache_spec(batch=1, max_length=4)
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        ChunkedCache(spec, chunk_size=chunk_size)
+
+
+def reserved_rows(name: str, spec, length: int) -> int:
+    """How many rows each built-in reserves for keys (and again for values)."""
+    chunk = kvimpl.chunked.DEFAULT_CHUNK_SIZE
+    return {
+        "concat": length,  # exactly what it holds
+        "preallocated": spec.max_length,  # its whole buffer, from the start
+        "chunked": math.ceil(length / chunk) * chunk,  # whole chunks: under one of waste
+    }[name]
+
+
+@pytest.mark.parametrize("name", sorted(kvimpl.CACHES))
+@given(data=st.data())
+def test_builtin_nbytes_is_exactly_what_it_reserves(name, data):
+    spec = data.draw(kvst.cache_specs(), label="spec")
+    plan = data.draw(kvst.chunk_plans(spec.max_length, min_chunks=1), label="plan")
+    cache = kvimpl.CACHES[name](spec)
+    for step, rows in enumerate(plan):
+        new = kvst.random_rows(spec, rows, seed=step)
+        cache.append(new, new)
+        expected = min_nbytes(spec, reserved_rows(name, spec, cache.length))
+        assert cache.nbytes == expected, (
+            f"{name}: nbytes is {cache.nbytes} holding {cache.length} tokens; it reserves "
+            f"{expected} (after step {step} of plan {plan}; spec {spec})"
+        )
+
+
+# The teaching text's example: 2 layers, batch 1, 4 heads, 100 tokens, head_dim 8, float32.
+TEACHING_EXAMPLE_BYTES = 51_200
+TEACHING_EXAMPLE = ModelConfig(vocab_size=50, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8)
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"), [("concat", 51_200), ("preallocated", 51_200), ("chunked", 57_344)]
+)
+def test_builtins_report_the_teaching_example_exactly(name, expected):
+    """Concat and a 100-row buffer take 51,200 bytes; 16-row chunks round 100 rows up to 112."""
+    model = ReferenceTransformer(TEACHING_EXAMPLE, dtype=torch.float32)
+    spec = model.cache_spec(1, max_length=100)
+    formula = TEACHING_EXAMPLE.num_layers * min_nbytes(spec, length=100)
+    assert formula == TEACHING_EXAMPLE_BYTES, f"the formula gives {formula} bytes, not 51,200"
+    caches = model.new_caches(kvimpl.CACHES[name], batch=1, max_length=100)
+    model(torch.arange(100).remainder(TEACHING_EXAMPLE.vocab_size)[None], caches=caches)
+    total = sum(cache.nbytes for cache in caches)
+    assert total == expected, f"{name}: {total} bytes for the teaching example, expected {expected}"

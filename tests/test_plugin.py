@@ -1,0 +1,146 @@
+"""The kit's pytest plugin: choosing caches (built-in names, MODULE:ATTR, --kv-impl, KV_IMPL),
+the run header, test ids, --kv-profile, and the verdict's JSON and its comparison."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import kvimpl
+from kvcheck import verdict as kvverdict
+from tests.pytest_run import run_pytest
+
+EXAMPLE = "examples.doubling_cache:DoublingCache"
+
+
+def test_builtin_names_resolve_to_the_registry():
+    for name, factory in kvimpl.CACHES.items():
+        assert kvimpl.load_factory(name) is factory, f"{name!r} does not give CACHES[{name!r}]"
+
+
+def test_module_attr_resolves_to_the_object():
+    from examples.doubling_cache import DoublingCache
+
+    assert kvimpl.load_factory(EXAMPLE) is DoublingCache
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("no_such_module:Cache", "cannot import module 'no_such_module'"),
+        ("kvimpl.concat:NoSuchCache", "has no attribute 'NoSuchCache'"),
+        ("kvimpl:CACHES", "not a callable"),
+        ("concatenated", "neither a built-in cache"),
+        ("kvimpl.concat:", "neither a built-in cache"),
+    ],
+)
+def test_a_bad_name_is_refused_with_the_reason(name, reason):
+    with pytest.raises(ValueError, match=reason) as raised:
+        kvimpl.load_factory(name)
+    assert repr(name) in str(raised.value), f"the error does not name {name!r}: {raised.value}"
+
+
+def test_labels_are_short_unless_two_names_clash():
+    names = ["concat", "a.b:Cache", "c.d:Cache", "e:Other"]
+    labels = [kvimpl.cache_label(name, names) for name in names]
+    assert labels == ["concat", "a.b:Cache", "c.d:Cache", "Other"], labels
+
+
+def test_with_no_names_every_builtin_is_selected():
+    assert kvimpl.select([], None) == {name: (name, f) for name, f in kvimpl.CACHES.items()}
+    assert list(kvimpl.select([], " , ")) == list(kvimpl.CACHES), "blank KV_IMPL means none given"
+
+
+def test_kv_impl_is_comma_separated_and_the_option_wins_over_it():
+    from_env = kvimpl.select([], f"concat, {EXAMPLE}")
+    assert list(from_env) == ["concat", "DoublingCache"], from_env
+    assert list(kvimpl.select(["chunked"], "concat")) == ["chunked"], "--kv-impl must win"
+
+
+def test_a_name_given_twice_is_refused():
+    with pytest.raises(ValueError, match="'concat' is named 2 times"):
+        kvimpl.select(["concat", "concat"], None)
+
+
+def test_the_run_header_and_test_ids_name_the_caches(tmp_path):
+    result = run_pytest(
+        "--collect-only",
+        "--pyargs",
+        "kvcheck",
+        "-k",
+        "logits_match",
+        "--kv-impl",
+        "chunked",
+        "--kv-impl",
+        EXAMPLE,
+        "--kv-profile",
+        "thorough",
+        cwd=tmp_path,
+        extra_path=kvimpl.__path__[0] + "/..",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    header = f"kv caches under test: chunked, DoublingCache ({EXAMPLE}); kit profile: thorough"
+    assert header in result.stdout, result.stdout
+    tests = [line.strip() for line in result.stdout.splitlines() if "<Function" in line]
+    assert tests == [
+        "<Function test_logits_match_uncached[chunked]>",
+        "<Function test_logits_match_uncached[DoublingCache]>",
+    ], result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (
+            ["--kv-impl", "nope.mod:Cache"],
+            "ERROR: --kv-impl / KV_IMPL: 'nope.mod:Cache': cannot import module 'nope.mod': "
+            "ModuleNotFoundError: No module named 'nope'",
+        ),
+        (
+            ["--kv-profile", "fast"],
+            "ERROR: --kv-profile: unknown kit profile 'fast'; choose one of dev, ci, thorough",
+        ),
+    ],
+)
+def test_a_bad_option_stops_the_run_with_one_line(tmp_path, args, error):
+    result = run_pytest("--collect-only", "--pyargs", "kvcheck", *args, cwd=tmp_path)
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert errors == [error], result.stderr
+
+
+def test_the_kit_leaves_the_hosts_hypothesis_profile_alone(tmp_path):
+    (tmp_path / "test_host.py").write_text(
+        "from hypothesis import settings\n"
+        "def test_profile():\n"
+        "    assert settings.get_current_profile_name() in ('default', 'ci')\n"
+        "    assert settings().max_examples == 100\n"
+    )
+    result = run_pytest("test_host.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def report(caches: dict) -> dict:
+    return {"kvcache-verify": "0", "kit_profile": "ci", "caches": caches}
+
+
+def row(result: str, **extra) -> dict:
+    return {"result": result, "tests": 1, "failed": int(result == "FAIL"), **extra}
+
+
+def test_comparing_two_reports_names_what_changed_and_fails_on_a_regression(tmp_path):
+    failed = row("FAIL", severity="wrong results", reason="logits differ")
+    old = report({"A": {"name": "m:A", "properties": {"logits": row("pass"), "memory": failed}}})
+    new = report({"A": {"name": "m:A", "properties": {"logits": failed, "memory": row("pass")}}})
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    status = kvverdict.main([str(tmp_path / "old.json"), str(tmp_path / "new.json")])
+    assert status == 1, "a property that held and now fails is a regression"
+    lines, regressed = kvverdict.compare(old, new)
+    assert lines == [
+        "A: logits: pass -> FAIL: [wrong results] logits differ",
+        "A: memory: FAIL -> pass",
+    ], lines
+    assert regressed
+    assert kvverdict.compare(new, new) == ([], False)
