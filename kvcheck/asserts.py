@@ -126,16 +126,19 @@ def raised_by(call: Callable[[], object]) -> Exception | None:
     return None
 
 
-def assert_rejected(call: Callable[[], object], case, bad: tuple, *, where: str) -> bool:
-    """``call`` refuses the bad input of ``case`` as the contract says: one of its exception
-    types, with a message that names the problem. Returns False when the case may be
-    accepted and was: the caller then checks that the cache is as the contract says."""
+def assert_refused(error: Exception | None, case, *, where: str) -> bool:
+    """The call raised ``error`` (None: it returned). Returns False when ``case`` may be
+    accepted and was (the caller then checks the cache is as the contract says); raises
+    AcceptsBadInput when it may not. Check the cache is unchanged next, then the error."""
     __tracebackhide__ = True
-    error = raised_by(call)
-    if error is None:
-        if case.may_be_accepted:
-            return False
+    if error is None and not case.may_be_accepted:
         raise AcceptsBadInput(f"{case}: accepted without an error\n  at {where}")
+    return error is not None
+
+
+def assert_clear_error(error: Exception, case, bad: tuple, *, where: str) -> None:
+    """``error`` is one of the case's exception types, with a message that names the problem."""
+    __tracebackhide__ = True
     if not isinstance(error, case.errors):
         allowed = " or ".join(kind.__name__ for kind in case.errors)
         raise UnclearError(
@@ -147,7 +150,6 @@ def assert_rejected(call: Callable[[], object], case, bad: tuple, *, where: str)
             f"value (expected a word matching {case.words!r} or the bad shape, dtype or "
             f"device): {str(error)!r}\n  at {where}"
         ) from error
-    return True
 
 
 def assert_unchanged(cache, spec, *, who: str, where: str, seed: int = 0) -> None:

@@ -65,10 +65,13 @@ def shape_pattern(shape: Iterable[int]) -> str:
 
 
 def shapes_of(*which: int) -> Callable[[tuple], list[str]]:
-    """The shapes of the bad arguments at ``which`` (0 key, 1 value), as ``shows``."""
+    """The shapes of the bad arguments at ``which`` (0 key, 1 value), as ``shows``: whole,
+    or without the token axis, as in "(B, H, D): expected (1, 1, 2), got (2, 1, 2)"."""
 
     def shows(bad: tuple) -> list[str]:
-        return [shape_pattern(bad[i].shape) for i in which if isinstance(bad[i], Tensor)]
+        shapes = [tuple(bad[i].shape) for i in which if isinstance(bad[i], Tensor)]
+        without_tokens = [shape[:2] + shape[3:] for shape in shapes if len(shape) == 4]
+        return [shape_pattern(shape) for shape in [*shapes, *without_tokens]]
 
     return shows
 

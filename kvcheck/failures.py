@@ -67,23 +67,26 @@ class UnclearError(PropertyFailure):
     severity = UNCLEAR_ERROR
 
 
-def severity_of(error: BaseException, default: str) -> str:
-    """The severity of ``error`` escaping a property whose plain assertions mean ``default``."""
-    if isinstance(error, BaseExceptionGroup):  # Hypothesis found several distinct failures
-        return min((severity_of(e, default) for e in error.exceptions), key=SEVERITIES.index)
+def worst(error: BaseException, default: str) -> tuple[str, BaseException]:
+    """The severity of ``error`` escaping a property whose plain assertions mean ``default``,
+    and the exception it comes from (the worst one, when Hypothesis found several)."""
+    if isinstance(error, BaseExceptionGroup):
+        return min((worst(e, default) for e in error.exceptions), key=_rank)
     if isinstance(error, PropertyFailure):
-        return error.severity
+        return error.severity, error
     if isinstance(error, CacheContractError):
-        return DATA_LOSS
+        return DATA_LOSS, error
     if isinstance(error, AssertionError):  # e.g. a check a user overrode with plain asserts
-        return default
-    return CRASH
+        return default, error
+    return CRASH, error
+
+
+def _rank(found: tuple[str, BaseException]) -> int:
+    return SEVERITIES.index(found[0]) if found[0] in SEVERITIES else len(SEVERITIES)
 
 
 def first_line(error: BaseException) -> str:
     """The one line a verdict shows for ``error``."""
-    if isinstance(error, BaseExceptionGroup):
-        error = error.exceptions[0]
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     text = lines[0] if lines else "(no message)"
     if not isinstance(error, PropertyFailure):

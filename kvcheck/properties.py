@@ -143,8 +143,12 @@ def check_bad_append(factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.Ba
     where = plan.describe()
     # Straight to the cache, past the recorder: the recorder copies tensors and records
     # rows, and a bad call must record nothing.
-    kvassert.assert_rejected(lambda: cache.cache.append(*bad), case, bad, where=where)
+    error = kvassert.raised_by(lambda: cache.cache.append(*bad))
+    refused = kvassert.assert_refused(error, case, where=where)
+    # Whatever the error, a refusal must change nothing: that comes before its wording.
     kvassert.assert_unchanged(cache, plan.spec, who="the cache", where=where)
+    if refused:
+        kvassert.assert_clear_error(error, case, bad, where=where)
 
 
 def check_every_bad_append(factory: CacheFactory, plan: kvst.CachePlan) -> None:
@@ -159,8 +163,10 @@ def check_overflow(factory: CacheFactory, plan: kvst.CachePlan) -> None:
     new = kvst.random_rows(plan.spec, rows, seed=rows)
     where = f"{rows} tokens appended to {plan.describe()}, {plan.new_tokens} past max_length"
     bad = (new, new * 2)
-    if kvassert.assert_rejected(lambda: cache.append(*bad), kvbad.OVERFLOW, bad, where=where):
+    error = kvassert.raised_by(lambda: cache.append(*bad))
+    if kvassert.assert_refused(error, kvbad.OVERFLOW, where=where):
         kvassert.assert_unchanged(cache, plan.spec, who="the cache", where=where)
+        kvassert.assert_clear_error(error, kvbad.OVERFLOW, bad, where=where)
     else:  # it grew: it must hold everything, exactly
         kvassert.assert_length(cache, cache.given_length, who="the cache", where=where)
         kvassert.assert_returned_rows(cache, who="the cache", where=where)
@@ -171,10 +177,12 @@ def check_bad_model_call(factory: CacheFactory, plan: kvst.ModelPlan, case: kvba
     state = kvbad.build_model_state(factory, plan)
     tokens, caches = bad = case.make(state)
     where = state.describe()
-    kvassert.assert_rejected(lambda: state.model(tokens, caches=caches), case, bad, where=where)
+    error = kvassert.raised_by(lambda: state.model(tokens, caches=caches))
+    kvassert.assert_refused(error, case, where=where)
     for layer, cache in enumerate([*state.caches, state.spare]):
         who = "the spare cache" if cache is state.spare else f"layer {layer}"
         kvassert.assert_unchanged(cache, state.spec, who=who, where=where)
+    kvassert.assert_clear_error(error, case, bad, where=where)
 
 
 def check_every_bad_model_call(factory: CacheFactory, plan: kvst.ModelPlan) -> None:

@@ -134,9 +134,11 @@ class CachedDecoding(RuleBasedStateMachine):
             return
         tokens, caches = bad = case.make(state)
         where = f"{cache_set.name}, holding {cache_set.history.shape[1]} tokens"
-        kvassert.assert_rejected(lambda: self.model(tokens, caches=caches), case, bad, where=where)
+        error = kvassert.raised_by(lambda: self.model(tokens, caches=caches))
+        kvassert.assert_refused(error, case, where=where)
         for index, cache in enumerate(cache_set.caches):
             kvassert.assert_unchanged(cache, spec, who=f"layer {index}", where=where)
+        kvassert.assert_clear_error(error, case, bad, where=where)
         # Reading back added one row to every layer: drop them all, as after a reset.
         self.empty(cache_set)
 

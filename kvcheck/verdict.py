@@ -46,13 +46,11 @@ def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestRepor
     error = call.excinfo.value if call.excinfo is not None else None
     from kvcheck.properties import BY_NAME
 
+    if error is None:
+        return {**entry, "outcome": FAIL, "severity": failures.CRASH, "reason": "no exception"}
     default = BY_NAME[entry["property"]].severity if entry["property"] in BY_NAME else FAIL
-    return {
-        **entry,
-        "outcome": FAIL,
-        "severity": failures.severity_of(error, default) if error else failures.CRASH,
-        "reason": failures.first_line(error) if error else report.longreprtext.splitlines()[-1],
-    }
+    severity, culprit = failures.worst(error, default)
+    return {**entry, "outcome": FAIL, "severity": severity, "reason": failures.first_line(culprit)}
 
 
 def _skip_reason(report: pytest.TestReport) -> str:

@@ -29,34 +29,43 @@ from users_cache import NoReset
 class TestNoReset(CacheTests):
     factory = NoReset
 """
-ONLY = ["-k", "length_invariants or bad_append_is and rank"]  # a few tests are enough here
+# A test of the user's own, run beside the kit: its Hypothesis profile is left alone.
+HOST_TEST_FILE = """
+from hypothesis import settings
+
+def test_the_kit_leaves_my_hypothesis_profile_alone():
+    assert settings.get_current_profile_name() in ("default", "ci")
+    assert settings().max_examples == 100
+"""
+ONLY = ["-k", "length_invariants or bad_append_is and rank or my_hypothesis"]
 
 
-def assert_caught(result, test_id: str) -> None:
-    output = result.stdout + result.stderr
-    assert result.returncode == 1, f"expected test failures:\n{output}"
-    assert f"FAILED {test_id}" in result.stdout, output
-    assert "tokens on fresh or reset caches; it must hold 0" in result.stdout, output
-    assert "NoReset (users_cache:NoReset): 1 FAIL (1 of 2 pass)" in result.stdout, output
-    assert "FAIL     lengths [data loss or corruption] (1 of 1 tests): layer 0: holds" in (
-        result.stdout
-    ), output
-
-
-def test_a_users_broken_cache_fails_by_the_pyargs_route(tmp_path):
-    (tmp_path / "users_cache.py").write_text(NO_RESET)
-    report = tmp_path / "verdict.json"
-    args = ["--pyargs", "kvcheck", "--kv-impl", "users_cache:NoReset", "--kv-report", str(report)]
-    result = run_pytest(*args, *ONLY, "-n", "2", cwd=tmp_path, extra_path=tmp_path)
-    assert_caught(result, "test_conformance.py::TestConformance::test_length_invariants[NoReset]")
-    verdict = json.loads(report.read_text())["caches"]["NoReset"]
-    assert verdict["properties"]["lengths"]["severity"] == "data loss or corruption", verdict
-    assert verdict["properties"]["bad append"]["result"] == "pass", verdict
-
-
-def test_a_users_broken_cache_fails_by_the_test_file_route(tmp_path):
+def test_a_users_broken_cache_fails_by_either_route_with_a_verdict(tmp_path):
+    """Both routes in one run, under pytest-xdist: the user's own test file, and the kit's
+    package with --kv-impl; outside this repository, with the caches' module on the path."""
     (tmp_path / "users_cache.py").write_text(NO_RESET)
     (tmp_path / "test_my_cache.py").write_text(USER_TEST_FILE)
-    result = run_pytest(*ONLY, cwd=tmp_path, extra_path=tmp_path)
-    # The class binds the factory, so its label is the factory's name, its name module:attr.
-    assert_caught(result, "test_my_cache.py::TestNoReset::test_length_invariants[NoReset]")
+    (tmp_path / "test_host.py").write_text(HOST_TEST_FILE)
+    report = tmp_path / "verdict.json"
+    result = run_pytest(
+        *["-n", "2", "test_my_cache.py", "test_host.py", "--pyargs", "kvcheck"],
+        *["--kv-impl", "users_cache:NoReset", "--kv-report", str(report), *ONLY],
+        cwd=tmp_path,
+        extra_path=tmp_path,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, f"expected test failures:\n{output}"
+    for failed in (
+        "test_my_cache.py::TestNoReset::test_length_invariants[NoReset]",
+        "test_conformance.py::TestConformance::test_length_invariants[NoReset]",
+    ):
+        assert f"FAILED {failed}" in result.stdout, output
+    assert "2 failed, 5 passed" in result.stdout, output  # the host's own test passed
+    assert "tokens on fresh or reset caches; it must hold 0" in result.stdout, output
+    assert "NoReset (users_cache:NoReset): 1 FAIL (1 of 2 pass)" in result.stdout, output
+    assert "FAIL     lengths [data loss or corruption] (2 of 2 tests): layer 0: holds" in (
+        result.stdout
+    ), output
+    verdict = json.loads(report.read_text())["caches"]["NoReset"]["properties"]
+    assert verdict["lengths"]["severity"] == "data loss or corruption", verdict
+    assert verdict["bad append"] == {"result": "pass", "tests": 4, "failed": 0}, verdict

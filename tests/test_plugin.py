@@ -8,6 +8,7 @@ import json
 import pytest
 
 import kvimpl
+from kvcheck import profiles as kvprofiles
 from kvcheck import verdict as kvverdict
 from tests.pytest_run import run_pytest
 
@@ -89,36 +90,21 @@ def test_the_run_header_and_test_ids_name_the_caches(tmp_path):
     ], result.stdout
 
 
-@pytest.mark.parametrize(
-    ("args", "error"),
-    [
-        (
-            ["--kv-impl", "nope.mod:Cache"],
-            "ERROR: --kv-impl / KV_IMPL: 'nope.mod:Cache': cannot import module 'nope.mod': "
-            "ModuleNotFoundError: No module named 'nope'",
-        ),
-        (
-            ["--kv-profile", "fast"],
-            "ERROR: --kv-profile: unknown kit profile 'fast'; choose one of dev, ci, thorough",
-        ),
-    ],
-)
-def test_a_bad_option_stops_the_run_with_one_line(tmp_path, args, error):
-    result = run_pytest("--collect-only", "--pyargs", "kvcheck", *args, cwd=tmp_path)
+def test_an_unimportable_name_stops_the_run_with_one_line(tmp_path):
+    result = run_pytest("--collect-only", "--pyargs", "kvcheck", "--kv-impl", "nope.mod:Cache")
     assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
     errors = [line for line in result.stderr.splitlines() if line.strip()]
-    assert errors == [error], result.stderr
+    assert errors == [
+        "ERROR: --kv-impl / KV_IMPL: 'nope.mod:Cache': cannot import module 'nope.mod': "
+        "ModuleNotFoundError: No module named 'nope'"
+    ], result.stderr
 
 
-def test_the_kit_leaves_the_hosts_hypothesis_profile_alone(tmp_path):
-    (tmp_path / "test_host.py").write_text(
-        "from hypothesis import settings\n"
-        "def test_profile():\n"
-        "    assert settings.get_current_profile_name() in ('default', 'ci')\n"
-        "    assert settings().max_examples == 100\n"
-    )
-    result = run_pytest("test_host.py", cwd=tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
+@pytest.mark.parametrize(("option", "value"), [("profile", "fast"), ("threads", "0")])
+def test_a_bad_kit_setting_is_refused_with_the_choices(option, value):
+    choose = {"profile": kvprofiles.choose, "threads": kvprofiles.choose_threads}[option]
+    with pytest.raises(ValueError, match=repr(value)):
+        choose(value)
 
 
 def report(caches: dict) -> dict:

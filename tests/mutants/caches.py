@@ -369,6 +369,21 @@ class WrapsAtCapacity(PreallocatedCache):
         return self.key[:, :, :held], self.value[:, :, :held]
 
 
+class VagueErrors(ConcatCache):
+    """Refuses bad input with ``ValueError("invalid input")``, naming nothing.
+
+    Stands for a catch-all ``except Exception: raise ValueError("invalid input")`` around an
+    append: the caller learns that something was wrong, never what. The suite accepts any
+    wording that names the axis or shows the values, and still fails this one.
+    """
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        try:
+            return super().append(key, value)
+        except (TypeError, ValueError):
+            raise ValueError("invalid input") from None
+
+
 CACHE_MUTANTS = (
     WrongAxis,
     Prepends,
@@ -393,4 +408,5 @@ CACHE_MUTANTS = (
     CountsKeysOnly,
     StaleRowsAfterReset,
     WrapsAtCapacity,
+    VagueErrors,
 )

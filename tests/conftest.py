@@ -1,4 +1,4 @@
-"""This repository's own tests (``tests/``) run as the kit's tests do: the kit sets its
+"""This repository's own tests run as the kit's tests do: the kit sets its
 Hypothesis settings and torch threads only around its own tests (``kvcheck.profiles``), so
 its host, here, sets the same for everything else."""
 

@@ -1,0 +1,144 @@
+"""Defects the suite found in Hugging Face transformers' cache layers (kvimpl/hf.py).
+
+Each test runs a check of the suite on an adapter with a small fixed input and asserts that
+the check FAILS with the message the suite printed: it passes while the defect is there.
+Found with transformers 5.24.0; the README's "Found in the wild" has the details. The last
+two tests are defects found by hand that the suite cannot draw yet; they call transformers directly.
+"""
+
+import pytest
+
+pytest.importorskip(
+    "transformers", reason="the adapters need transformers: pip install 'kvcache-verify[hf]'"
+)
+
+import torch
+from transformers.cache_utils import (
+    DynamicSlidingWindowLayer,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+)
+
+from kvcheck import asserts as kvassert
+from kvcheck import badinput as kvbad
+from kvcheck import failures
+from kvcheck import properties as kvprop
+from kvcheck import strategies as kvst
+from kvcheck.harness import warm
+from kvimpl.hf import HFDynamicLayer, HFStaticLayer
+from kvref import CacheSpec, ModelConfig
+
+CASES = {case.name: case for case in kvbad.BAD_APPENDS}
+
+
+def plan(chunks: tuple[int, ...], max_length: int = 8, dtype=torch.float64) -> kvst.CachePlan:
+    return kvst.CachePlan(CacheSpec(1, 1, 2, max_length, dtype, torch.device("cpu")), chunks, 1)
+
+
+def test_static_layer_counts_the_tokens_of_a_refused_update():
+    """StaticLayer.update adds the new tokens to cumulative_length before it writes them, so
+    an update that fails (here: a value that is not a tensor) leaves get_seq_length() counting
+    tokens it never stored (transformers 5.24.0)."""
+    with pytest.raises(
+        failures.RefusalChangedState, match=r"length is 2 after a refused call, was 1"
+    ):
+        kvprop.check_bad_append(HFStaticLayer, plan((1,)), CASES["value not a tensor"])
+
+
+def test_static_layer_counts_the_tokens_of_a_refused_overflow():
+    """Past max_cache_len, StaticLayer.update raises IndexError, but only after counting the
+    tokens (and writing the keys that fit): the layer holding 3 of 4 reports 5, and every
+    later update fails until reset() (transformers 5.24.0)."""
+    spec_plan = plan((3,), max_length=4)
+    cache = warm(HFStaticLayer, spec_plan)
+    rows = kvst.random_rows(spec_plan.spec, 2, seed=0)
+    assert kvassert.raised_by(lambda: cache.append(rows, rows)) is not None
+    with pytest.raises(
+        failures.RefusalChangedState, match=r"length is 5 after a refused call, was 3"
+    ):
+        kvassert.assert_unchanged(cache, spec_plan.spec, who="the cache", where="an overflow")
+
+
+def test_static_layer_gives_wrong_logits_after_a_refused_call():
+    """After a refused call (a batch the cache was not built for), the next valid call on a
+    StaticLayer runs at the wrong position next to an unwritten all-zero row: cached logits
+    differ from uncached ones, with no error. transformers' own StaticCache does the same
+    with a real model (the README's "Found in the wild"). One layer, so our model's guard
+    against layers of different lengths cannot stop it (transformers 5.24.0)."""
+    config = ModelConfig(vocab_size=11, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
+    model = kvst.build_model(config, torch.float64)
+    tokens = kvst.random_tokens(config, 1, 5, seed=1)
+    caches = model.new_caches(HFStaticLayer, batch=1, max_length=8)
+    model(tokens[:, :4], caches=caches)
+    assert kvassert.raised_by(lambda: model(tokens[:, 4:].repeat(2, 1), caches=caches)) is not None
+    with pytest.raises(failures.WrongResults, match=r"cached and uncached logits differ"):
+        kvassert.assert_close_at(
+            model(tokens[:, 4:], caches=caches),
+            model(tokens)[:, 4:],
+            what="cached and uncached logits",
+            where="the call after a refused one",
+            position_axis=1,
+            first_position=4,
+        )
+
+
+def test_dynamic_layer_half_applies_an_update_whose_value_fails():
+    """DynamicLayer.update concatenates the keys before the values: when the value fails (here:
+    not a tensor; equally a value on another device or of another shape) the keys have grown
+    and the values have not, and get_seq_length() counts the refused tokens
+    (transformers 5.24.0)."""
+    with pytest.raises(
+        failures.RefusalChangedState, match=r"length is 2 after a refused call, was 1"
+    ):
+        kvprop.check_bad_append(HFDynamicLayer, plan((1,)), CASES["value not a tensor"])
+
+
+def test_dynamic_layer_silently_promotes_a_wrong_dtype():
+    """DynamicLayer grows by torch.cat, which promotes: float64 rows appended to a float32
+    layer are accepted and turn the whole cache into float64 (twice the memory), where
+    StaticLayer refuses them (transformers 5.24.0)."""
+    float32_plan = plan((1,), dtype=torch.float32)
+    with pytest.raises(failures.AcceptsBadInput, match=r"wrong dtype: accepted without an error"):
+        kvprop.check_bad_append(HFDynamicLayer, float32_plan, CASES["wrong dtype"])
+
+
+def test_dynamic_layer_accepts_keys_and_values_of_different_lengths():
+    """DynamicLayer.update accepts a value with more tokens than the key: from then on its keys
+    and values have different lengths, and get_seq_length() reports the keys'
+    (transformers 5.24.0)."""
+    case = CASES["value with one token more than key"]
+    with pytest.raises(failures.AcceptsBadInput, match=r"accepted without an error"):
+        kvprop.check_bad_append(HFDynamicLayer, plan((1,)), case)
+
+
+def test_static_layer_seq_length_is_a_live_tensor():
+    """Found by hand (the adapter must turn the length into an int, so the suite cannot see it):
+    StaticLayer.get_seq_length(), annotated -> int, returns its own cumulative_length tensor,
+    which later updates change in place: a length read before an update equals the one read
+    after it (transformers 5.24.0; StaticCache.get_seq_length() returns the same tensor)."""
+    layer = StaticLayer(max_cache_len=8)
+    rows = torch.zeros(1, 1, 2, 4)
+    layer.update(rows, rows)
+    before = layer.get_seq_length()
+    layer.update(rows, rows)
+    assert int(before) == int(layer.get_seq_length()) == 4  # `before` said 2 when it was read
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: DynamicSlidingWindowLayer(sliding_window=8),
+        lambda: StaticSlidingWindowLayer(max_cache_len=8, sliding_window=8),
+    ],
+    ids=["DynamicSlidingWindowLayer", "StaticSlidingWindowLayer"],
+)
+def test_sliding_window_layers_count_the_tokens_of_a_refused_update(make):
+    """Found by hand (our CacheSpec has no window yet): the sliding-window layers add to their
+    length before writing too, so a refused update (a value of another batch) is counted
+    (transformers 5.24.0)."""
+    layer = make()
+    layer.update(torch.randn(1, 1, 3, 2), torch.randn(1, 1, 3, 2))
+    assert kvassert.raised_by(
+        lambda: layer.update(torch.randn(1, 1, 2, 2), torch.randn(2, 1, 2, 2))
+    )
+    assert layer.get_seq_length() == 5  # it holds 3

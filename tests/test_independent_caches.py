@@ -1,0 +1,61 @@
+"""No false alarms: correct caches written independently, each with its own storage,
+validation and wording (``tests/independent``), hold every property of the kit. A failure
+here is a bug of the suite, not of the cache."""
+
+import pytest
+import torch
+
+from kvcheck import CacheTests
+from kvcheck import badinput as kvbad
+from tests.independent.list_cache import ListCache
+from tests.independent.paged_cache import PagedCache
+from tests.independent.slot_cache import SlotCache
+from tests.independent.stacked_cache import StackedCache
+
+
+class TestListCache(CacheTests):
+    factory = ListCache
+
+
+class TestStackedCache(CacheTests):
+    factory = StackedCache
+
+
+class TestPagedCache(CacheTests):
+    factory = PagedCache
+
+
+class TestSlotCache(CacheTests):
+    factory = SlotCache
+
+
+BY_NAME = {case.name: case for case in kvbad.BAD_APPENDS}
+KEY = (1, 1, 1, 2)  # a good key's shape in the examples below: batch 1, 1 head, 1 token, D 2
+
+
+@pytest.mark.parametrize(
+    ("case", "message", "bad_shapes"),
+    [
+        ("key of rank 3", "key and value must be 4-D, got 3-D and 4-D", ((1, 1, 1), KEY)),
+        (
+            "value with one token more than key",
+            "key shape (1, 1, 1, 2) != value shape (1, 1, 2, 2)",
+            (KEY, (1, 1, 2, 2)),
+        ),
+        ("wrong batch", "(B, H, D): expected (1, 1, 2), got (2, 1, 2)", ((2, 1, 1, 2),) * 2),
+        ("wrong head_dim", "head size 3, want 2", ((1, 1, 1, 3),) * 2),
+        ("wrong dtype", "expected torch.float64 on cpu, got torch.float32", (KEY, KEY)),
+        ("key not a tensor", "expected a Tensor for key, got list", (KEY, KEY)),
+        ("zero new tokens", "need at least one token", ((1, 1, 0, 2),) * 2),
+    ],
+)
+def test_a_message_in_other_words_names_the_problem(case, message, bad_shapes):
+    bad = tuple(torch.zeros(shape) for shape in bad_shapes)
+    assert BY_NAME[case].named_in(message, bad), f"{case}: {message!r} names the problem"
+
+
+@pytest.mark.parametrize("message", ["", "invalid input", "error", "bad call"])
+@pytest.mark.parametrize("case", kvbad.BAD_APPENDS, ids=str)
+def test_an_empty_or_irrelevant_message_names_nothing(case, message):
+    bad = (torch.zeros(KEY), torch.zeros(KEY))
+    assert not case.named_in(message, bad), f"{case}: {message!r} names nothing"
