@@ -130,3 +130,19 @@ def test_comparing_two_reports_names_what_changed_and_fails_on_a_regression(tmp_
     ], lines
     assert regressed
     assert kvverdict.compare(new, new) == ([], False)
+
+
+def test_every_property_is_bound_by_the_kit_and_reported():
+    """Each property of the registry has a test in CacheTests (so users run it), and every
+    kit test names a property of the registry (so the verdict has its row)."""
+    from kvcheck import CacheTests
+    from kvcheck.properties import ALL
+
+    bound = {
+        mark.args[0]
+        for name in dir(CacheTests)
+        if name.startswith("test_")
+        for mark in getattr(getattr(CacheTests, name), "pytestmark", [])
+        if mark.name == "kv_property"
+    }
+    assert bound == {prop.name for prop in ALL}, f"bound {sorted(bound)}"
