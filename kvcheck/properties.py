@@ -151,11 +151,6 @@ def check_bad_append(factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.Ba
         kvassert.assert_clear_error(error, case, bad, where=where)
 
 
-def check_every_bad_append(factory: CacheFactory, plan: kvst.CachePlan) -> None:
-    for case in kvbad.BAD_APPENDS:
-        check_bad_append(factory, plan, case)
-
-
 def check_overflow(factory: CacheFactory, plan: kvst.CachePlan) -> None:
     """Past max_length a cache may refuse or grow, but never drop, wrap or overwrite."""
     cache = warm(factory, plan)
@@ -183,11 +178,6 @@ def check_bad_model_call(factory: CacheFactory, plan: kvst.ModelPlan, case: kvba
         who = "the spare cache" if cache is state.spare else f"layer {layer}"
         kvassert.assert_unchanged(cache, state.spec, who=who, where=where)
     kvassert.assert_clear_error(error, case, bad, where=where)
-
-
-def check_every_bad_model_call(factory: CacheFactory, plan: kvst.ModelPlan) -> None:
-    for case in kvbad.BAD_CALLS:
-        check_bad_model_call(factory, plan, case)
 
 
 def check_nbytes(factory: CacheFactory, plan: kvst.CachePlan) -> None:

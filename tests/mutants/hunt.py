@@ -5,8 +5,8 @@ What counts as a catch:
 - an ``AssertionError`` from a check: the property itself is violated;
 - a ``kvref.CacheContractError``: the reference model's own guards refused what the cache
   did (same object for two layers, layers of different lengths, ``append`` returning the
-  wrong number of rows). These guards are part of the oracle (DESIGN.md section 3), so a
-  mutant they stop is stopped by the suite.
+  wrong number of rows). These guards are part of the oracle (docs/contract.md, "Calls the
+  model refuses itself"), so a mutant they stop is stopped by the suite.
 
 Anything else (a ``TypeError`` in a check, a torch error inside a cache, a ``ValueError`` a
 cache raises for valid input) is a crash, not a catch: it stops the hunt with ``Crashed``,
