@@ -4,6 +4,7 @@ Timings are machine-dependent, so nothing here asserts on them beyond being posi
 """
 
 import csv
+import sys
 
 import pytest
 
@@ -63,3 +64,16 @@ def test_a_cache_that_decodes_wrongly_is_not_timed(tmp_path):
     with pytest.raises(SystemExit, match="SwapsKeysAndValues decodes token 8 unlike the ideal"):
         bench.main([*argv, "--kv-impl", broken])
     assert not (tmp_path / "results.csv").exists(), "a wrong cache's timings were written"
+
+
+def test_without_matplotlib_the_table_and_csv_are_still_written(tmp_path, monkeypatch, capsys):
+    for name in [name for name in sys.modules if name.startswith("matplotlib")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    argv = ["--quick", "--lengths", "8", "--min-run-time", "0.005", "--out", str(tmp_path)]
+    bench.main([*argv, "--kv-impl", "concat"])
+    out = capsys.readouterr().out
+    assert "| concat | 8 |" in out, out
+    assert "for the plot, pip install 'kvcache-verify[bench]'" in out, out
+    assert (tmp_path / "results.csv").exists(), "no results.csv without matplotlib"
+    assert not (tmp_path / "decode.png").exists()
