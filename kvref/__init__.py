@@ -6,6 +6,9 @@ from kvref.protocol import (
     CacheFactory,
     CacheSpec,
     LayerCache,
+    Reorderable,
+    Truncatable,
+    capabilities,
     check_append,
     min_nbytes,
 )
@@ -17,6 +20,9 @@ __all__ = [
     "LayerCache",
     "ModelConfig",
     "ReferenceTransformer",
+    "Reorderable",
+    "Truncatable",
+    "capabilities",
     "check_append",
     "min_nbytes",
 ]

@@ -39,6 +39,21 @@ class CacheSpec:
     max_length: int  # the most tokens this cache will be asked to hold
     dtype: torch.dtype
     device: torch.device
+    window: int | None = None  # sliding-window layer: a query at p sees keys p-window+1..p
+
+    def __post_init__(self) -> None:
+        if self.window is not None and (
+            isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1
+        ):
+            raise ValueError(f"CacheSpec.window must be None or an int >= 1, got {self.window!r}")
+
+    def rows_needed(self, length: int, new_tokens: int = 0) -> int:
+        """The fewest rows a cache holding ``length`` tokens may keep (0 new tokens) or return
+        after an append of ``new_tokens`` of them: all of them without a window, else the
+        last W - 1 before the new ones (every new query's whole window) and the new ones."""
+        if self.window is None:
+            return length
+        return min(length, self.window - 1 + new_tokens)
 
 
 @runtime_checkable
@@ -47,7 +62,7 @@ class LayerCache(Protocol):
 
     @property
     def length(self) -> int:
-        """Tokens held; a plain int."""
+        """Tokens appended since the last reset (the next position); a plain int."""
         ...
 
     @property
@@ -56,7 +71,9 @@ class LayerCache(Protocol):
         ...
 
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        """Store T new rows; return every row held, oldest first (views valid until next call)."""
+        """Store T new rows; return the rows kept for attention, oldest first (views valid
+        until the next call): every row since the reset, or with ``spec.window`` a recent
+        contiguous run of at least ``spec.rows_needed(length, T)`` rows ending with the T new."""
         ...
 
     def reset(self) -> None:
@@ -137,7 +154,34 @@ def _same_device(actual: torch.device, wanted: torch.device) -> bool:
 
 
 def min_nbytes(spec: CacheSpec, length: int) -> int:
-    """The least a cache holding ``length`` tokens can reserve: 2 x B x H_kv x L x D x itemsize
-    (the 2 counts keys and values). A concat cache reserves exactly this."""
+    """The least a cache holding ``length`` tokens can reserve: 2 x B x H_kv x rows x D x
+    itemsize (the 2 counts keys and values), where rows is ``length``, or min(length, W - 1)
+    with a window. A concat cache reserves exactly this."""
     itemsize = torch.empty((), dtype=spec.dtype).element_size()
-    return 2 * spec.batch * spec.kv_heads * length * spec.head_dim * itemsize
+    rows = spec.rows_needed(length)
+    return 2 * spec.batch * spec.kv_heads * rows * spec.head_dim * itemsize
+
+
+@runtime_checkable
+class Truncatable(Protocol):
+    def truncate(self, length: int) -> None:
+        """Forget every token at position >= ``length`` (0 <= length <= self.length): the cache
+        then behaves as if only the first ``length`` tokens had been appended. A window cache
+        that has dropped a position the next query would need refuses (ValueError)."""
+        ...
+
+
+@runtime_checkable
+class Reorderable(Protocol):
+    def reorder(self, indices: Tensor) -> None:
+        """Batch row b becomes the old row ``indices[b]``: ``indices`` is int64 shaped (batch,)
+        on the cache's device, values in [0, batch), repeats allowed (beam search)."""
+        ...
+
+
+CAPABILITIES = {"truncate": Truncatable, "reorder": Reorderable}
+
+
+def capabilities(cache: object) -> set[str]:
+    """The optional capabilities ``cache`` offers: it offers one by having the method."""
+    return {name for name, protocol in CAPABILITIES.items() if isinstance(cache, protocol)}
