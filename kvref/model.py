@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,8 @@ class ModelConfig:
     ffn_dim: int = 64
     rope_base: float = 10_000.0
     seed: int = 0
+    window: int | None = None  # sliding-window attention: a query at p sees keys p-W+1..p
+    window_layers: Literal["all", "alternate"] = "all"  # every layer, or even layers only
 
     def __post_init__(self) -> None:
         for name in (
@@ -52,6 +55,19 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.window is not None and (isinstance(self.window, bool) or self.window < 1):
+            raise ValueError(f"window must be None or an int >= 1, got {self.window!r}")
+        if self.window_layers not in ("all", "alternate"):
+            raise ValueError(
+                f"window_layers must be 'all' or 'alternate', got {self.window_layers!r}"
+            )
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s window: every layer's (Mistral-style), or with ``alternate`` the
+        even layers' while the odd ones attend globally (Gemma-style hybrids)."""
+        if self.window_layers == "alternate" and layer % 2:
+            return None
+        return self.window
 
     @property
     def d_model(self) -> int:
@@ -73,10 +89,16 @@ def apply_rope(x: Tensor, positions: Tensor, base: float) -> Tensor:
     return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
 
 
-def causal_mask(query_positions: Tensor, key_positions: Tensor) -> Tensor:
+def causal_mask(
+    query_positions: Tensor, key_positions: Tensor, window: int | None = None
+) -> Tensor:
     """(T, keys) booleans: a query at absolute position p sees the keys at positions <= p,
-    wherever its chunk starts (a tril over the chunk alone is wrong on a warm cache)."""
-    return key_positions[None, :] <= query_positions[:, None]
+    wherever its chunk starts (a tril over the chunk alone is wrong on a warm cache), and
+    with a window only those > p - window."""
+    allowed = key_positions[None, :] <= query_positions[:, None]
+    if window is not None:
+        allowed &= key_positions[None, :] > query_positions[:, None] - window
+    return allowed
 
 
 class RMSNorm(nn.Module):
@@ -94,6 +116,7 @@ class Attention(nn.Module):
         super().__init__()
         self.config = config
         self.layer = layer
+        self.window = config.layer_window(layer)
         kv_width = config.num_kv_heads * config.head_dim
         self.query = nn.Linear(config.d_model, config.d_model, bias=False)
         self.key = nn.Linear(config.d_model, kv_width, bias=False)
@@ -112,20 +135,15 @@ class Attention(nn.Module):
         q = apply_rope(q, positions, c.rope_base)
         k = apply_rope(k, positions, c.rope_base)  # stored rotated: never rotate them again
         all_k, all_v = (k, v) if cache is None else cache.append(k, v)
+        end = int(positions[-1]) + 1
         if cache is not None:
-            must_return = (batch, c.num_kv_heads, int(positions[-1]) + 1, c.head_dim)
-            if all_k.shape != must_return or all_v.shape != must_return:
-                raise CacheContractError(
-                    f"layer {self.layer}: the caches' length was {int(positions[0])} before "
-                    f"this call, so after appending {new_tokens} tokens append must return "
-                    f"{must_return[2]} rows {must_return}; it returned keys "
-                    f"{tuple(all_k.shape)} and values {tuple(all_v.shape)}"
-                )
+            self._check_returned_rows(all_k, all_v, batch, start=int(positions[0]), end=end)
 
-        # The keys held end at the last new position (with caches they start at 0).
+        # The keys held are the most recent ones, ending at the last new position (without a
+        # window and with caches they start at 0).
         held = all_k.shape[-2]
-        key_positions = torch.arange(held, device=x.device) + (int(positions[-1]) + 1 - held)
-        allowed = causal_mask(positions, key_positions)
+        key_positions = torch.arange(end - held, end, device=x.device)
+        allowed = causal_mask(positions, key_positions, self.window)
         group = c.num_heads // c.num_kv_heads
         if group > 1:  # query head h reads kv head h // group
             # Skipped for ordinary multi-head attention: repeat_interleave copies even when
@@ -138,6 +156,30 @@ class Attention(nn.Module):
         mixed = weights @ all_v
         mixed = mixed.transpose(1, 2).reshape(batch, new_tokens, c.d_model)
         return self.out(mixed), k, v
+
+    def _check_returned_rows(
+        self, keys: Tensor, values: Tensor, batch: int, *, start: int, end: int
+    ) -> None:
+        """What append returned is a run of the most recent rows: all ``end`` of them, or with
+        a window at least the last W - 1 before the new ones and the new ones."""
+        c = self.config
+        new_tokens = end - start
+        fewest = end if self.window is None else min(end, self.window - 1 + new_tokens)
+        ok = (
+            keys.ndim == 4
+            and values.shape == keys.shape
+            and (keys.shape[0], keys.shape[1], keys.shape[3]) == (batch, c.num_kv_heads, c.head_dim)
+            and fewest <= keys.shape[2] <= end
+        )
+        if not ok:
+            rows = f"{end}" if fewest == end else f"{fewest} to {end}"
+            window = "" if self.window is None else f" (window {self.window})"
+            raise CacheContractError(
+                f"layer {self.layer}: the caches' length was {start} before this call, so "
+                f"after appending {new_tokens} tokens append must return {rows} rows{window}, "
+                f"shaped ({batch}, {c.num_kv_heads}, rows, {c.head_dim}); it returned keys "
+                f"{tuple(keys.shape)} and values {tuple(values.shape)}"
+            )
 
 
 class Block(nn.Module):
@@ -195,18 +237,28 @@ class ReferenceTransformer(nn.Module):
     def device(self) -> torch.device:
         return self.embedding.weight.device
 
-    def cache_spec(self, batch: int, max_length: int) -> CacheSpec:
-        """The CacheSpec every layer's cache is built from."""
+    def cache_spec(self, batch: int, max_length: int, *, layer: int = 0) -> CacheSpec:
+        """The CacheSpec layer ``layer``'s cache is built from (layers differ in window only)."""
         for name, number in (("batch", batch), ("max_length", max_length)):
             if isinstance(number, bool) or not isinstance(number, int) or number < 1:
                 raise ValueError(f"{name} must be a positive int, got {number!r}")
         c = self.config
-        return CacheSpec(batch, c.num_kv_heads, c.head_dim, max_length, self.dtype, self.device)
+        return CacheSpec(
+            batch,
+            c.num_kv_heads,
+            c.head_dim,
+            max_length,
+            self.dtype,
+            self.device,
+            window=c.layer_window(layer),
+        )
 
     def new_caches(self, factory: CacheFactory, *, batch: int, max_length: int) -> list[LayerCache]:
-        """One fresh cache per layer, each built from the same CacheSpec."""
-        spec = self.cache_spec(batch, max_length)
-        return [factory(spec) for _ in range(self.config.num_layers)]
+        """One fresh cache per layer, each built from its layer's CacheSpec."""
+        return [
+            factory(self.cache_spec(batch, max_length, layer=layer))
+            for layer in range(self.config.num_layers)
+        ]
 
     @torch.no_grad()
     def forward(
@@ -235,6 +287,62 @@ class ReferenceTransformer(nn.Module):
             offset = self._check_caches(caches, batch=token_ids.shape[0])
         logits, _ = self._run(token_ids, caches, offset)
         return logits
+
+    def truncate(self, caches: Sequence[LayerCache], length: int) -> None:
+        """Forget every token at position >= ``length`` in every layer's cache (speculative
+        decoding, regenerate). Checks the caches and ``length`` before touching any layer.
+
+        A window layer may refuse when it has dropped a position that the next query needs;
+        the widest windows are asked first, so that such a refusal comes before any layer
+        changed (layers of one window keep the same positions)."""
+        held = self._check_caches(caches, batch=None)
+        self._check_offered(caches, "truncate")
+        if isinstance(length, bool) or not isinstance(length, int):
+            raise TypeError(f"truncate: length must be an int, got {type(length).__name__}")
+        if not 0 <= length <= held:
+            raise ValueError(
+                f"truncate: length must be between 0 and {held} (the tokens held), got {length}"
+            )
+        c = self.config
+        windows = {layer: c.layer_window(layer) for layer in range(c.num_layers)}
+        # Widest window first; global layers (window None) never need to refuse: last.
+        order = sorted(windows, key=lambda layer: (windows[layer] is None, -(windows[layer] or 0)))
+        for layer in order:
+            caches[layer].truncate(length)
+
+    def reorder(self, caches: Sequence[LayerCache], indices: Tensor) -> None:
+        """Batch row b of every layer's cache becomes the old row ``indices[b]`` (beam
+        search). Checks the caches and ``indices`` before touching any layer."""
+        self._check_caches(caches, batch=None)
+        self._check_offered(caches, "reorder")
+        if not isinstance(indices, Tensor):
+            raise TypeError(
+                f"reorder: indices must be a torch.Tensor, got {type(indices).__name__}"
+            )
+        specs = [getattr(cache, "spec", None) for cache in caches]
+        batches = {spec.batch for spec in specs if isinstance(spec, CacheSpec)}
+        batch = batches.pop() if len(batches) == 1 else indices.numel()
+        problem = None
+        if indices.dtype != torch.int64:
+            problem = f"dtype must be int64, got {indices.dtype}"
+        elif tuple(indices.shape) != (batch,):
+            problem = f"shape must be ({batch},) (the batch), got {tuple(indices.shape)}"
+        elif indices.device != self.device:
+            problem = f"device must be {self.device}, got {indices.device}"
+        elif batch and not (int(indices.min()) >= 0 and int(indices.max()) < batch):
+            problem = f"values must be in [0, {batch}), got {indices.tolist()}"
+        if problem:
+            raise ValueError(f"reorder: indices {problem}")
+        for cache in caches:
+            cache.reorder(indices)
+
+    @staticmethod
+    def _check_offered(caches: Sequence[LayerCache], capability: str) -> None:
+        for layer, cache in enumerate(caches):
+            if not callable(getattr(cache, capability, None)):
+                raise CacheContractError(
+                    f"layer {layer}: {type(cache).__name__} offers no {capability}()"
+                )
 
     @torch.no_grad()
     def forward_with_kv(self, token_ids: Tensor) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
@@ -273,8 +381,9 @@ class ReferenceTransformer(nn.Module):
                 f"ids range from {low} to {high}"
             )
 
-    def _check_caches(self, caches: Sequence[LayerCache], *, batch: int) -> int:
-        """Reject inconsistent caches before any is touched; return their common length."""
+    def _check_caches(self, caches: Sequence[LayerCache], *, batch: int | None) -> int:
+        """Reject inconsistent caches before any is touched; return their common length.
+        With ``batch`` None, a cache's spec is checked for everything but the batch."""
         if not isinstance(caches, Sequence) or isinstance(caches, str):
             raise TypeError(f"caches must be a sequence of caches, got {type(caches).__name__}")
         layers = self.config.num_layers
@@ -301,14 +410,14 @@ class ReferenceTransformer(nn.Module):
             raise CacheContractError(
                 f"inconsistent layer caches: {problem}; lengths by layer {lengths}"
             )
-        wanted = self.cache_spec(batch, max(lengths[0], 1))
         for layer, cache in enumerate(caches):
             # `spec` is not part of the protocol, but a cache that exposes one lets the model
             # reject a mismatch before layer 0 has appended anything.
             spec = getattr(cache, "spec", None)
             if not isinstance(spec, CacheSpec):
                 continue
-            for field in ("batch", "kv_heads", "head_dim", "dtype"):
+            wanted = self.cache_spec(batch or spec.batch, max(lengths[0], 1), layer=layer)
+            for field in ("batch", "kv_heads", "head_dim", "dtype", "window"):
                 if getattr(spec, field) != getattr(wanted, field):
                     raise CacheContractError(
                         f"layer {layer}: cache built for {field} {getattr(spec, field)}, but this "
