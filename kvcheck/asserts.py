@@ -84,20 +84,28 @@ def differing_rows(got: Tensor, want: Tensor) -> list[int]:
 
 
 def assert_returned_rows(cache, *, who: str, where: str) -> None:
-    """What the recorded cache's last append returned is, bit for bit, every row it was given
-    since its reset: none missing, stale, unwritten, moved or changed."""
+    """What the recorded cache's last append returned is, bit for bit, the most recent rows it
+    was given since its reset: all of them, or with a window at least the last W - 1 before
+    the new ones and the new ones. None stale, unwritten, moved or changed."""
     __tracebackhide__ = True
+    fewest, most = cache.fewest_rows(), cache.given_length
     for name, got, given in zip(("keys", "values"), cache.returned, cache.given, strict=True):
-        if got.shape != given.shape:
+        rows = got.shape[2] if got.ndim == 4 else -1
+        if got.shape[:2] + got.shape[3:] != given.shape[:2] + given.shape[3:] or not (
+            fewest <= rows <= most
+        ):
+            count = f"{most}" if fewest == most else f"{fewest} to {most} (window {cache.window})"
             raise DataLoss(
                 f"{who}: append returned {name} shaped {tuple(got.shape)}; a cache that was "
-                f"given {given.shape[2]} rows since its reset must return {tuple(given.shape)}"
-                f"\n  at {where}"
+                f"given {most} rows since its reset, {cache.new_tokens} by this append, must "
+                f"return the last {count} of them, shaped like {tuple(given.shape)}\n  at {where}"
             )
-        if rows := differing_rows(got, given):
+        first = most - rows  # the position of the first row returned
+        if bad := differing_rows(got, given[:, :, first:]):
             raise DataLoss(
-                f"{who}: {name} row {rows[0]} returned by append is not the row appended there "
-                f"({len(rows)} of {given.shape[2]} rows differ: {rows[:8]})\n  at {where}"
+                f"{who}: {name} row {first + bad[0]} returned by append is not the row appended "
+                f"there ({len(bad)} of {rows} rows returned differ: "
+                f"{[first + row for row in bad[:8]]})\n  at {where}"
             )
 
 

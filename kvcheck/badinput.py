@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvcheck.harness import Recorder, record
+from kvcheck.harness import Recorder, build, record
 from kvcheck.strategies import ModelPlan, build_model, random_rows
 from kvref import CacheFactory, CacheSpec, ReferenceTransformer
 
@@ -182,7 +182,7 @@ def build_model_state(factory: CacheFactory, plan: ModelPlan) -> ModelState:
     model = build_model(plan.config, plan.dtype)
     fed = sum(plan.chunks)
     # Room for a bad call that lengthens one layer, then one more token to read back.
-    caches = record(model.new_caches(factory, batch=plan.batch, max_length=fed + 3))
+    caches = record(model.new_caches(factory, batch=plan.batch, max_length=fed + 3), plan.config)
     generator = torch.Generator().manual_seed(plan.token_seed)
     history = torch.randint(0, plan.config.vocab_size, (plan.batch, fed + 2), generator=generator)
     start = 0
@@ -190,7 +190,7 @@ def build_model_state(factory: CacheFactory, plan: ModelPlan) -> ModelState:
         model(history[:, start : start + size], caches=caches)
         start += size
     spec = model.cache_spec(plan.batch, max_length=fed + 3)
-    return ModelState(model, caches, Recorder(factory(spec)), spec, history[:, start:], plan.layer)
+    return ModelState(model, caches, build(factory, spec), spec, history[:, start:], plan.layer)
 
 
 def with_token(tokens: Tensor, token: int) -> Tensor:

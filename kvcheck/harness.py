@@ -16,21 +16,24 @@ from torch import Tensor
 
 from kvcheck.asserts import fail_if_not_empty
 from kvcheck.strategies import POISON_VALUES, CachePlan, Scenario, Session, random_rows
-from kvref import CacheFactory, LayerCache
+from kvref import CacheFactory, CacheSpec, LayerCache, ModelConfig
 
 
 class Recorder:
     """A cache passed through unchanged and watched.
 
-    ``given`` is the rows appended since the last reset (what the cache must hold; None
-    while there are none) and ``returned`` what the last append returned, copied because a
-    cache's views are valid only until its next call.
+    ``given`` is the rows appended since the last reset (None while there are none),
+    ``returned`` what the last append returned (copied, because a cache's views are valid
+    only until its next call) and ``new_tokens`` how many rows that append brought. A cache
+    built with a ``window`` may return only a recent run of ``given``.
     """
 
-    def __init__(self, cache: LayerCache) -> None:
+    def __init__(self, cache: LayerCache, window: int | None = None) -> None:
         self.cache = cache
+        self.window = window
         self.given: tuple[Tensor, Tensor] | None = None
         self.returned: tuple[Tensor, Tensor] | None = None
+        self.new_tokens = 0
         self.lent: tuple[Tensor, ...] = ()
 
     def __getattr__(self, name: str):
@@ -63,23 +66,39 @@ class Recorder:
             )
         self.given = new
         self.returned = (all_keys.clone(), all_values.clone())
+        self.new_tokens = key.shape[2]
         return all_keys, all_values
+
+    def fewest_rows(self) -> int:
+        """The fewest rows the last append may return: all without a window, else the last
+        W - 1 before the new ones and the new ones."""
+        if self.window is None:
+            return self.given_length
+        return min(self.given_length, self.window - 1 + self.new_tokens)
 
     def reset(self) -> None:
         self.cache.reset()
         self.given = self.returned = None
 
 
-def record(caches: Iterable[LayerCache]) -> list[Recorder]:
-    """One recorder per distinct cache object, so that a factory that hands the same object
-    to every layer still meets the model's guard against that."""
+def record(caches: Iterable[LayerCache], config: ModelConfig) -> list[Recorder]:
+    """One recorder per distinct cache object (each knowing its layer's window), so that a
+    factory that hands the same object to every layer still meets the model's guard."""
     recorders: dict[int, Recorder] = {}
-    return [recorders.setdefault(id(cache), Recorder(cache)) for cache in caches]
+    return [
+        recorders.setdefault(id(cache), Recorder(cache, config.layer_window(layer)))
+        for layer, cache in enumerate(caches)
+    ]
+
+
+def build(factory: CacheFactory, spec: CacheSpec) -> Recorder:
+    """A recorded cache from ``factory`` for ``spec``."""
+    return Recorder(factory(spec), spec.window)
 
 
 def warm(factory: CacheFactory, plan: CachePlan) -> Recorder:
     """A recorded cache from ``factory`` after the plan's appends of random rows."""
-    cache = Recorder(factory(plan.spec))
+    cache = build(factory, plan.spec)
     for step, rows in enumerate(plan.chunks):
         keys = random_rows(plan.spec, rows, seed=step)
         cache.append(keys, random_rows(plan.spec, rows, seed=100 + step))
@@ -136,7 +155,7 @@ def run(factory: CacheFactory, scenario: Scenario) -> Iterator[Step]:
     for session_index, session in enumerate(scenario.sessions):
         if session.start == "fresh":
             built = model.new_caches(factory, batch=scenario.batch, max_length=scenario.max_length)
-            caches = record(built)
+            caches = record(built, scenario.config)
         else:
             for cache in caches:
                 cache.reset()

@@ -26,7 +26,7 @@ from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
 from kvcheck import failures
 from kvcheck import strategies as kvst
-from kvcheck.harness import Recorder, Step, run, warm
+from kvcheck.harness import Step, build, run, warm
 from kvcheck.stateful import run_machine
 from kvref import CacheFactory, min_nbytes
 
@@ -54,7 +54,7 @@ def first_wrong_layer(step: Step) -> str:
     for layer, cache in enumerate(step.caches):
         pairs = zip(("keys", "values"), cache.returned, step.oracle_kv[layer], strict=True)
         for name, got, want in pairs:
-            want = want[:, :, : step.end]
+            want = want[:, :, step.end - got.shape[2] : step.end]  # a window returns the last
             if got.shape != want.shape:
                 return (
                     f"  diagnosis: layer {layer}'s cache returned {name} shaped "
@@ -90,19 +90,21 @@ def check_contents(factory: CacheFactory, scenario: kvst.Scenario) -> None:
         for layer, cache in enumerate(step.caches):
             oracle = step.oracle_kv[layer]
             for name, got, want in zip(("keys", "values"), cache.returned, oracle, strict=True):
+                first = step.end - got.shape[2]  # with a window, a recent run of the rows
                 kvassert.assert_close_at(
                     got,
-                    want[:, :, : step.end],
+                    want[:, :, first : step.end],
                     what=f"layer {layer}'s cached {name} and the uncached pass's (rotated) {name}",
                     where=step.where(),
                     position_axis=2,
+                    first_position=first,
                     failure=failures.DataLoss,
                 )
 
 
 def check_isolation(factory: CacheFactory, plan: kvst.IsolationPlan) -> None:
     """Two caches from one factory, given distinct rows in turns, each return only their own."""
-    caches = {"A": Recorder(factory(plan.spec)), "B": Recorder(factory(plan.spec))}
+    caches = {"A": build(factory, plan.spec), "B": build(factory, plan.spec)}
     # Each plan's appends, then one more row for each cache to read it back.
     turns = [[*chunks, 1] for chunks in plan.chunks]
     for step in range(max(map(len, turns))):
@@ -119,14 +121,14 @@ def check_isolation(factory: CacheFactory, plan: kvst.IsolationPlan) -> None:
 def check_stale_rows(factory: CacheFactory, plan: kvst.StaleRowsPlan) -> None:
     """Rows given before a reset (or to another cache), even nan, inf or huge ones, never
     come back."""
-    cache = Recorder(factory(plan.spec))
+    cache = build(factory, plan.spec)
     for rows in plan.poisoned:
         bad = kvst.random_rows(plan.spec, rows, seed=rows).fill_(kvst.POISON_VALUES[plan.poison])
         cache.append(bad, bad.clone())
     if plan.how == "reset":
         cache.reset()
     else:
-        cache = Recorder(factory(plan.spec))
+        cache = build(factory, plan.spec)
     kvassert.fail_if_not_empty([cache], plan.describe())
     for step, rows in enumerate(plan.clean):
         clean = kvst.random_rows(plan.spec, rows, seed=step)
@@ -183,7 +185,7 @@ def check_bad_model_call(factory: CacheFactory, plan: kvst.ModelPlan, case: kvba
 def check_nbytes(factory: CacheFactory, plan: kvst.CachePlan) -> None:
     """nbytes is an int, never below 2 x B x H_kv x L x D x itemsize, at every step of the
     plan and after a reset."""
-    spec, cache = plan.spec, Recorder(factory(plan.spec))
+    spec, cache = plan.spec, build(factory, plan.spec)
     for step, rows in enumerate([*plan.chunks, "reset"]):
         if rows == "reset":
             cache.reset()

@@ -25,7 +25,7 @@ from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
 from kvcheck import strategies as kvst
 from kvcheck.failures import DataLoss
-from kvcheck.harness import Recorder, record
+from kvcheck.harness import Recorder, build, record
 from kvref import CacheFactory
 
 MAX_LENGTH = 64
@@ -68,7 +68,9 @@ class CachedDecoding(RuleBasedStateMachine):
 
     def new_set(self) -> CacheSet:
         built = self.model.new_caches(self.factory, batch=self.batch, max_length=MAX_LENGTH)
-        cache_set = CacheSet(f"cache set {len(self.every_set)}", record(built), self.batch)
+        cache_set = CacheSet(
+            f"cache set {len(self.every_set)}", record(built, self.model.config), self.batch
+        )
         self.every_set.append(cache_set)
         return cache_set
 
@@ -125,7 +127,7 @@ class CachedDecoding(RuleBasedStateMachine):
         state = kvbad.ModelState(
             model=self.model,
             caches=cache_set.caches,
-            spare=Recorder(self.factory(spec)),
+            spare=build(self.factory, spec),
             spec=spec,
             tokens=torch.zeros(self.batch, 1, dtype=torch.long),
             layer=layer % len(cache_set.caches),

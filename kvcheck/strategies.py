@@ -80,12 +80,22 @@ class Scenario:
         return build_model(self.config, self.dtype)
 
     def describe(self) -> str:
-        c = self.config
-        return (
-            f"{c.num_layers} layers, {c.num_heads} heads over {c.num_kv_heads} kv heads of "
-            f"width {c.head_dim}, batch {self.batch}, {str(self.dtype).removeprefix('torch.')}, "
-            f"max_length {self.max_length}"
+        return f"{describe_config(self.config)}, batch {self.batch}, " + (
+            f"{str(self.dtype).removeprefix('torch.')}, max_length {self.max_length}"
         )
+
+
+def describe_config(c: ModelConfig) -> str:
+    if c.window is None:
+        window = ""
+    elif c.window_layers == "all":
+        window = f", window {c.window} on every layer"
+    else:
+        window = f", window {c.window} on even layers (odd ones global)"
+    return (
+        f"{c.num_layers} layers, {c.num_heads} heads over {c.num_kv_heads} kv heads of "
+        f"width {c.head_dim}{window}"
+    )
 
 
 def random_tokens(config: ModelConfig, batch: int, length: int, seed: int) -> torch.Tensor:
@@ -98,6 +108,13 @@ def random_tokens(config: ModelConfig, batch: int, length: int, seed: int) -> to
 def build_model(config: ModelConfig, dtype: torch.dtype) -> ReferenceTransformer:
     # Models are pure functions of (config, dtype); building one per example would dominate.
     return ReferenceTransformer(config, dtype=dtype)
+
+
+# Windows around the chunk sizes drawn (so that lengths cross W - 1, W and W + 1, chunks
+# straddle the window's edge and prefills outrun it), and often none at all.
+windows = st.one_of(
+    st.none(), st.integers(1, 4), st.sampled_from(BOUNDARY_SIZES), st.integers(5, 2 * EDGE + 1)
+)
 
 
 @st.composite
@@ -113,6 +130,8 @@ def model_configs(draw, min_layers: int = 1, max_layers: int = 4) -> ModelConfig
         head_dim=draw(st.sampled_from((2, 4, 6, 8)), label="head_dim"),
         ffn_dim=draw(st.sampled_from((8, 32)), label="ffn_dim"),
         seed=draw(st.integers(0, 2**16), label="weight seed"),
+        window=draw(windows, label="window"),
+        window_layers=draw(st.sampled_from(("all", "alternate")), label="window layers"),
     )
 
 
@@ -198,6 +217,7 @@ def cache_specs(draw, dtypes: tuple[torch.dtype, ...] = DTYPES, min_length: int 
         max_length=draw(st.integers(max(1, min_length), 3 * EDGE), label="max_length"),
         dtype=draw(st.sampled_from(dtypes), label="dtype"),
         device=torch.device("cpu"),
+        window=draw(windows, label="window"),
     )
 
 
@@ -328,10 +348,8 @@ class ModelPlan:
     token_seed: int
 
     def describe(self) -> str:
-        c = self.config
         return (
-            f"{c.num_layers} layers ({c.num_heads} heads over {c.num_kv_heads} kv heads of "
-            f"width {c.head_dim}), batch {self.batch}, "
+            f"{describe_config(self.config)}, batch {self.batch}, "
             f"{str(self.dtype).removeprefix('torch.')}, caches fed chunks {list(self.chunks)}; "
             f"layer picked: {self.layer}"
         )

@@ -2,6 +2,7 @@
 the wrong answer. These properties hold for any correct decoder-only transformer with RoPE."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -73,6 +74,7 @@ def naive_logits(model: ReferenceTransformer, tokens: torch.Tensor) -> torch.Ten
     x = weights["embedding.weight"][tokens]
     batch, length, _ = x.shape
     for layer in range(c.num_layers):
+        window = c.layer_window(layer) or length  # the whole prefix when global
         w = {name.removeprefix(f"blocks.{layer}."): t for name, t in weights.items()}
         h = rms_norm(x, w["attention_norm.weight"])
         q = (h @ w["attention.query.weight"].T).view(batch, length, c.num_heads, c.head_dim)
@@ -86,10 +88,13 @@ def naive_logits(model: ReferenceTransformer, tokens: torch.Tensor) -> torch.Ten
                     query = rotate(q[b, p, head], p)
                     scores = [
                         query @ rotate(k[b, s, kv_head], s) / math.sqrt(c.head_dim)
-                        for s in range(p + 1)
+                        for s in range(max(0, p - window + 1), p + 1)
                     ]
                     attention = torch.softmax(torch.stack(scores), dim=0)
-                    mixed[b, p, head] = sum(a * v[b, s, kv_head] for s, a in enumerate(attention))
+                    first = max(0, p - window + 1)
+                    mixed[b, p, head] = sum(
+                        a * v[b, first + i, kv_head] for i, a in enumerate(attention)
+                    )
         x = x + mixed.reshape(batch, length, -1) @ w["attention.out.weight"].T
         h = rms_norm(x, w["ffn_norm.weight"])
         x = x + torch.nn.functional.silu(h @ w["ffn_in.weight"].T) @ w["ffn_out.weight"].T
@@ -100,7 +105,7 @@ def naive_logits(model: ReferenceTransformer, tokens: torch.Tensor) -> torch.Ten
 def test_agrees_with_a_naive_attention(data):
     config = data.draw(kvst.model_configs(max_layers=2), label="config")
     batch = data.draw(st.integers(1, 2), label="batch")
-    length = data.draw(st.integers(1, 8), label="length")
+    length = data.draw(st.integers(1, 10), label="length")
     model = kvst.build_model(config, torch.float64)
     tokens = kvst.random_tokens(config, batch, length, seed=length)
     kvassert.assert_close_at(
@@ -110,6 +115,17 @@ def test_agrees_with_a_naive_attention(data):
         where=f"an uncached pass over {length} tokens",
         position_axis=1,
     )
+
+
+@given(data=st.data())
+def test_a_window_as_long_as_the_sequence_changes_nothing(data):
+    config = data.draw(kvst.model_configs(max_layers=2), label="config")
+    length = data.draw(st.integers(1, 12), label="length")
+    window = data.draw(st.integers(length, length + 3), label="window")
+    tokens = kvst.random_tokens(config, 2, length, seed=length)
+    global_logits = kvst.build_model(replace(config, window=None), torch.float64)(tokens)
+    windowed = kvst.build_model(replace(config, window=window), torch.float64)(tokens)
+    assert torch.equal(global_logits, windowed), "a window covering every key changed logits"
 
 
 def test_golden_checksum():

@@ -28,8 +28,10 @@ def mask_from_chunk_start() -> Iterator[None]:
     """
     original = model.causal_mask
 
-    def from_chunk_start(query_positions: Tensor, key_positions: Tensor) -> Tensor:
-        return original(query_positions - query_positions[0], key_positions)
+    def from_chunk_start(
+        query_positions: Tensor, key_positions: Tensor, window: int | None = None
+    ) -> Tensor:
+        return original(query_positions - query_positions[0], key_positions, window)
 
     with mock.patch.object(model, "causal_mask", from_chunk_start):
         yield
