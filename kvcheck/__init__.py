@@ -20,7 +20,8 @@ smallest input it found for each failure. New properties reach you with a new re
 kit, with no change on your side.
 
 ``CacheTests`` inherits one class per area (``CoreTests``, ``ResetTests``,
-``IsolationTests``, ``RejectionTests``, ``MemoryTests``, ``StatefulTests``); subclass one of
+``IsolationTests``, ``RejectionTests``, ``MemoryTests``, ``StatefulTests``, and for the
+optional capabilities ``TruncateTests`` and ``ReorderTests``); subclass one of
 them instead to run only that area. The contract a cache must keep is in ``kvref.protocol``
 and ``docs/contract.md``.
 """
@@ -31,8 +32,10 @@ from kvcheck.base import (
     IsolationTests,
     MemoryTests,
     RejectionTests,
+    ReorderTests,
     ResetTests,
     StatefulTests,
+    TruncateTests,
 )
 
 __all__ = [
@@ -41,6 +44,8 @@ __all__ = [
     "IsolationTests",
     "MemoryTests",
     "RejectionTests",
+    "ReorderTests",
     "ResetTests",
     "StatefulTests",
+    "TruncateTests",
 ]

@@ -265,3 +265,62 @@ BAD_CALLS = [
         errors=(TypeError,),
     ),
 ]
+
+
+# make(cache length) -> the length argument of ``truncate``
+BAD_TRUNCATES = [
+    BadInput(
+        "negative length",
+        lambda held: (-1,),
+        r"length|negative|range|between|>=|at least|position",
+    ),
+    BadInput(
+        "past the length held",
+        lambda held: (held + 1,),
+        r"length|range|between|<=|at most|exceed|held|position|beyond|more than",
+    ),
+    BadInput(
+        "not an int",
+        lambda held: (held / 2 + 0.5,),
+        r"int|type|float|length",
+        errors=NOT_A_TENSOR_ERRORS,
+    ),
+]
+REORDER_WORDS = r"indices|index|dtype|int64|long|shape|size|batch|range|device|tensor|between"
+
+# make(spec) -> the indices argument of ``reorder``, for a batch of spec.batch rows
+BAD_REORDERS = [
+    BadInput("int32 indices", lambda s: (torch.zeros(s.batch, dtype=torch.int32),), REORDER_WORDS),
+    BadInput("float indices", lambda s: (torch.zeros(s.batch),), REORDER_WORDS),
+    BadInput(
+        "one index too many",
+        lambda s: (torch.zeros(s.batch + 1, dtype=torch.long),),
+        REORDER_WORDS,
+        shapes_of(0),
+    ),
+    BadInput(
+        "indices of rank 2",
+        lambda s: (torch.zeros(s.batch, 1, dtype=torch.long),),
+        REORDER_WORDS,
+        shapes_of(0),
+    ),
+    BadInput(
+        "index past the batch",
+        lambda s: (torch.full((s.batch,), s.batch, dtype=torch.long),),
+        REORDER_WORDS,
+    ),
+    BadInput(
+        "negative index", lambda s: (torch.full((s.batch,), -1, dtype=torch.long),), REORDER_WORDS
+    ),
+    BadInput(
+        "indices on another device",
+        lambda s: (torch.zeros(s.batch, dtype=torch.long, device="meta"),),
+        REORDER_WORDS + "|meta|cpu|cuda",
+    ),
+    BadInput(
+        "indices not a tensor",
+        lambda s: ([0] * s.batch,),
+        NOT_A_TENSOR,
+        errors=NOT_A_TENSOR_ERRORS,
+    ),
+]

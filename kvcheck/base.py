@@ -16,11 +16,13 @@ built-in when neither is given), one test per cache, named in the test id.
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import example, given, settings
 
 from kvcheck import profiles as kvprofiles
 from kvcheck import properties as kvprop
 from kvcheck.properties import Property
+from kvref import CacheSpec, capabilities
 
 
 def property_test(prop: Property):
@@ -32,6 +34,7 @@ def property_test(prop: Property):
     if prop.strategy is None:
 
         def test(self, cache_factory):
+            skip_unless_offered(prop, cache_factory)
             with kvprofiles.torch_threads():
                 prop.check(cache_factory)
 
@@ -39,15 +42,28 @@ def property_test(prop: Property):
 
         @pytest.mark.parametrize("case", prop.cases, ids=str)
         def test(self, cache_factory, case):
+            skip_unless_offered(prop, cache_factory)
             search(prop, lambda drawn: prop.check(cache_factory, drawn, case))
 
     else:
 
         def test(self, cache_factory):
+            skip_unless_offered(prop, cache_factory)
             search(prop, lambda drawn: prop.check(cache_factory, drawn))
 
     test.__doc__ = prop.title
     return pytest.mark.kv_property(prop.name)(test)
+
+
+NOT_OFFERED = "not offered"
+PROBE = CacheSpec(batch=1, kv_heads=1, head_dim=2, max_length=8, dtype=torch.float64, device="cpu")
+
+
+def skip_unless_offered(prop: Property, factory) -> None:
+    """Skip, as "not offered", a property of a capability the cache does not have (a cache
+    offers one by having the method)."""
+    if prop.requires and prop.requires not in capabilities(factory(PROBE)):
+        pytest.skip(f"{NOT_OFFERED}: the cache has no {prop.requires}() method")
 
 
 def search(prop: Property, check) -> None:
@@ -127,5 +143,29 @@ class StatefulTests(KitTests):
     test_any_sequence_of_prefill_decode_reset_and_bad_calls = property_test(kvprop.STATEFUL)
 
 
-class CacheTests(CoreTests, ResetTests, IsolationTests, RejectionTests, MemoryTests, StatefulTests):
-    """Every property of the kit. Subclass it, set ``factory``, and pytest runs them all."""
+class TruncateTests(KitTests):
+    """``truncate(length)``, for speculative decoding and regenerate: run when offered."""
+
+    test_rollbacks_and_rewinds_act_on_the_history_left = property_test(kvprop.TRUNCATE)
+    test_bad_truncate_is_refused_and_changes_nothing = property_test(kvprop.BAD_TRUNCATE)
+
+
+class ReorderTests(KitTests):
+    """``reorder(indices)``, for beam search: run when offered."""
+
+    test_reorders_act_on_the_permuted_histories = property_test(kvprop.REORDER)
+    test_bad_reorder_is_refused_and_changes_nothing = property_test(kvprop.BAD_REORDER)
+
+
+class CacheTests(
+    CoreTests,
+    ResetTests,
+    IsolationTests,
+    RejectionTests,
+    MemoryTests,
+    StatefulTests,
+    TruncateTests,
+    ReorderTests,
+):
+    """Every property of the kit. Subclass it, set ``factory``, and pytest runs them all;
+    those of a capability the cache does not offer are skipped as "not offered"."""

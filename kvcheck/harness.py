@@ -80,6 +80,17 @@ class Recorder:
         self.cache.reset()
         self.given = self.returned = None
 
+    # The optional capabilities, passed through; the record follows only a call that returns.
+    def truncate(self, length: int) -> None:
+        self.cache.truncate(length)
+        if self.given is not None:
+            self.given = tuple(rows[:, :, :length] for rows in self.given)
+
+    def reorder(self, indices: Tensor) -> None:
+        self.cache.reorder(indices)
+        if self.given is not None:
+            self.given = tuple(rows[indices.cpu()] for rows in self.given)
+
 
 def record(caches: Iterable[LayerCache], config: ModelConfig) -> list[Recorder]:
     """One recorder per distinct cache object (each knowing its layer's window), so that a

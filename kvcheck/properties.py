@@ -26,7 +26,7 @@ from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
 from kvcheck import failures
 from kvcheck import strategies as kvst
-from kvcheck.harness import Step, build, run, warm
+from kvcheck.harness import Step, build, record, run, warm
 from kvcheck.stateful import run_machine
 from kvref import CacheFactory, min_nbytes
 
@@ -206,6 +206,87 @@ def check_nbytes(factory: CacheFactory, plan: kvst.CachePlan) -> None:
             )
 
 
+def check_edits(factory: CacheFactory, plan: kvst.EditPlan) -> None:
+    """After every rollback, rewind or reorder, the caches behave exactly as if they had been
+    given only the history that remains: logits, lengths and rows, step after step."""
+    model = kvst.build_model(plan.config, plan.dtype)
+    built = model.new_caches(factory, batch=plan.batch, max_length=plan.max_length)
+    caches = record(built, plan.config)
+    generator = torch.Generator().manual_seed(plan.token_seed)
+    vocab = plan.config.vocab_size
+    history = torch.empty(plan.batch, 0, dtype=torch.long)
+
+    def feed(size: int, where: str) -> torch.Tensor:
+        new = torch.randint(0, vocab, (plan.batch, size), generator=generator)
+        start = history.shape[1]
+        expected = model(torch.cat((history, new), dim=1))[:, start:]
+        where = f"{where}, {size} tokens at absolute positions {start}..{start + size - 1}"
+        kvassert.assert_close_at(
+            model(new, caches=caches),
+            expected,
+            what="cached and uncached logits",
+            where=where,
+            position_axis=1,
+            first_position=start,
+        )
+        for layer, cache in enumerate(caches):
+            kvassert.assert_returned_rows(cache, who=f"layer {layer}", where=where)
+        return new
+
+    history = feed(plan.prompt, f"the prompt of {plan.describe()}")
+    for index, step in enumerate(plan.steps):
+        where = f"step #{index} ({kvst.describe_step(step)}) of {plan.describe()}"
+        if isinstance(step, int):
+            history = torch.cat((history, feed(step, where)), dim=1)
+        elif isinstance(step, kvst.Rollback):
+            drafted = feed(step.drafted, where)
+            history = torch.cat((history, drafted[:, : step.kept]), dim=1)
+            model.truncate(caches, history.shape[1])
+        elif isinstance(step, kvst.Rewind):
+            target = min(step.to, history.shape[1])
+            error = kvassert.raised_by(lambda: model.truncate(caches, target))  # noqa: B023
+            if error is None:
+                history = history[:, :target]
+            elif not (isinstance(error, ValueError) and may_refuse(plan.config, history, target)):
+                raise error  # a refusal of a rewind every layer can make: a crash
+        else:
+            indices = torch.tensor(step.indices)
+            model.reorder(caches, indices)
+            history = history[indices]
+        for layer, cache in enumerate(caches):
+            kvassert.assert_length(cache, history.shape[1], who=f"layer {layer}", where=where)
+
+
+def may_refuse(config, history: torch.Tensor, target: int) -> bool:
+    """Whether a window layer may refuse to rewind to ``target``: the next query needs the
+    positions from target - W + 1, and a cache must keep only the last W - 1."""
+    held = history.shape[1]
+    windows = {config.layer_window(layer) for layer in range(config.num_layers)} - {None}
+    return any(max(0, target - w + 1) < max(0, held - w + 1) for w in windows)
+
+
+def check_bad_truncate(factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.BadInput):
+    """``truncate`` with ``case``'s argument is refused and changes nothing."""
+    cache = warm(factory, plan)
+    bad = case.make(cache.given_length)
+    where = plan.describe()
+    error = kvassert.raised_by(lambda: cache.cache.truncate(*bad))
+    kvassert.assert_refused(error, case, where=where)
+    kvassert.assert_unchanged(cache, plan.spec, who="the cache", where=where)
+    kvassert.assert_clear_error(error, case, bad, where=where)
+
+
+def check_bad_reorder(factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.BadInput):
+    """``reorder`` with ``case``'s indices is refused and changes nothing."""
+    cache = warm(factory, plan)
+    bad = case.make(plan.spec)
+    where = plan.describe()
+    error = kvassert.raised_by(lambda: cache.cache.reorder(*bad))
+    kvassert.assert_refused(error, case, where=where)
+    kvassert.assert_unchanged(cache, plan.spec, who="the cache", where=where)
+    kvassert.assert_clear_error(error, case, bad, where=where)
+
+
 def check_stateful(factory: CacheFactory, _drawn: None = None) -> None:
     """Any interleaving of prefill, decode, reset, fresh caches and bad calls on sets of
     caches from one factory keeps lengths and logits right (a Hypothesis state machine)."""
@@ -222,6 +303,7 @@ class Property:
     strategy: st.SearchStrategy | None  # None: the check draws for itself (a state machine)
     severity: str  # what a plain AssertionError from an overridden check means
     cases: tuple = ()  # a table: one test per case
+    requires: str | None = None  # the optional capability it tests ("truncate", "reorder")
     pinned: tuple = ()  # inputs tried first on every run (@example): past regressions
     # Inputs run as plain tests by name, not as @example, so that a search still shrinks.
     edges: dict[str, Any] = field(default_factory=dict)
@@ -314,6 +396,40 @@ RESET = Property(
     failures.WRONG_RESULTS,
     pinned=kvst.PINNED[:1],
 )
+TRUNCATE = Property(
+    "truncate",
+    "after a rollback (speculative decoding) or a rewind, caches act on the history left",
+    check_edits,
+    kvst.edit_plans(),
+    failures.WRONG_RESULTS,
+    requires="truncate",
+)
+BAD_TRUNCATE = Property(
+    "bad truncate",
+    "truncate to a negative, too large or non-int length is refused, changing nothing",
+    check_bad_truncate,
+    kvst.cache_plans(room=1),
+    failures.ACCEPTS_BAD_INPUT,
+    cases=tuple(kvbad.BAD_TRUNCATES),
+    requires="truncate",
+)
+REORDER = Property(
+    "reorder",
+    "after a reorder (beam search, repeats allowed), caches act on the permuted histories",
+    check_edits,
+    kvst.edit_plans(rollbacks=False, reorder=True),
+    failures.WRONG_RESULTS,
+    requires="reorder",
+)
+BAD_REORDER = Property(
+    "bad reorder",
+    "reorder with indices of a wrong dtype, shape, range or device is refused, changing nothing",
+    check_bad_reorder,
+    kvst.cache_plans(room=1),
+    failures.ACCEPTS_BAD_INPUT,
+    cases=tuple(kvbad.BAD_REORDERS),
+    requires="reorder",
+)
 STATEFUL = Property(
     "stateful",
     "any interleaving of prefill, decode, reset, fresh caches and bad calls stays right",
@@ -336,5 +452,9 @@ ALL = (
     CONTENTS,
     RESET,
     STATEFUL,
+    TRUNCATE,
+    BAD_TRUNCATE,
+    REORDER,
+    BAD_REORDER,
 )
 BY_NAME = {prop.name: prop for prop in ALL}

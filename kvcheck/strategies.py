@@ -368,6 +368,103 @@ def model_plans(draw) -> ModelPlan:
     )
 
 
+@dataclass(frozen=True)
+class Rollback:
+    """Draft ``drafted`` tokens, then keep the first ``kept`` of them and forget the rest
+    (speculative decoding: the target model accepted ``kept``)."""
+
+    drafted: int
+    kept: int
+
+    def describe(self) -> str:
+        return f"draft {self.drafted}, keep {self.kept}"
+
+
+@dataclass(frozen=True)
+class Rewind:
+    """Forget every token at position >= ``to`` (edit and regenerate); a window cache may
+    refuse once it has dropped positions the next query needs."""
+
+    to: int
+
+    def describe(self) -> str:
+        return f"rewind to {self.to}"
+
+
+@dataclass(frozen=True)
+class Reorder:
+    """Batch row b becomes the old row ``indices[b]`` (beam search); never the identity."""
+
+    indices: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"reorder {list(self.indices)}"
+
+
+@dataclass(frozen=True)
+class EditPlan:
+    """A model, a batch and a prompt, then steps that append, roll back, rewind or reorder the
+    caches; after each, the caches must behave exactly as if they had only been given the
+    history that remains (the uncached model on it is the oracle)."""
+
+    config: ModelConfig
+    batch: int
+    dtype: torch.dtype
+    prompt: int
+    steps: tuple[int | Rollback | Rewind | Reorder, ...]  # an int is a chunk of new tokens
+    token_seed: int
+
+    @property
+    def max_length(self) -> int:
+        total = self.prompt
+        for step in self.steps:
+            total += step if isinstance(step, int) else getattr(step, "drafted", 0)
+        return total
+
+    def describe(self) -> str:
+        steps = [describe_step(step) for step in self.steps]
+        return (
+            f"prompt {self.prompt}, then {steps}\n  model: {describe_config(self.config)}, "
+            f"batch {self.batch}, {str(self.dtype).removeprefix('torch.')}"
+        )
+
+
+def describe_step(step: int | Rollback | Rewind | Reorder) -> str:
+    return f"chunk of {step}" if isinstance(step, int) else step.describe()
+
+
+def reorders(batch: int) -> st.SearchStrategy[Reorder]:
+    """Indices for ``batch`` rows with repeats allowed, never the identity."""
+    identity = tuple(range(batch))
+    indices = st.lists(st.integers(0, batch - 1), min_size=batch, max_size=batch).map(tuple)
+    return indices.filter(lambda drawn: drawn != identity).map(Reorder)
+
+
+@st.composite
+def edit_plans(draw, *, rollbacks: bool = True, reorder: bool = False) -> EditPlan:
+    """Plans of chunks and rollbacks (and rewinds), or with ``reorder`` of chunks and
+    reorders (batch 2 to 4)."""
+    config = draw(model_configs(max_layers=3), label="config")
+    batch = draw(st.integers(2 if reorder else 1, 4), label="batch")
+    kinds = [chunk_sizes]
+    if rollbacks:
+        drafts = st.integers(1, 8).flatmap(
+            lambda k: st.builds(Rollback, st.just(k), st.integers(0, k))
+        )
+        kinds += [drafts, drafts, st.builds(Rewind, st.integers(0, MAX_SESSION))]
+    if reorder:
+        kinds += [reorders(batch), reorders(batch)]
+    steps = draw(st.lists(st.one_of(kinds), min_size=1, max_size=8), label="steps")
+    return EditPlan(
+        config=config,
+        batch=batch,
+        dtype=draw(st.sampled_from(DTYPES), label="dtype"),
+        prompt=draw(prompt_sizes, label="prompt"),
+        steps=tuple(steps),
+        token_seed=draw(st.integers(0, 2**16), label="token seed"),
+    )
+
+
 # Shrunk counterexamples of the mutant catalogue (tests/mutants), pinned with @example on
 # the core properties: small, and each at an edge where a real cache broke.
 _tiny = ModelConfig(vocab_size=11, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, seed=3)

@@ -26,7 +26,7 @@ import pytest
 from kvcheck import failures, profiles
 
 KEY = "kvcheck"
-PASS, FAIL, SKIPPED = "pass", "FAIL", "skipped"
+PASS, FAIL, SKIPPED, NOT_OFFERED = "pass", "FAIL", "skipped", "not offered"
 
 
 def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport) -> dict | None:
@@ -42,7 +42,9 @@ def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestRepor
     if report.passed:
         return {**entry, "outcome": PASS}
     if report.skipped or hasattr(report, "wasxfail"):
-        return {**entry, "outcome": SKIPPED, "reason": _skip_reason(report)}
+        reason = _skip_reason(report)
+        outcome = NOT_OFFERED if reason.startswith(NOT_OFFERED) else SKIPPED
+        return {**entry, "outcome": outcome, "reason": reason}
     error = call.excinfo.value if call.excinfo is not None else None
     from kvcheck.properties import BY_NAME
 
@@ -117,9 +119,9 @@ def tabulate(entries: list[dict]) -> dict[str, dict]:
                     reason=entry["reason"],
                     test=entry["test"],
                 )
-        elif entry["outcome"] == SKIPPED and row["tests"] == 1:
-            row.update(result=SKIPPED, reason=entry["reason"])
-        elif entry["outcome"] == PASS and row["result"] == SKIPPED:
+        elif entry["outcome"] in (SKIPPED, NOT_OFFERED) and row["tests"] == 1:
+            row.update(result=entry["outcome"], reason=entry["reason"])
+        elif entry["outcome"] == PASS and row["result"] in (SKIPPED, NOT_OFFERED):
             row.update(result=PASS)
             row.pop("reason")
     for cache in caches.values():
@@ -127,6 +129,7 @@ def tabulate(entries: list[dict]) -> dict[str, dict]:
         cache["properties"] = dict(sorted(rows.items(), key=lambda kv: order.get(kv[0], 99)))
         cache["holds"] = sum(row["result"] == PASS for row in rows.values())
         cache["failed"] = sum(row["result"] == FAIL for row in rows.values())
+        cache["not offered"] = sum(row["result"] == NOT_OFFERED for row in rows.values())
     return caches
 
 
@@ -140,18 +143,22 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
     for label, cache in caches.items():
         rows = cache["properties"]
         named = label if label == cache["name"] else f"{label} ({cache['name']})"
+        offered = len(rows) - cache.get("not offered", 0)
         verdict = "holds every property" if not cache["failed"] else f"{cache['failed']} FAIL"
-        lines.append(f"{named}: {verdict} ({cache['holds']} of {len(rows)} pass)")
+        lines.append(f"{named}: {verdict} ({cache['holds']} of {offered} pass)")
         passed = [name for name, row in rows.items() if row["result"] == PASS]
         if passed:
-            lines.append(f"  pass     {', '.join(passed)}")
+            lines.append(f"  pass         {', '.join(passed)}")
+        absent = [name for name, row in rows.items() if row["result"] == NOT_OFFERED]
+        if absent:
+            lines.append(f"  not offered  {', '.join(absent)}")
         for name, row in rows.items():
             if row["result"] == FAIL:
                 tests = f"{row['failed']} of {row['tests']} tests"
-                line = f"  FAIL     {name} [{row['severity']}] ({tests}): {row['reason']}"
+                line = f"  FAIL         {name} [{row['severity']}] ({tests}): {row['reason']}"
                 lines.append(line if len(line) <= width else line[: width - 3] + "...")
             elif row["result"] == SKIPPED:
-                lines.append(f"  skipped  {name}: {row['reason']}")
+                lines.append(f"  skipped      {name}: {row['reason']}")
     return lines
 
 
