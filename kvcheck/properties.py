@@ -220,7 +220,7 @@ def check_edits(factory: CacheFactory, plan: kvst.EditPlan) -> None:
         new = torch.randint(0, vocab, (plan.batch, size), generator=generator)
         start = history.shape[1]
         expected = model(torch.cat((history, new), dim=1))[:, start:]
-        where = f"{where}, {size} tokens at absolute positions {start}..{start + size - 1}"
+        where = f"{size} tokens at absolute positions {start}..{start + size - 1} in {where}"
         kvassert.assert_close_at(
             model(new, caches=caches),
             expected,

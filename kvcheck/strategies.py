@@ -451,7 +451,9 @@ def edit_plans(draw, *, rollbacks: bool = True, reorder: bool = False) -> EditPl
         drafts = st.integers(1, 8).flatmap(
             lambda k: st.builds(Rollback, st.just(k), st.integers(0, k))
         )
-        kinds += [drafts, drafts, st.builds(Rewind, st.integers(0, MAX_SESSION))]
+        # Rewinds to 0 (empty), near the start, anywhere, and past the end (a no-op).
+        targets = st.one_of(st.just(0), st.integers(0, 8), st.integers(0, MAX_SESSION))
+        kinds += [drafts, drafts, st.builds(Rewind, targets)]
     if reorder:
         kinds += [reorders(batch), reorders(batch)]
     steps = draw(st.lists(st.one_of(kinds), min_size=1, max_size=8), label="steps")
