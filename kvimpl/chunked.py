@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvimpl._checks import check_reorder, check_truncate
 from kvref.protocol import CacheSpec, check_append
 
 DEFAULT_CHUNK_SIZE = 16
@@ -45,6 +46,17 @@ class ChunkedCache:
             written += rows
         self._length += new_tokens
         return self._joined(0), self._joined(1)
+
+    def truncate(self, length: int) -> None:
+        check_truncate(self._length, length)
+        del self.chunks[-(-length // self.chunk_size) :]  # the chunks wholly past the new end
+        self._length = length
+
+    def reorder(self, indices: Tensor) -> None:
+        check_reorder(self.spec, indices)
+        self.chunks = [
+            (k.index_select(0, indices), v.index_select(0, indices)) for k, v in self.chunks
+        ]
 
     def reset(self) -> None:
         self.chunks: list[tuple[Tensor, Tensor]] = []

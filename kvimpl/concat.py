@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvimpl._checks import check_reorder, check_truncate
 from kvref.protocol import CacheSpec, check_append
 
 
@@ -26,6 +27,17 @@ class ConcatCache:
         self.key = torch.cat((self.key, key), dim=2)
         self.value = torch.cat((self.value, value), dim=2)
         return self.key, self.value
+
+    def truncate(self, length: int) -> None:
+        check_truncate(self.length, length)
+        # Copies, so that the dropped rows' storage is freed and nbytes stays what it holds.
+        self.key = self.key[:, :, :length].clone()
+        self.value = self.value[:, :, :length].clone()
+
+    def reorder(self, indices: Tensor) -> None:
+        check_reorder(self.spec, indices)
+        self.key = self.key.index_select(0, indices)
+        self.value = self.value.index_select(0, indices)
 
     def reset(self) -> None:
         s = self.spec

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvimpl._checks import check_reorder, check_truncate
 from kvref.protocol import CacheSpec, check_append
 
 
@@ -32,6 +33,16 @@ class PreallocatedCache:
         self._length = end
         # Only the rows written since the last reset: stale rows never leave the cache.
         return self.key[:, :, :end], self.value[:, :, :end]
+
+    def truncate(self, length: int) -> None:
+        check_truncate(self._length, length)
+        self._length = length  # the rows past it are never returned, and will be overwritten
+
+    def reorder(self, indices: Tensor) -> None:
+        check_reorder(self.spec, indices)
+        valid = self._length  # only the rows written, not the whole buffer
+        for buffer in (self.key, self.value):
+            buffer[:, :, :valid] = buffer[:, :, :valid].index_select(0, indices)
 
     def reset(self) -> None:
         self._length = 0
