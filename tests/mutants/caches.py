@@ -12,7 +12,8 @@ import functools
 import torch
 from torch import Tensor
 
-from kvimpl import ChunkedCache, ConcatCache, PreallocatedCache
+from kvimpl import ChunkedCache, ConcatCache, PreallocatedCache, WindowCache
+from kvimpl._checks import check_truncate
 from kvref import CacheSpec, check_append
 
 
@@ -384,6 +385,79 @@ class VagueErrors(ConcatCache):
             raise ValueError("invalid input") from None
 
 
+class WindowOffByOne(WindowCache):
+    """Keeps W - 2 rows before the new ones instead of W - 1: once the session reaches W
+    tokens, every new query's window lacks its oldest key.
+
+    Stands for the off-by-one between a window that counts the query itself (keys
+    p - W + 1 .. p) and one that does not, and for updates that broke exactly when the total
+    length reached the window (transformers 37574, a strict against a non-strict
+    inequality): every session shorter than the window is right.
+    """
+
+    def __init__(self, spec: CacheSpec) -> None:
+        super().__init__(spec)
+        if spec.window is not None:
+            self.lookback = max(spec.window - 2, 0)
+
+
+class WrapSlotBeforeFull(WindowCache):
+    """Writes position p in slot p % W while it reads p from slot p % capacity: once an
+    append of several tokens has grown the ring past W slots, positions W and on land on
+    rows still needed, before the ring is even full.
+
+    Stands for read and write slots computed by different formulas (transformers 47708:
+    ``past_length % sliding_window`` as the start of the range, right only once the cache
+    holds a full window). With one-token appends the ring has exactly W slots, and the two
+    formulas agree.
+    """
+
+    def _write(self, buffer: Tensor, first: int, rows: Tensor) -> None:
+        if self.spec.window is None:
+            super()._write(buffer, first, rows)
+            return
+        positions = torch.arange(first, first + rows.shape[2], device=buffer.device)
+        buffer.index_copy_(2, positions % self.spec.window, rows)
+
+
+class ChunkOverwritesOwnWindow(WindowCache):
+    """A ring of exactly W slots whatever the append: a chunk of T > 1 tokens overwrites
+    rows its own earlier queries still need, and only the last W rows come back.
+
+    Stands for a ring sized to the window and indexed ``input_pos % max_cache_len``
+    (litgpt 2182, a prefill longer than the window): decoding one token at a time is right,
+    a prefill or chunk that crosses the window is not.
+    """
+
+    def __init__(self, spec: CacheSpec) -> None:
+        super().__init__(spec)
+        if spec.window is not None:
+            self.key, self.value = self._storage(spec.window), self._storage(spec.window)
+
+    def _make_room(self, new_tokens: int) -> None:
+        if self.spec.window is None:
+            super()._make_room(new_tokens)
+
+    def _write(self, buffer: Tensor, first: int, rows: Tensor) -> None:
+        # Written in order into W slots, a chunk's later rows overwrite its earlier ones.
+        overwritten = max(0, rows.shape[2] - self.capacity)
+        super()._write(buffer, first + overwritten, rows[:, :, overwritten:])
+
+
+class WindowTruncateUnchecked(WindowCache):
+    """``truncate`` never refuses: taken back past the rows the ring still holds, it leaves
+    the next queries without keys they need, and the next appends return too few rows.
+
+    Stands for a rotating cache whose trim only moves its offset (ollama 14912: ``Trim()``
+    on a wrapped RotatingKVCache corrupted its state instead of reporting failure).
+    """
+
+    def truncate(self, length: int) -> None:
+        check_truncate(self._length, length)
+        self._held = max(0, length - (self._length - self._held))
+        self._length = length
+
+
 CACHE_MUTANTS = (
     WrongAxis,
     Prepends,
@@ -409,4 +483,8 @@ CACHE_MUTANTS = (
     StaleRowsAfterReset,
     WrapsAtCapacity,
     VagueErrors,
+    WindowOffByOne,
+    WrapSlotBeforeFull,
+    ChunkOverwritesOwnWindow,
+    WindowTruncateUnchecked,
 )
