@@ -8,12 +8,14 @@ from typing import NamedTuple
 from kvimpl.chunked import ChunkedCache
 from kvimpl.concat import ConcatCache
 from kvimpl.preallocated import PreallocatedCache
+from kvimpl.window import WindowCache
 from kvref.protocol import CacheFactory
 
 CACHES: dict[str, CacheFactory] = {
     "concat": ConcatCache,
     "preallocated": PreallocatedCache,
     "chunked": ChunkedCache,
+    "window": WindowCache,
 }
 
 
@@ -79,6 +81,7 @@ __all__ = [
     "ConcatCache",
     "PreallocatedCache",
     "Selected",
+    "WindowCache",
     "cache_label",
     "load_factory",
     "select",

@@ -12,7 +12,8 @@ import functools
 import torch
 from torch import Tensor
 
-from kvimpl import ChunkedCache, ConcatCache, PreallocatedCache
+from kvimpl import ChunkedCache, ConcatCache, PreallocatedCache, WindowCache
+from kvimpl._checks import check_reorder, check_truncate
 from kvref import CacheSpec, check_append
 
 
@@ -384,6 +385,188 @@ class VagueErrors(ConcatCache):
             raise ValueError("invalid input") from None
 
 
+class WindowOffByOne(WindowCache):
+    """Keeps W - 2 rows before the new ones instead of W - 1: once the session reaches W
+    tokens, every new query's window lacks its oldest key.
+
+    Stands for the off-by-one between a window that counts the query itself (keys
+    p - W + 1 .. p) and one that does not, and for updates that broke exactly when the total
+    length reached the window (transformers 37574, a strict against a non-strict
+    inequality): every session shorter than the window is right.
+    """
+
+    def __init__(self, spec: CacheSpec) -> None:
+        super().__init__(spec)
+        if spec.window is not None:
+            self.lookback = max(spec.window - 2, 0)
+
+
+class WrapSlotBeforeFull(WindowCache):
+    """Writes position p in slot p % W while it reads p from slot p % capacity: once an
+    append of several tokens has grown the ring past W slots, positions W and on land on
+    rows still needed, before the ring is even full.
+
+    Stands for read and write slots computed by different formulas (transformers 47708:
+    ``past_length % sliding_window`` as the start of the range, right only once the cache
+    holds a full window). With one-token appends the ring has exactly W slots, and the two
+    formulas agree.
+    """
+
+    def _write(self, buffer: Tensor, first: int, rows: Tensor) -> None:
+        if self.spec.window is None:
+            super()._write(buffer, first, rows)
+            return
+        positions = torch.arange(first, first + rows.shape[2], device=buffer.device)
+        buffer.index_copy_(2, positions % self.spec.window, rows)
+
+
+class ChunkOverwritesOwnWindow(WindowCache):
+    """A ring of exactly W slots whatever the append: a chunk of T > 1 tokens overwrites
+    rows its own earlier queries still need, and only the last W rows come back.
+
+    Stands for a ring sized to the window and indexed ``input_pos % max_cache_len``
+    (litgpt 2182, a prefill longer than the window): decoding one token at a time is right,
+    a prefill or chunk that crosses the window is not.
+    """
+
+    def __init__(self, spec: CacheSpec) -> None:
+        super().__init__(spec)
+        if spec.window is not None:
+            self.key, self.value = self._storage(spec.window), self._storage(spec.window)
+
+    def _make_room(self, new_tokens: int) -> None:
+        if self.spec.window is None:
+            super()._make_room(new_tokens)
+
+    def _write(self, buffer: Tensor, first: int, rows: Tensor) -> None:
+        # Written in order into W slots, a chunk's later rows overwrite its earlier ones.
+        overwritten = max(0, rows.shape[2] - self.capacity)
+        super()._write(buffer, first + overwritten, rows[:, :, overwritten:])
+
+
+class WindowTruncateUnchecked(WindowCache):
+    """``truncate`` never refuses: taken back past the rows the ring still holds, it leaves
+    the next queries without keys they need, and the next appends return too few rows.
+
+    Stands for a rotating cache whose trim only moves its offset (ollama 14912: ``Trim()``
+    on a wrapped RotatingKVCache corrupted its state instead of reporting failure).
+    """
+
+    def truncate(self, length: int) -> None:
+        check_truncate(self._length, length)
+        self._held = max(0, length - (self._length - self._held))
+        self._length = length
+
+
+class TruncateZeroIsNoOp(ChunkedCache):
+    """``truncate(0)`` keeps everything.
+
+    Stands for a crop that reads a length <= 0 as "that many from the end" (transformers
+    47433: ``DynamicCache.crop(0)`` kept the whole cache): every other length is right.
+    """
+
+    def truncate(self, length: int) -> None:
+        check_truncate(self._length, length)
+        if length == 0:  # read as "drop nothing from the end"
+            return
+        super().truncate(length)
+
+
+class TruncateKeepsRows(ConcatCache):
+    """``truncate`` moves a length counter and keeps the rows; the next append recomputes
+    the length from the rows it holds, dropped ones included.
+
+    Stands for mlx-lm's ConcatenateKVCache.trim (fixed in ml-explore/mlx-lm#1502): it only
+    decremented ``offset``, and the next update recomputed ``offset`` from the stored keys,
+    so the trimmed tokens came back; the trim itself looked right.
+    """
+
+    def truncate(self, length: int) -> None:
+        check_truncate(self.length, length)
+        self.offset = length
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        keys, values = super().append(key, value)
+        self.offset = keys.shape[2]
+        return keys, values
+
+    def reset(self) -> None:
+        super().reset()
+        self.offset = 0
+
+    @property
+    def length(self) -> int:
+        return self.offset
+
+
+class TruncateForgetsPosition(PreallocatedCache):
+    """``truncate`` lowers ``length`` but not the write position: the next append writes
+    after the dropped rows, and the rows it returns hold dropped ones where the new ones
+    belong.
+
+    Stands for a cache that keeps its write index apart from its length and rolls back only
+    one of them when a speculative draft is rejected. (Its write position wraps at the end of
+    the buffer, so that it never crashes.)
+    """
+
+    def __init__(self, spec: CacheSpec) -> None:
+        super().__init__(spec)
+        self.write_at = 0
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        new = check_append(self.spec, self._length, key, value, capacity=self.spec.max_length)
+        slots = torch.arange(self.write_at, self.write_at + new) % self.spec.max_length
+        self.key.index_copy_(2, slots.to(self.key.device), key)
+        self.value.index_copy_(2, slots.to(self.value.device), value)
+        self.write_at += new
+        self._length += new
+        return self.key[:, :, : self._length], self.value[:, :, : self._length]
+
+    def reset(self) -> None:
+        super().reset()
+        self.write_at = 0
+
+
+class ReorderKeysOnly(ConcatCache):
+    """``reorder`` permutes the keys and leaves the values in the old order.
+
+    Stands for a reorder written out for one tensor and copied for the other, with the copy
+    never updated (a value cache rebuilt from the key cache's code): invisible with batch 1
+    or when the beams stay in place.
+    """
+
+    def reorder(self, indices: Tensor) -> None:
+        check_reorder(self.spec, indices)
+        self.key = self.key.index_select(0, indices)
+
+
+class ReorderIgnoresRepeats(PreallocatedCache):
+    """``reorder`` scatters (``new[indices] = old``) instead of gathering (``new = old[indices]``).
+
+    Stands for a reorder written as the inverse permutation: right for swaps (their own
+    inverse), wrong for a cycle of three or more beams, and with repeated indices (a beam
+    that splits in two) it loses the row to copy and keeps one it should have dropped.
+    """
+
+    def reorder(self, indices: Tensor) -> None:
+        check_reorder(self.spec, indices)
+        valid = self._length
+        for buffer in (self.key, self.value):
+            buffer[indices, :, :valid] = buffer[:, :, :valid].clone()
+
+
+class ReorderSkipped(WindowCache):
+    """``reorder`` validates its argument and does nothing.
+
+    Stands for beam search that never reorders the cache (transformers 46612: the reorder
+    was silently skipped for caches kept under another name than ``past_key_values``): each
+    beam keeps attending to its own old history.
+    """
+
+    def reorder(self, indices: Tensor) -> None:
+        check_reorder(self.spec, indices)
+
+
 CACHE_MUTANTS = (
     WrongAxis,
     Prepends,
@@ -409,4 +592,14 @@ CACHE_MUTANTS = (
     StaleRowsAfterReset,
     WrapsAtCapacity,
     VagueErrors,
+    WindowOffByOne,
+    WrapSlotBeforeFull,
+    ChunkOverwritesOwnWindow,
+    WindowTruncateUnchecked,
+    TruncateZeroIsNoOp,
+    TruncateKeepsRows,
+    TruncateForgetsPosition,
+    ReorderKeysOnly,
+    ReorderIgnoresRepeats,
+    ReorderSkipped,
 )
