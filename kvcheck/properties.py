@@ -242,8 +242,8 @@ def check_edits(factory: CacheFactory, plan: kvst.EditPlan) -> None:
             drafted = feed(step.drafted, where)
             history = torch.cat((history, drafted[:, : step.kept]), dim=1)
             model.truncate(caches, history.shape[1])
-        elif isinstance(step, kvst.Rewind):
-            target = min(step.to, history.shape[1])
+        elif isinstance(step, kvst.Rewind | kvst.RewindTo):
+            target = step.target(history.shape[1])
             error = kvassert.raised_by(lambda: model.truncate(caches, target))  # noqa: B023
             if error is None:
                 history = history[:, :target]
@@ -403,6 +403,7 @@ TRUNCATE = Property(
     kvst.edit_plans(),
     failures.WRONG_RESULTS,
     requires="truncate",
+    pinned=kvst.PINNED_EDITS,
 )
 BAD_TRUNCATE = Property(
     "bad truncate",

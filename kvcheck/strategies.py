@@ -15,6 +15,7 @@ boundaries of ``EDGE``-row blocks, where off-by-ones live.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Literal
@@ -382,13 +383,31 @@ class Rollback:
 
 @dataclass(frozen=True)
 class Rewind:
-    """Forget every token at position >= ``to`` (edit and regenerate); a window cache may
-    refuse once it has dropped positions the next query needs."""
+    """Forget the last ``back`` tokens, or all of them when fewer are held (edit and
+    regenerate); a window cache may refuse once it has dropped positions the next query
+    needs."""
 
-    to: int
+    back: int
 
     def describe(self) -> str:
-        return f"rewind to {self.to}"
+        return f"rewind {self.back} tokens"
+
+    def target(self, held: int) -> int:
+        return max(held - self.back, 0)
+
+
+@dataclass(frozen=True)
+class RewindTo:
+    """Forget every token at position >= ``position`` (none when fewer are held): back to
+    the start of a long history, past what a window cache keeps."""
+
+    position: int
+
+    def describe(self) -> str:
+        return f"rewind to {self.position}"
+
+    def target(self, held: int) -> int:
+        return min(self.position, held)
 
 
 @dataclass(frozen=True)
@@ -411,7 +430,9 @@ class EditPlan:
     batch: int
     dtype: torch.dtype
     prompt: int
-    steps: tuple[int | Rollback | Rewind | Reorder, ...]  # an int is a chunk of new tokens
+    steps: tuple[
+        int | Rollback | Rewind | RewindTo | Reorder, ...
+    ]  # an int is a chunk of new tokens
     token_seed: int
 
     @property
@@ -429,7 +450,7 @@ class EditPlan:
         )
 
 
-def describe_step(step: int | Rollback | Rewind | Reorder) -> str:
+def describe_step(step: int | Rollback | Rewind | RewindTo | Reorder) -> str:
     return f"chunk of {step}" if isinstance(step, int) else step.describe()
 
 
@@ -445,23 +466,26 @@ def edit_plans(draw, *, rollbacks: bool = True, reorder: bool = False) -> EditPl
     """Plans of chunks and rollbacks (and rewinds), or with ``reorder`` of chunks and
     reorders (batch 2 to 4)."""
     config = draw(model_configs(max_layers=3), label="config")
+    # Small windows fill up within a few steps, so that rewinds meet dropped positions.
+    window = draw(st.one_of(st.integers(1, 6), windows), label="edit window")
+    config = dataclasses.replace(config, window=window)
     batch = draw(st.integers(2 if reorder else 1, 4), label="batch")
-    kinds = [chunk_sizes]
+    kinds = [chunk_sizes, st.integers(1, 4)]  # mostly decode-sized chunks: windows fill up
     if rollbacks:
         drafts = st.integers(1, 8).flatmap(
             lambda k: st.builds(Rollback, st.just(k), st.integers(0, k))
         )
-        # Rewinds to 0 (empty), near the start, anywhere, and past the end (a no-op).
-        targets = st.one_of(st.just(0), st.integers(0, 8), st.integers(0, MAX_SESSION))
-        kinds += [drafts, drafts, st.builds(Rewind, targets)]
+        # Rewinds of nothing, of a few tokens, across a window's edge, and of everything.
+        backs = st.one_of(st.integers(0, 4), st.integers(5, 2 * EDGE + 1), st.just(MAX_SESSION))
+        kinds += [drafts, drafts, st.builds(Rewind, backs), st.builds(RewindTo, st.integers(0, 8))]
     if reorder:
         kinds += [reorders(batch), reorders(batch)]
-    steps = draw(st.lists(st.one_of(kinds), min_size=1, max_size=8), label="steps")
+    steps = draw(st.lists(st.one_of(kinds), min_size=2, max_size=10), label="steps")
     return EditPlan(
         config=config,
         batch=batch,
         dtype=draw(st.sampled_from(DTYPES), label="dtype"),
-        prompt=draw(prompt_sizes, label="prompt"),
+        prompt=draw(chunk_sizes, label="prompt"),
         steps=tuple(steps),
         token_seed=draw(st.integers(0, 2**16), label="token seed"),
     )
@@ -482,4 +506,20 @@ PINNED = (
     Scenario(_tiny, 1, torch.float64, (Session((EDGE,), 3, "fresh"),)),
     # WrapsPast48: one token past 48.
     Scenario(_tiny, 1, torch.float64, (Session((1, 47, 1), 4, "fresh"),)),
+)
+
+
+# A rewind to position 1 after the ring of a window-2 cache dropped position 0, which the
+# next query needs: a cache that takes it instead of refusing (WindowTruncateUnchecked).
+PINNED_EDITS = (
+    EditPlan(
+        ModelConfig(
+            vocab_size=11, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2, seed=3, window=2
+        ),
+        batch=1,
+        dtype=torch.float64,
+        prompt=1,
+        steps=(1, 1, RewindTo(1), 1),
+        token_seed=1,
+    ),
 )

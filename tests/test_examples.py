@@ -63,7 +63,7 @@ def test_a_users_broken_cache_fails_by_either_route_with_a_verdict(tmp_path):
     assert "2 failed, 5 passed" in result.stdout, output  # the host's own test passed
     assert "tokens on fresh or reset caches; it must hold 0" in result.stdout, output
     assert "NoReset (users_cache:NoReset): 1 FAIL (1 of 2 pass)" in result.stdout, output
-    assert "FAIL     lengths [data loss or corruption] (2 of 2 tests): layer 0: holds" in (
+    assert "FAIL         lengths [data loss or corruption] (2 of 2 tests): layer 0: holds" in (
         result.stdout
     ), output
     verdict = json.loads(report.read_text())["caches"]["NoReset"]["properties"]

@@ -76,6 +76,11 @@ def search(
             return True
         return False
 
+    # Every run of the kit tries a property's pinned inputs (past catches) first: so does
+    # the hunt, and only then searches.
+    for pinned in prop.pinned:
+        if fails(pinned):
+            return Catch(prop.name, pinned, errors[-1])
     # No example database: a catch must come from this run's search, not a replay of an
     # earlier one. Shrinking is off unless asked for: a test only needs to know it failed.
     phases = [Phase.explicit, Phase.generate, *([Phase.shrink] if shrink else [])]
