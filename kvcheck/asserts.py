@@ -154,9 +154,9 @@ def assert_clear_error(error: Exception, case, bad: tuple, *, where: str) -> Non
         ) from error
     if not str(error).strip() or not case.named_in(str(error), bad):
         raise UnclearError(
-            f"{case}: refused, but the message names neither the problem nor an offending "
-            f"value (expected a word matching {case.words!r} or the bad shape, dtype or "
-            f"device): {str(error)!r}\n  at {where}"
+            f"{case}: refused with {str(error)!r}, a message that names neither the problem "
+            f"nor an offending value (a word matching {case.words!r}, or the bad shape, "
+            f"dtype, device or sizes)\n  at {where}"
         ) from error
 
 

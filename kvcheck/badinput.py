@@ -89,43 +89,93 @@ def grow(tensor: Tensor, axis: int) -> Tensor:
     return torch.cat((tensor, tensor.narrow(axis, 0, 1)), dim=axis)
 
 
-RANK = r"rank|ndim|\bdim|dimension|\d-?d\b"
-SHAPE = r"shape|size"
+def sizes_of(axis: int) -> Callable[[tuple], list[str]]:
+    """The bad key's size along ``axis`` compared with the size it should have (one less),
+    in either order, as in "B=2!=1" or "3 vs 2"."""
+
+    def shows(bad: tuple) -> list[str]:
+        if not isinstance(bad[0], Tensor) or bad[0].ndim <= axis:
+            return []
+        got = bad[0].shape[axis]
+        return [compared(got, got - 1)]
+
+    return shows
+
+
+def compared(got: int, wanted: int) -> str:
+    """A regex for two numbers side by side with a comparison between them, either order."""
+    between = r"\s*(?:!=|=/=|≠|<>|>|<|vs\.?|versus|instead of|but|,|/)\s*"
+    number = r"(?<![\d.]){}(?![\d.])"
+    pairs = ((got, wanted), (wanted, got))
+    return "|".join(number.format(a) + between + number.format(b) for a, b in pairs)
+
+
+def both_numbers(*numbers: int) -> str:
+    """A regex for a message that shows each of ``numbers`` somewhere."""
+    return "".join(rf"(?=.*(?<![\d.]){number}(?![\d.]))" for number in numbers)
+
+
+def either(*shows: Callable[[tuple], list[str]]) -> Callable[[tuple], list[str]]:
+    return lambda bad: [pattern for show in shows for pattern in show(bad)]
+
+
+def cased(symbol: str) -> str:
+    """A symbol that counts only in its own case (B, H, D, T), as a word of its own."""
+    return rf"(?-i:(?<![A-Za-z_]){symbol}(?![A-Za-z]))"
+
+
+RANK = r"rank|ndim|\bdims?\b|dimension|\d-?d\b|ax[ie]s"
 NOT_A_TENSOR = r"tensor|list|tuple|type"
 NOT_A_TENSOR_ERRORS = (TypeError, ValueError)
-# An append past max_length: the one bad input that a cache may also take, by growing.
-OVERFLOW = BadInput(
-    "append past max_length",
-    lambda k, v: (k, v),
-    r"overflow|capacity|max_length|max length|maximum|exceed|full|room|space|limit|"
-    r"too many|too long|beyond|more than|at most|out of",
-    may_be_accepted=True,
-)
+BATCH = rf"batch|{cased('B')}"
 
-# make(key, value) -> (bad key, bad value)
+
+def overflow(max_length: int, rows: int) -> BadInput:
+    """An append of ``rows`` tokens past ``max_length``: the one bad input a cache may also
+    take, by growing. Its message may show either number instead of naming the problem."""
+    return BadInput(
+        "append past max_length",
+        lambda k, v: (k, v),
+        r"overflow|capacity|max_length|max length|maximum|exceed|full|room|space|limit|"
+        r"too many|too long|beyond|more than|at most|out of",
+        lambda bad: [both_numbers(max_length), both_numbers(rows)],
+        may_be_accepted=True,
+    )
+
+
+# make(key, value) -> (bad key, bad value). "shape" or "size" alone names nothing: a shape
+# counts when it is shown.
 BAD_APPENDS = [
     BadInput("key of rank 3", lambda k, v: (k[..., 0], v), RANK, shapes_of(0)),
     BadInput("value of rank 5", lambda k, v: (k, v[None]), RANK, shapes_of(1)),
     BadInput(
         "value with one token more than key",
         lambda k, v: (k, grow(v, 2)),
-        rf"{SHAPE}|differ|mismatch|match|!=|same|equal|length|token",
+        rf"differ|mismatch|match|!=|same|equal|length|tokens?\b|{cased('T')}",
         shapes_of(0, 1),
     ),
-    BadInput("wrong batch", lambda k, v: (grow(k, 0), grow(v, 0)), rf"batch|{SHAPE}", shapes_of(0)),
     BadInput(
-        "wrong kv_heads", lambda k, v: (grow(k, 1), grow(v, 1)), rf"head|{SHAPE}", shapes_of(0)
+        "wrong batch",
+        lambda k, v: (grow(k, 0), grow(v, 0)),
+        BATCH,
+        either(shapes_of(0), sizes_of(0)),
+    ),
+    BadInput(
+        "wrong kv_heads",
+        lambda k, v: (grow(k, 1), grow(v, 1)),
+        rf"kv.?heads?|heads|{cased('H')}|{cased('H_kv')}",
+        either(shapes_of(0), sizes_of(1)),
     ),
     BadInput(
         "wrong head_dim",
         lambda k, v: (grow(k, 3), grow(v, 3)),
-        rf"head|dim|width|{SHAPE}",
-        shapes_of(0),
+        rf"head.?dim|head.?size|\bdim\b|width|{cased('D')}",
+        either(shapes_of(0), sizes_of(3)),
     ),
     BadInput(
         "zero new tokens",
         lambda k, v: (k[:, :, :0], v[:, :, :0]),
-        rf"zero|empty|\b0\b|at least|no tokens|T ?=|length|{SHAPE}",
+        rf"zero|empty|nothing|no tokens|at least|length|{cased('T')}|(?<![\d.])0(?![\d.])",
         shapes_of(0),
         may_be_accepted=True,
     ),
@@ -241,11 +291,13 @@ BAD_CALLS = [
         r"empty",
         applies=two_warm_layers,
     ),
-    # Refused by the model when a cache exposes its spec, else by layer 0's own append.
+    # Refused by the model when a cache exposes its spec, else by layer 0's own append,
+    # which may show the batch it got and the one it was built for.
     BadInput(
         "caches built for another batch size",
         lambda s: (grow(s.tokens, 0), s.caches),
-        rf"batch|{SHAPE}",
+        BATCH,
+        lambda bad: [compared(len(bad[0]), len(bad[0]) - 1)],
     ),
     BadInput("token ids of rank 1", lambda s: (s.tokens[0], s.caches), r"rank"),
     BadInput("token ids of rank 3", lambda s: (s.tokens[None], s.caches), r"rank"),

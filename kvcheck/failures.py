@@ -29,16 +29,6 @@ SEVERITIES = (
     ACCEPTS_BAD_INPUT,
     UNCLEAR_ERROR,
 )
-MEANINGS = {
-    WRONG_RESULTS: "the model computes something else with this cache than without one",
-    DATA_LOSS: "rows lost, stale, moved or changed; a length that lies; rows shared between "
-    "caches or surviving a reset",
-    CRASH: "an exception on valid input",
-    REFUSAL_CHANGED_STATE: "bad input was refused, but the cache changed",
-    ACCEPTS_BAD_INPUT: "bad input was taken without an error",
-    UNCLEAR_ERROR: "bad input was refused with another exception type, or a message that "
-    "names neither the problem nor the offending values",
-}
 
 
 class PropertyFailure(AssertionError):

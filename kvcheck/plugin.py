@@ -17,6 +17,7 @@ It changes nothing else in the process that hosts it.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -69,11 +70,20 @@ def pytest_configure(config: pytest.Config) -> None:
             choose(config.getoption(option))
         except ValueError as error:
             raise pytest.UsageError(f"{option}: {error}") from None
-    names = config.getoption("--kv-impl") or config.getini("kv_impl")
+    # --kv-impl, else KV_IMPL, else the ini option, else every built-in.
+    names = config.getoption("--kv-impl")
+    from_env = os.environ.get("KV_IMPL")
+    if not names and not (from_env or "").strip():
+        names = config.getini("kv_impl")
+    # A cache module in the directory pytest runs from imports as it would with
+    # `python -m pytest`.
+    here = str(config.invocation_params.dir)
+    if here not in sys.path:
+        sys.path.append(here)
     try:
         import kvimpl
 
-        config.stash[SELECTED] = kvimpl.select(names, os.environ.get("KV_IMPL"))
+        config.stash[SELECTED] = kvimpl.select(names, from_env)
     except ValueError as error:
         raise pytest.UsageError(f"--kv-impl / KV_IMPL: {error}") from None
     verdict.configure(config)

@@ -9,8 +9,9 @@ and this repository's mutant hunt searches them in this order, so cheap properti
 catch most come first.
 
 To add a property: write its check here, add a ``Property`` to ``ALL``, and bind it in the
-right class of ``kvcheck.base`` (``tests/test_registry.py`` fails until every property is
-bound exactly once).
+right class of ``kvcheck.base`` (this repository's
+``tests/test_plugin.py::test_every_property_is_bound_by_the_kit_and_reported`` fails until
+every property is bound).
 """
 
 from __future__ import annotations
@@ -105,11 +106,13 @@ def check_contents(factory: CacheFactory, scenario: kvst.Scenario) -> None:
 def check_isolation(factory: CacheFactory, plan: kvst.IsolationPlan) -> None:
     """Two caches from one factory, given distinct rows in turns, each return only their own."""
     caches = {"A": build(factory, plan.spec), "B": build(factory, plan.spec)}
-    # Each plan's appends, then one more row for each cache to read it back.
-    turns = [[*chunks, 1] for chunks in plan.chunks]
-    for step in range(max(map(len, turns))):
+    # Each plan's appends in turns, then one more row for each cache, once both plans are
+    # done, to read both back after every append of the other.
+    steps = max(map(len, plan.chunks))
+    turns = [[*chunks, *[0] * (steps - len(chunks)), 1] for chunks in plan.chunks]
+    for step in range(steps + 1):
         for which, ((name, cache), sizes) in enumerate(zip(caches.items(), turns, strict=True)):
-            if step >= len(sizes):
+            if not sizes[step]:
                 continue
             new = kvst.random_rows(plan.spec, sizes[step], seed=1000 * which + step)
             cache.append(new, new * 3)
@@ -161,9 +164,10 @@ def check_overflow(factory: CacheFactory, plan: kvst.CachePlan) -> None:
     where = f"{rows} tokens appended to {plan.describe()}, {plan.new_tokens} past max_length"
     bad = (new, new * 2)
     error = kvassert.raised_by(lambda: cache.append(*bad))
-    if kvassert.assert_refused(error, kvbad.OVERFLOW, where=where):
+    case = kvbad.overflow(plan.spec.max_length, rows)
+    if kvassert.assert_refused(error, case, where=where):
         kvassert.assert_unchanged(cache, plan.spec, who="the cache", where=where)
-        kvassert.assert_clear_error(error, kvbad.OVERFLOW, bad, where=where)
+        kvassert.assert_clear_error(error, case, bad, where=where)
     else:  # it grew: it must hold everything, exactly
         kvassert.assert_length(cache, cache.given_length, who="the cache", where=where)
         kvassert.assert_returned_rows(cache, who="the cache", where=where)
@@ -301,7 +305,7 @@ class Property:
     title: str  # what holds, in one line
     check: Callable[..., None]  # check(factory, drawn) or check(factory, drawn, case)
     strategy: st.SearchStrategy | None  # None: the check draws for itself (a state machine)
-    severity: str  # what a plain AssertionError from an overridden check means
+    severity: str  # what a plain AssertionError escaping the check means
     cases: tuple = ()  # a table: one test per case
     requires: str | None = None  # the optional capability it tests ("truncate", "reorder")
     pinned: tuple = ()  # inputs tried first on every run (@example): past regressions

@@ -23,6 +23,7 @@ from hypothesis.stateful import (
 
 from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
+from kvcheck import profiles as kvprofiles
 from kvcheck import strategies as kvst
 from kvcheck.failures import DataLoss
 from kvcheck.harness import Recorder, build, record
@@ -134,13 +135,14 @@ class CachedDecoding(RuleBasedStateMachine):
         )
         if not case.applies(state):
             return
-        tokens, caches = bad = case.make(state)
+        tokens, caches = case.make(state)
         where = f"{cache_set.name}, holding {cache_set.history.shape[1]} tokens"
         error = kvassert.raised_by(lambda: self.model(tokens, caches=caches))
         kvassert.assert_refused(error, case, where=where)
         for index, cache in enumerate(cache_set.caches):
             kvassert.assert_unchanged(cache, spec, who=f"layer {index}", where=where)
-        kvassert.assert_clear_error(error, case, bad, where=where)
+        # The wording is the bad-model-call property's to judge: here a cache's terse
+        # message must not stop the machine from exploring decoding.
         # Reading back added one row to every layer: drop them all, as after a reset.
         self.empty(cache_set)
 
@@ -158,5 +160,6 @@ class CachedDecoding(RuleBasedStateMachine):
 
 def run_machine(factory: CacheFactory) -> None:
     run_state_machine_as_test(
-        lambda: CachedDecoding(factory), settings=settings(stateful_step_count=STEPS)
+        lambda: CachedDecoding(factory),
+        settings=settings(kvprofiles.current(), stateful_step_count=STEPS),
     )

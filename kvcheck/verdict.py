@@ -170,20 +170,36 @@ def _version() -> str:
 
 
 def compare(old: dict, new: dict) -> tuple[list[str], bool]:
-    """What changed from report ``old`` to ``new``; True if something that held now fails."""
+    """What changed from report ``old`` to ``new``; True if something got worse: a property
+    that held and now fails or is gone, or a failure of a worse severity."""
     lines, regressed = [], False
     for label in sorted(set(old["caches"]) | set(new["caches"])):
         before = old["caches"].get(label, {}).get("properties", {})
         after = new["caches"].get(label, {}).get("properties", {})
         for name in [*before, *(name for name in after if name not in before)]:
-            was = before.get(name, {}).get("result", "absent")
-            now = after.get(name, {}).get("result", "absent")
+            was, now = _state(before.get(name)), _state(after.get(name))
             if was == now:
                 continue
-            why = f": [{after[name]['severity']}] {after[name]['reason']}" if now == FAIL else ""
+            why = f": {after[name]['reason']}" if now.startswith(FAIL) else ""
             lines.append(f"{label}: {name}: {was} -> {now}{why}")
-            regressed |= was == PASS and now == FAIL
+            regressed |= _worse_state(was, now)
     return lines, regressed
+
+
+def _state(row: dict | None) -> str:
+    if row is None:
+        return "absent"
+    if row["result"] == FAIL:
+        return f"FAIL [{row['severity']}]"
+    return row["result"]
+
+
+def _worse_state(was: str, now: str) -> bool:
+    if was == PASS:  # failing, skipped, not offered or gone: all lost ground
+        return True
+    if was.startswith(FAIL) and now.startswith(FAIL):
+        return _worse(now[6:-1], was[6:-1])
+    return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:

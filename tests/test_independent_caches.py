@@ -9,8 +9,10 @@ from kvcheck import CacheTests
 from kvcheck import badinput as kvbad
 from tests.independent.list_cache import ListCache
 from tests.independent.paged_cache import PagedCache
+from tests.independent.pooled_ring_cache import RingCache
 from tests.independent.slot_cache import SlotCache
 from tests.independent.stacked_cache import StackedCache
+from tests.independent.view_cache import ViewCache
 
 
 class TestListCache(CacheTests):
@@ -27,6 +29,14 @@ class TestPagedCache(CacheTests):
 
 class TestSlotCache(CacheTests):
     factory = SlotCache
+
+
+class TestViewCache(CacheTests):
+    factory = ViewCache
+
+
+class TestRingCache(CacheTests):
+    factory = RingCache
 
 
 BY_NAME = {case.name: case for case in kvbad.BAD_APPENDS}
@@ -47,6 +57,12 @@ KEY = (1, 1, 1, 2)  # a good key's shape in the examples below: batch 1, 1 head,
         ("wrong dtype", "expected torch.float64 on cpu, got torch.float32", (KEY, KEY)),
         ("key not a tensor", "expected a Tensor for key, got list", (KEY, KEY)),
         ("zero new tokens", "need at least one token", ((1, 1, 0, 2),) * 2),
+        ("wrong batch", "B=2!=1", ((2, 1, 1, 2),) * 2),
+        ("wrong kv_heads", "H=2!=1", ((1, 2, 1, 2),) * 2),
+        ("wrong head_dim", "D=3!=2", ((1, 1, 1, 3),) * 2),
+        ("key of rank 3", "expected 4 axes, got 3 and 4", ((1, 1, 1), KEY)),
+        ("value with one token more than key", "k/v T: 1 vs 2", (KEY, (1, 1, 2, 2))),
+        ("wrong batch", "got B,H,D = 2,1,2; built for 1,1,2", ((2, 1, 1, 2),) * 2),
     ],
 )
 def test_a_message_in_other_words_names_the_problem(case, message, bad_shapes):
@@ -54,7 +70,12 @@ def test_a_message_in_other_words_names_the_problem(case, message, bad_shapes):
     assert BY_NAME[case].named_in(message, bad), f"{case}: {message!r} names the problem"
 
 
-@pytest.mark.parametrize("message", ["", "invalid input", "error", "bad call"])
+def test_a_message_naming_another_axis_is_not_taken_for_this_one():
+    wrong_heads = (torch.zeros(1, 2, 1, 2), torch.zeros(1, 2, 1, 2))
+    assert not BY_NAME["wrong kv_heads"].named_in("head_dim 3 != 2", wrong_heads)
+
+
+@pytest.mark.parametrize("message", ["", "invalid input", "error", "bad call", "invalid shape"])
 @pytest.mark.parametrize("case", kvbad.BAD_APPENDS, ids=str)
 def test_an_empty_or_irrelevant_message_names_nothing(case, message):
     bad = (torch.zeros(KEY), torch.zeros(KEY))

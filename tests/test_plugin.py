@@ -125,11 +125,18 @@ def test_comparing_two_reports_names_what_changed_and_fails_on_a_regression(tmp_
     assert status == 1, "a property that held and now fails is a regression"
     lines, regressed = kvverdict.compare(old, new)
     assert lines == [
-        "A: logits: pass -> FAIL: [wrong results] logits differ",
-        "A: memory: FAIL -> pass",
+        "A: logits: pass -> FAIL [wrong results]: logits differ",
+        "A: memory: FAIL [wrong results] -> pass",
     ], lines
     assert regressed
     assert kvverdict.compare(new, new) == ([], False)
+    worse = report({"A": {"name": "m:A", "properties": {"logits": failed, "memory": failed}}})
+    unclear = row("FAIL", severity="unclear error", reason="message names nothing")
+    milder = report({"A": {"name": "m:A", "properties": {"logits": unclear, "memory": failed}}})
+    assert kvverdict.compare(milder, worse)[1], "unclear error -> wrong results is a regression"
+    assert not kvverdict.compare(worse, milder)[1], "a milder failure is no regression"
+    gone = report({})
+    assert kvverdict.compare(new, gone)[1], "a property that held and is gone is a regression"
 
 
 def test_every_property_is_bound_by_the_kit_and_reported():
