@@ -16,13 +16,13 @@ built-in when neither is given), one test per cache, named in the test id.
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import example, given, settings
 
 from kvcheck import profiles as kvprofiles
 from kvcheck import properties as kvprop
+from kvcheck import stateful as kvstateful
 from kvcheck.properties import Property
-from kvref import CacheSpec, capabilities
+from kvref import capabilities
 
 
 def property_test(prop: Property):
@@ -56,13 +56,12 @@ def property_test(prop: Property):
 
 
 NOT_OFFERED = "not offered"
-PROBE = CacheSpec(batch=1, kv_heads=1, head_dim=2, max_length=8, dtype=torch.float64, device="cpu")
 
 
 def skip_unless_offered(prop: Property, factory) -> None:
     """Skip, as "not offered", a property of a capability the cache does not have (a cache
     offers one by having the method)."""
-    if prop.requires and prop.requires not in capabilities(factory(PROBE)):
+    if prop.requires and prop.requires not in capabilities(factory(kvstateful.PROBE)):
         pytest.skip(f"{NOT_OFFERED}: the cache has no {prop.requires}() method")
 
 

@@ -116,6 +116,14 @@ def warm(factory: CacheFactory, plan: CachePlan) -> Recorder:
     return cache
 
 
+def may_refuse(config: ModelConfig, held: int, target: int) -> bool:
+    """Whether a window layer holding ``held`` tokens may refuse to truncate to ``target``:
+    the next query needs the positions from target - W + 1, and a cache must keep only the
+    last W - 1."""
+    windows = {config.layer_window(layer) for layer in range(config.num_layers)} - {None}
+    return any(max(0, target - w + 1) < max(0, held - w + 1) for w in windows)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Step:
     """One model call on the caches, with the uncached model's answer for the same positions.

@@ -27,7 +27,7 @@ from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
 from kvcheck import failures
 from kvcheck import strategies as kvst
-from kvcheck.harness import Step, build, record, run, warm
+from kvcheck.harness import Step, build, may_refuse, record, run, warm
 from kvcheck.stateful import run_machine
 from kvref import CacheFactory, min_nbytes
 
@@ -251,7 +251,9 @@ def check_edits(factory: CacheFactory, plan: kvst.EditPlan) -> None:
             error = kvassert.raised_by(lambda: model.truncate(caches, target))  # noqa: B023
             if error is None:
                 history = history[:, :target]
-            elif not (isinstance(error, ValueError) and may_refuse(plan.config, history, target)):
+            elif not (
+                isinstance(error, ValueError) and may_refuse(plan.config, history.shape[1], target)
+            ):
                 raise error  # a refusal of a rewind every layer can make: a crash
         else:
             indices = torch.tensor(step.indices)
@@ -259,14 +261,6 @@ def check_edits(factory: CacheFactory, plan: kvst.EditPlan) -> None:
             history = history[indices]
         for layer, cache in enumerate(caches):
             kvassert.assert_length(cache, history.shape[1], who=f"layer {layer}", where=where)
-
-
-def may_refuse(config, history: torch.Tensor, target: int) -> bool:
-    """Whether a window layer may refuse to rewind to ``target``: the next query needs the
-    positions from target - W + 1, and a cache must keep only the last W - 1."""
-    held = history.shape[1]
-    windows = {config.layer_window(layer) for layer in range(config.num_layers)} - {None}
-    return any(max(0, target - w + 1) < max(0, held - w + 1) for w in windows)
 
 
 def check_bad_truncate(factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.BadInput):

@@ -17,6 +17,7 @@ from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
+    precondition,
     rule,
     run_state_machine_as_test,
 )
@@ -26,8 +27,11 @@ from kvcheck import badinput as kvbad
 from kvcheck import profiles as kvprofiles
 from kvcheck import strategies as kvst
 from kvcheck.failures import DataLoss
-from kvcheck.harness import Recorder, build, record
-from kvref import CacheFactory
+from kvcheck.harness import Recorder, build, may_refuse, record
+from kvref import CacheFactory, CacheSpec, capabilities
+
+# The spec a factory is asked for once, to see which optional capabilities its caches offer.
+PROBE = CacheSpec(batch=1, kv_heads=1, head_dim=2, max_length=8, dtype=torch.float64, device="cpu")
 
 MAX_LENGTH = 64
 STEPS = 20
@@ -48,6 +52,7 @@ class CachedDecoding(RuleBasedStateMachine):
     def __init__(self, factory: CacheFactory) -> None:
         super().__init__()
         self.factory = factory
+        self.offered = capabilities(factory(PROBE))
         self.every_set: list[CacheSet] = []
         self.token_generator = torch.Generator().manual_seed(0)
 
@@ -145,6 +150,28 @@ class CachedDecoding(RuleBasedStateMachine):
         # message must not stop the machine from exploring decoding.
         # Reading back added one row to every layer: drop them all, as after a reset.
         self.empty(cache_set)
+
+    @precondition(lambda self: "truncate" in self.offered)
+    @rule(cache_set=cache_sets, back=st.integers(0, 2 * kvst.EDGE + 1))
+    def truncate(self, cache_set, back):
+        """Forget the last ``back`` tokens (all when fewer are held) in every layer."""
+        held = cache_set.history.shape[1]
+        target = max(held - back, 0)
+        error = kvassert.raised_by(lambda: self.model.truncate(cache_set.caches, target))
+        if error is None:
+            cache_set.history = cache_set.history[:, :target]
+        elif not (isinstance(error, ValueError) and may_refuse(self.model.config, held, target)):
+            raise error  # a refusal of a truncate every layer can make: a crash
+
+    @precondition(lambda self: "reorder" in self.offered)
+    @rule(cache_set=cache_sets, data=st.data())
+    def reorder(self, cache_set, data):
+        """Batch row b becomes the old row indices[b] in every layer (repeats allowed)."""
+        rows = st.integers(0, self.batch - 1)
+        drawn = data.draw(st.lists(rows, min_size=self.batch, max_size=self.batch), "indices")
+        indices = torch.tensor(drawn)
+        self.model.reorder(cache_set.caches, indices)
+        cache_set.history = cache_set.history[indices]
 
     @invariant()
     def every_layer_holds_the_history(self):

@@ -69,6 +69,9 @@ QUICK = Workload(
 )
 
 
+PREFILL_CHUNK = 64  # tokens per append when a cache is filled before a timed step
+
+
 @dataclass
 class Row:
     """One line of results.csv: a cache (or `ideal`, `uncached`) at one context length."""
@@ -79,7 +82,9 @@ class Row:
     ms_spread: float | None  # interquartile range of the same samples
     samples: int  # timed blocks; blocked_autorange picks how many steps make one
     nbytes: int  # summed over layers, after the timed step (the cache holds L tokens)
-    formula_bytes: int  # 2 x layers x batch x kv_heads x L x head_dim x itemsize
+    # 2 x layers x batch x kv_heads x rows x head_dim x itemsize; rows: L, or W - 1 with a
+    # window (kvref.min_nbytes): the least any cache can hold
+    formula_bytes: int
     peak_rss_bytes: int  # the whole process's high-water mark (ru_maxrss) when the row was done
     note: str = ""
 
@@ -87,16 +92,17 @@ class Row:
 class IdealCache:
     """The floor: keys and values of the whole context already in place, no bookkeeping.
 
-    It claims to hold all but the last row, so the model decodes the last position, and its
-    append hands back the full tensors without reading or storing what it is given.
+    It claims to hold all but the last of ``length + 1`` tokens, so the model decodes the
+    last position, and its append hands back its tensors without reading or storing what it
+    is given: all the rows, or with a window only the last W, all that the query can see.
     """
 
-    def __init__(self, key: Tensor, value: Tensor) -> None:
-        self.key, self.value = key, value
+    def __init__(self, key: Tensor, value: Tensor, length: int) -> None:
+        self.key, self.value, self._length = key, value, length
 
     @property
     def length(self) -> int:
-        return self.key.shape[2] - 1
+        return self._length
 
     @property
     def nbytes(self) -> int:
@@ -133,8 +139,10 @@ def peak_rss_bytes() -> int:
 
 
 def formula_bytes(model: ReferenceTransformer, batch: int, length: int) -> int:
-    """2 x layers x B x H_kv x L x D x itemsize: what the model's caches must hold at least."""
-    return model.config.num_layers * min_nbytes(model.cache_spec(batch, length), length)
+    """2 x layers x B x H_kv x rows x D x itemsize, rows being L or, with a window, W - 1:
+    what the model's caches must hold at least."""
+    layers = range(model.config.num_layers)
+    return sum(min_nbytes(model.cache_spec(batch, length, layer=layer), length) for layer in layers)
 
 
 class Progress:
@@ -170,7 +178,7 @@ class Bench:
         self.tokens = tokens.to(device)
         self.keys_values = self._prefill()
 
-    def _prefill(self, chunk: int = 64) -> list[tuple[Tensor, Tensor]]:
+    def _prefill(self, chunk: int = PREFILL_CHUNK) -> list[tuple[Tensor, Tensor]]:
         """Each layer's rotated keys and values of all the tokens, a chunk of them at a time.
 
         In one pass the model would hold (batch, heads, L, L) scores, gigabytes at 4096 tokens,
@@ -241,8 +249,12 @@ class Bench:
         return self._row(label, length, None, nbytes=0, note=note)
 
     def _ideal_caches(self, length: int) -> list[LayerCache]:
+        window = self.workload.config.window or length
+        first = max(length - window, 0)
         return [
-            IdealCache(key[:, :, :length].clone(), value[:, :, :length].clone())
+            IdealCache(
+                key[:, :, first:length].clone(), value[:, :, first:length].clone(), length - 1
+            )
             for key, value in self.keys_values
         ]
 
@@ -255,7 +267,11 @@ class Bench:
         def restore() -> None:
             for cache, (key, value) in zip(caches, prefix, strict=True):
                 cache.reset()
-                cache.append(key, value)
+                # In chunks, as an engine's chunked prefill: a window cache then holds the
+                # window and one chunk, not the whole prefill.
+                for start in range(0, length - 1, PREFILL_CHUNK):
+                    end = min(start + PREFILL_CHUNK, length - 1)
+                    cache.append(key[:, :, start:end], value[:, :, start:end])
 
         restore()  # the caches' nbytes are read after timing: then they hold `length` tokens
         return self._timer(
@@ -385,9 +401,10 @@ def plot(rows: list[Row], title: str, path: Path) -> None:
 def describe(workload: Workload, args: argparse.Namespace) -> str:
     c = workload.config
     threads = f"{args.threads} thread" + ("s" if args.threads > 1 else "")
+    window = "" if c.window is None else f", window {c.window} on every layer"
     return (
-        f"{c.num_layers} layers, {c.num_heads} heads ({c.num_kv_heads} kv) of {c.head_dim}, "
-        f"batch {workload.batch}, {str(workload.dtype).removeprefix('torch.')}, "
+        f"{c.num_layers} layers, {c.num_heads} heads ({c.num_kv_heads} kv) of {c.head_dim}"
+        f"{window}, batch {workload.batch}, {str(workload.dtype).removeprefix('torch.')}, "
         f"{args.device}, {threads}, torch {torch.__version__}"
     )
 
@@ -437,6 +454,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str
     )
     parser.add_argument("--quick", action="store_true", help="a small model, done in seconds")
     parser.add_argument(
+        "--window",
+        type=partial(_positive, int),
+        default=None,
+        metavar="W",
+        help="sliding-window attention of W tokens on every layer (default: none); the "
+        "window cache then holds W - 1 + one prefill chunk rows at any context",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("bench-out"), metavar="DIR", help="default ./bench-out"
     )
     parser.add_argument(
@@ -480,6 +505,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     workload = QUICK if args.quick else FULL
     workload = replace(
         workload,
+        config=replace(workload.config, window=args.window),
         lengths=args.lengths or workload.lengths,
         min_run_time=args.min_run_time or workload.min_run_time,
     )

@@ -77,3 +77,12 @@ def test_without_matplotlib_the_table_and_csv_are_still_written(tmp_path, monkey
     assert "for the plot, pip install 'kvcache-verify[bench]'" in out, out
     assert (tmp_path / "results.csv").exists(), "no results.csv without matplotlib"
     assert not (tmp_path / "decode.png").exists()
+
+
+def test_with_a_window_the_window_cache_holds_less_than_the_rest(tmp_path):
+    argv = ["--quick", "--window", "8", "--lengths", "256", "--min-run-time", "0.005"]
+    bench.main([*argv, "--kv-impl", "window", "--kv-impl", "concat", "--out", str(tmp_path)])
+    with (tmp_path / "results.csv").open(newline="") as file:
+        nbytes = {row["cache"]: int(row["nbytes"]) for row in csv.DictReader(file)}
+    # W - 1 rows and one prefill chunk of 64 (71 rows), against all 256.
+    assert 0 < nbytes["window"] < nbytes["concat"] / 3, nbytes

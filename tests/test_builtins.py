@@ -86,3 +86,23 @@ def test_builtins_report_the_teaching_example_exactly(name, expected):
     model(torch.arange(100).remainder(TEACHING_EXAMPLE.vocab_size)[None], caches=caches)
     total = sum(cache.nbytes for cache in caches)
     assert total == expected, f"{name}: {total} bytes for the teaching example, expected {expected}"
+
+
+@given(data=st.data())
+def test_the_window_cache_holds_the_window_and_its_largest_append_at_most(data):
+    spec = data.draw(kvst.cache_specs(), label="spec")
+    window = data.draw(st.integers(1, 2 * kvst.EDGE + 1), label="window")
+    spec = dataclasses.replace(spec, window=window, max_length=200)
+    plan = data.draw(kvst.chunk_plans(200, min_chunks=1, max_chunks=20), label="plan")
+    cache = kvimpl.CACHES["window"](spec)
+    for step, rows in enumerate(plan):
+        new = kvst.random_rows(spec, rows, seed=step)
+        cache.append(new, new)
+        bound = min_nbytes(
+            dataclasses.replace(spec, window=None), window - 1 + max(plan[: step + 1])
+        )
+        assert cache.nbytes <= bound, (
+            f"window: nbytes is {cache.nbytes} after {cache.length} tokens in appends of "
+            f"{plan[: step + 1]}; a window of {window} needs at most {bound} (W - 1 + the "
+            f"largest append rows); spec {spec}"
+        )

@@ -7,6 +7,7 @@ import torch
 
 from kvcheck import CacheTests
 from kvcheck import badinput as kvbad
+from tests.independent.deque_window_cache import DequeWindowCache
 from tests.independent.list_cache import ListCache
 from tests.independent.paged_cache import PagedCache
 from tests.independent.pooled_ring_cache import RingCache
@@ -37,6 +38,12 @@ class TestViewCache(CacheTests):
 
 class TestRingCache(CacheTests):
     factory = RingCache
+
+
+class TestDequeWindowCache(CacheTests):
+    """Windows, truncate and reorder, written without reading the built-in window cache."""
+
+    factory = DequeWindowCache
 
 
 BY_NAME = {case.name: case for case in kvbad.BAD_APPENDS}
