@@ -15,6 +15,8 @@ built-in when neither is given), one test per cache, named in the test id.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import example, given, settings
 
@@ -75,8 +77,10 @@ def search(prop: Property, check) -> None:
     test = falsify
     for pinned in prop.pinned:
         test = example(drawn=pinned)(test)
+    kit = kvprofiles.current()
+    examples = max(1, math.ceil(kit.max_examples * prop.budget))
     with kvprofiles.torch_threads():
-        given(drawn=prop.strategy)(settings(kvprofiles.current())(test))()
+        given(drawn=prop.strategy)(settings(kit, max_examples=examples)(test))()
 
 
 def edge_test(prop: Property):

@@ -302,6 +302,9 @@ class Property:
     severity: str  # what a plain AssertionError escaping the check means
     cases: tuple = ()  # a table: one test per case
     requires: str | None = None  # the optional capability it tests ("truncate", "reorder")
+    # The share of the profile's examples each test searches: below 1 for a table of many
+    # cases that mostly share one path (the model's own guards).
+    budget: float = 1.0
     pinned: tuple = ()  # inputs tried first on every run (@example): past regressions
     # Inputs run as plain tests by name, not as @example, so that a search still shrinks.
     edges: dict[str, Any] = field(default_factory=dict)
@@ -353,6 +356,7 @@ BAD_MODEL_CALL = Property(
     kvst.model_plans(),
     failures.ACCEPTS_BAD_INPUT,
     cases=tuple(kvbad.BAD_CALLS),
+    budget=0.25,
 )
 ISOLATION = Property(
     "isolation",
