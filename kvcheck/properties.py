@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
 
 from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
@@ -256,6 +257,8 @@ def check_edits(factory: CacheFactory, plan: kvst.EditPlan) -> None:
             ):
                 raise error  # a refusal of a rewind every layer can make: a crash
         else:
+            if step.indices == tuple(range(plan.batch)):  # it would prove nothing
+                raise InvalidArgument(f"{where}: a reorder plan must not be the identity")
             indices = torch.tensor(step.indices)
             model.reorder(caches, indices)
             history = history[indices]

@@ -9,9 +9,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import kvimpl
+from examples import doubling_cache as examples_doubling
 from kvcheck import asserts as kvassert
 from kvcheck import strategies as kvst
-from kvref import ModelConfig, ReferenceTransformer
+from kvref import CacheContractError, ModelConfig, ReferenceTransformer
 
 
 @given(data=st.data())
@@ -148,3 +150,54 @@ GOLDEN = [
     4.836253780372817,
     -8.29662676168749,
 ]
+
+
+def warm_caches(factory=kvimpl.ConcatCache, window=None):
+    config = ModelConfig(vocab_size=11, num_layers=3, num_heads=2, num_kv_heads=1, head_dim=4)
+    config = replace(config, window=window, window_layers="alternate")
+    model = kvst.build_model(config, torch.float64)
+    caches = model.new_caches(factory, batch=2, max_length=16)
+    model(kvst.random_tokens(config, 2, 6, seed=1), caches=caches)
+    return model, caches
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda m, c: m.truncate(c, -1), ValueError, "between 0 and 6"),
+        (lambda m, c: m.truncate(c, 7), ValueError, "between 0 and 6"),
+        (lambda m, c: m.truncate(c, 2.0), TypeError, "must be an int"),
+        (lambda m, c: m.truncate(c[:2], 3), ValueError, "wrong number of caches"),
+        (lambda m, c: m.reorder(c, torch.tensor([0, 2])), ValueError, r"in \[0, 2\)"),
+        (lambda m, c: m.reorder(c, torch.tensor([0, 1], dtype=torch.int32)), ValueError, "int64"),
+        (lambda m, c: m.reorder(c, torch.tensor([0, 1, 1])), ValueError, r"shape must be \(2,\)"),
+        (lambda m, c: m.reorder(c, [0, 1]), TypeError, "torch.Tensor"),
+    ],
+)
+def test_truncate_and_reorder_of_every_layer_check_before_touching_any(call, error, message):
+    model, caches = warm_caches()
+    before = [(cache.key.clone(), cache.value.clone()) for cache in caches]
+    with pytest.raises(error, match=message):
+        call(model, caches)
+    for layer, (cache, (key, value)) in enumerate(zip(caches, before, strict=True)):
+        assert torch.equal(cache.key, key), f"layer {layer}'s keys changed"
+        assert torch.equal(cache.value, value), f"layer {layer}'s values changed"
+
+
+def test_a_cache_without_truncate_is_named():
+    model, caches = warm_caches(examples_doubling.DoublingCache)
+    with pytest.raises(CacheContractError, match=r"layer 0: DoublingCache offers no truncate\(\)"):
+        model.truncate(caches, 3)
+
+
+def test_window_layers_are_asked_first_so_a_refused_rewind_changes_no_layer():
+    """Layers 0 and 2 have a window of 2, layer 1 is global: after 14 tokens the rings hold
+    positions 7..13 only, so a rewind to 1 (whose next query needs position 0) is refused by
+    layer 0 before the global layer, which could take it, has been touched."""
+    model, caches = warm_caches(kvimpl.WindowCache, window=2)
+    for token in range(8):
+        model(torch.tensor([[token], [token]]), caches=caches)
+    with pytest.raises(ValueError, match="gone"):
+        model.truncate(caches, 1)
+    lengths = [cache.length for cache in caches]
+    assert lengths == [14, 14, 14], f"a refused rewind changed a layer: lengths {lengths}"
