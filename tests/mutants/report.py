@@ -10,7 +10,14 @@ from __future__ import annotations
 from hypothesis import settings
 
 from kvcheck.properties import ALL as PROPERTIES
-from kvcheck.strategies import CachePlan, IsolationPlan, ModelPlan, StaleRowsPlan
+from kvcheck.strategies import (
+    CachePlan,
+    EditPlan,
+    IsolationPlan,
+    ModelPlan,
+    StaleRowsPlan,
+    describe_step,
+)
 from tests import mutants as kvmut
 from tests.mutants.hunt import hunt, search
 
@@ -45,6 +52,10 @@ def row(mutant: kvmut.Mutant) -> str:
 
 def size(example: object) -> tuple[str, str, str]:
     """Tokens (with the plan), layers and batch of a counterexample."""
+    if isinstance(example, EditPlan):
+        steps = ", ".join(describe_step(step) for step in example.steps)
+        plan = f"{example.max_length} (prompt {example.prompt}; {steps})"
+        return plan, str(example.config.num_layers), str(example.batch)
     if isinstance(example, IsolationPlan | StaleRowsPlan):
         return (
             example.describe(),
