@@ -48,7 +48,12 @@ class Crashed(Exception):
 
 
 def hunt(
-    mutant: Mutant, properties: Sequence[Property], *, max_examples: int, shrink: bool = False
+    mutant: Mutant,
+    properties: Sequence[Property],
+    *,
+    max_examples: int,
+    shrink: bool = False,
+    pinned: bool = True,
 ) -> Catch | None:
     """The first property, in order, under which Hypothesis finds the mutant out, or None
     when none does within ``max_examples`` examples each."""
@@ -56,16 +61,24 @@ def hunt(
         for prop in properties:
             if prop.strategy is None:  # a state machine: it draws for itself
                 continue
-            catch = search(mutant.factory, prop, max_examples=max_examples, shrink=shrink)
+            catch = search(
+                mutant.factory, prop, max_examples=max_examples, shrink=shrink, pinned=pinned
+            )
             if catch is not None:
                 return catch
     return None
 
 
 def search(
-    factory: CacheFactory, prop: Property, *, max_examples: int, shrink: bool = False
+    factory: CacheFactory,
+    prop: Property,
+    *,
+    max_examples: int,
+    shrink: bool = False,
+    pinned: bool = True,
 ) -> Catch | None:
-    """Run Hypothesis on one property until it fails; shrink the failure when asked."""
+    """Run Hypothesis on one property until it fails; shrink the failure when asked. With
+    ``pinned``, the property's pinned inputs are tried first, as every run of the kit does."""
     errors: list[BaseException] = []
 
     def fails(example: Any) -> bool:
@@ -78,9 +91,9 @@ def search(
 
     # Every run of the kit tries a property's pinned inputs (past catches) first: so does
     # the hunt, and only then searches.
-    for pinned in prop.pinned:
-        if fails(pinned):
-            return Catch(prop.name, pinned, errors[-1])
+    for example in prop.pinned if pinned else ():
+        if fails(example):
+            return Catch(prop.name, example, errors[-1])
     # No example database: a catch must come from this run's search, not a replay of an
     # earlier one. Shrinking is off unless asked for: a test only needs to know it failed.
     phases = [Phase.explicit, Phase.generate, *([Phase.shrink] if shrink else [])]
