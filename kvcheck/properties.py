@@ -143,13 +143,19 @@ def check_stale_rows(factory: CacheFactory, plan: kvst.StaleRowsPlan) -> None:
 
 def check_bad_append(factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.BadInput) -> None:
     """``case`` applied to a warm cache is refused as the contract says and changes nothing."""
-    cache = warm(factory, plan)
     good = kvst.random_rows(plan.spec, plan.new_tokens, seed=7)
-    bad = case.make(good, good.clone())
+    check_refused(factory, plan, case, "append", lambda cache: case.make(good, good.clone()))
+
+
+def check_refused(factory: CacheFactory, plan: kvst.CachePlan, case, method: str, make) -> None:
+    """``method`` of a cache warmed by ``plan``, called with ``make(cache)``'s bad arguments,
+    refuses them as the contract says (unless ``case`` may be accepted) and changes nothing."""
+    cache = warm(factory, plan)
+    bad = make(cache)
     where = plan.describe()
     # Straight to the cache, past the recorder: the recorder copies tensors and records
     # rows, and a bad call must record nothing.
-    error = kvassert.raised_by(lambda: cache.cache.append(*bad))
+    error = kvassert.raised_by(lambda: getattr(cache.cache, method)(*bad))
     refused = kvassert.assert_refused(error, case, where=where)
     # Whatever the error, a refusal must change nothing: that comes before its wording.
     kvassert.assert_unchanged(cache, plan.spec, who="the cache", where=where)
@@ -268,24 +274,12 @@ def check_edits(factory: CacheFactory, plan: kvst.EditPlan) -> None:
 
 def check_bad_truncate(factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.BadInput):
     """``truncate`` with ``case``'s argument is refused and changes nothing."""
-    cache = warm(factory, plan)
-    bad = case.make(cache.given_length)
-    where = plan.describe()
-    error = kvassert.raised_by(lambda: cache.cache.truncate(*bad))
-    kvassert.assert_refused(error, case, where=where)
-    kvassert.assert_unchanged(cache, plan.spec, who="the cache", where=where)
-    kvassert.assert_clear_error(error, case, bad, where=where)
+    check_refused(factory, plan, case, "truncate", lambda cache: case.make(cache.given_length))
 
 
 def check_bad_reorder(factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.BadInput):
     """``reorder`` with ``case``'s indices is refused and changes nothing."""
-    cache = warm(factory, plan)
-    bad = case.make(plan.spec)
-    where = plan.describe()
-    error = kvassert.raised_by(lambda: cache.cache.reorder(*bad))
-    kvassert.assert_refused(error, case, where=where)
-    kvassert.assert_unchanged(cache, plan.spec, who="the cache", where=where)
-    kvassert.assert_clear_error(error, case, bad, where=where)
+    check_refused(factory, plan, case, "reorder", lambda cache: case.make(plan.spec))
 
 
 def check_stateful(factory: CacheFactory, _drawn: None = None) -> None:
