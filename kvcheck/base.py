@@ -16,6 +16,7 @@ built-in when neither is given), one test per cache, named in the test id.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import pytest
 from hypothesis import example, given, settings
@@ -45,13 +46,13 @@ def property_test(prop: Property):
         @pytest.mark.parametrize("case", prop.cases, ids=str)
         def test(self, cache_factory, case):
             skip_unless_offered(prop, cache_factory)
-            search(prop, lambda drawn: prop.check(cache_factory, drawn, case))
+            search(prop, lambda drawn: prop.check(cache_factory, drawn, case), self.pinned)
 
     else:
 
         def test(self, cache_factory):
             skip_unless_offered(prop, cache_factory)
-            search(prop, lambda drawn: prop.check(cache_factory, drawn))
+            search(prop, lambda drawn: prop.check(cache_factory, drawn), self.pinned)
 
     test.__doc__ = prop.title
     return pytest.mark.kv_property(prop.name)(test)
@@ -67,16 +68,17 @@ def skip_unless_offered(prop: Property, factory) -> None:
         pytest.skip(f"{NOT_OFFERED}: the cache has no {prop.requires}() method")
 
 
-def search(prop: Property, check) -> None:
-    """Search ``prop.strategy`` for an input that fails ``check``, pinned inputs first."""
+def search(prop: Property, check, pinned: dict[str, tuple] | None = None) -> None:
+    """Search ``prop.strategy`` for an input that fails ``check``, pinned inputs first: the
+    kit's, then the test class's own (``pinned[prop.name]``)."""
 
     def falsify(drawn):
         check(drawn)
 
     falsify.__name__ = falsify.__qualname__ = prop.name.replace(" ", "_")
     test = falsify
-    for pinned in prop.pinned:
-        test = example(drawn=pinned)(test)
+    for drawn in (*prop.pinned, *(pinned or {}).get(prop.name, ())):
+        test = example(drawn=drawn)(test)
     kit = kvprofiles.current()
     examples = max(1, math.ceil(kit.max_examples * prop.budget))
     with kvprofiles.torch_threads():
@@ -100,6 +102,9 @@ class KitTests:
 
     factory = None  # a CacheFactory (a class taking a CacheSpec qualifies); None: --kv-impl
     cache_name: str | None = None  # the name in test ids; default: the factory's __name__
+    # Your own regressions, tried first on every run: property name -> inputs, e.g. the
+    # `drawn=` of a falsifying example pasted from a failure.
+    pinned: ClassVar[dict[str, tuple]] = {}
 
 
 class CoreTests(KitTests):

@@ -3,6 +3,9 @@ whole kit through a class of its own, and a user's broken cache, in a directory 
 repository, fails by either route with a message that points at the bug and a verdict."""
 
 import json
+from typing import ClassVar
+
+import torch
 
 from examples.doubling_cache import DoublingCache
 from kvcheck import CacheTests
@@ -69,3 +72,24 @@ def test_a_users_broken_cache_fails_by_either_route_with_a_verdict(tmp_path):
     verdict = json.loads(report.read_text())["caches"]["NoReset"]["properties"]
     assert verdict["lengths"]["severity"] == "data loss or corruption", verdict
     assert verdict["bad append"] == {"result": "pass", "tests": 4, "failed": 0}, verdict
+
+
+def test_a_class_can_pin_its_own_regressions():
+    """A user pastes a failure's `drawn=` into `pinned`; every run then tries it first."""
+    from kvcheck import strategies as kvst
+    from kvimpl import ConcatCache
+    from kvref import ModelConfig
+
+    config = ModelConfig(vocab_size=11, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
+    pasted = kvst.Scenario(config, 1, torch.float64, (kvst.Session((7,), 1, "fresh"),), slack=70)
+    built_for = []
+
+    def factory(spec):
+        built_for.append(spec.max_length)
+        return ConcatCache(spec)
+
+    class TestPinned(CacheTests):
+        pinned: ClassVar = {"lengths": (pasted,)}
+
+    TestPinned().test_length_invariants(factory)
+    assert 77 in built_for, "the class's pinned scenario (max_length 77) was not run"
