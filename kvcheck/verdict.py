@@ -41,18 +41,24 @@ def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestRepor
     entry["test"] = item.nodeid
     if report.passed:
         return {**entry, "outcome": PASS}
-    if report.skipped or hasattr(report, "wasxfail"):
+    if hasattr(report, "wasxfail"):  # marked xfail by the user: their call, not a verdict
+        return {**entry, "outcome": SKIPPED, "reason": f"xfail: {report.wasxfail}".strip()}
+    if report.skipped:
         reason = _skip_reason(report)
         outcome = NOT_OFFERED if reason.startswith(NOT_OFFERED) else SKIPPED
         return {**entry, "outcome": outcome, "reason": reason}
     error = call.excinfo.value if call.excinfo is not None else None
+    if error is None:  # e.g. XPASS(strict): a failure pytest made, not the cache
+        reason = report.longreprtext.strip().splitlines()[-1] if report.longreprtext else "?"
+        return {**entry, "outcome": FAIL, "severity": failures.CRASH, "reason": reason}
     from kvcheck.properties import BY_NAME
 
-    if error is None:
-        return {**entry, "outcome": FAIL, "severity": failures.CRASH, "reason": "no exception"}
     default = BY_NAME[entry["property"]].severity if entry["property"] in BY_NAME else FAIL
     severity, culprit = failures.worst(error, default)
-    return {**entry, "outcome": FAIL, "severity": severity, "reason": failures.first_line(culprit)}
+    reason = failures.first_line(culprit)
+    if report.when == "setup":  # a fixture failed (the factory, or one of the user's own)
+        reason = f"in setup, before the property ran: {reason}"
+    return {**entry, "outcome": FAIL, "severity": severity, "reason": reason}
 
 
 def _skip_reason(report: pytest.TestReport) -> str:

@@ -4,12 +4,15 @@ the run header, test ids, --kv-profile, and the verdict's JSON and its compariso
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 import kvimpl
+from kvcheck import failures
 from kvcheck import profiles as kvprofiles
 from kvcheck import verdict as kvverdict
+from kvref import CacheContractError
 from tests.pytest_run import run_pytest
 
 EXAMPLE = "examples.doubling_cache:DoublingCache"
@@ -154,3 +157,74 @@ def test_every_property_is_bound_by_the_kit_and_reported():
         if mark.name == "kv_property"
     }
     assert bound == {prop.name for prop in ALL}, f"bound {sorted(bound)}"
+
+
+def fake_item(prop: str = "logits"):
+    marks = {"kv_property": (prop,), "kv_cache": ("MyCache", "mypkg:MyCache")}
+    return SimpleNamespace(
+        nodeid="t.py::T::test[MyCache]",
+        get_closest_marker=lambda name: (
+            SimpleNamespace(args=marks[name]) if name in marks else None
+        ),
+    )
+
+
+def fake_report(when="call", outcome="failed", **extra):
+    return SimpleNamespace(
+        when=when,
+        passed=outcome == "passed",
+        skipped=outcome == "skipped",
+        longrepr=extra.pop("longrepr", None),
+        longreprtext=extra.pop("longreprtext", ""),
+        **extra,
+    )
+
+
+def raised(error: Exception):
+    return SimpleNamespace(excinfo=SimpleNamespace(value=error))
+
+
+@pytest.mark.parametrize(
+    ("report", "call", "expected"),
+    [
+        (fake_report(outcome="passed"), raised(None), {"outcome": "pass"}),
+        (
+            fake_report(outcome="skipped", longrepr=("f", 1, "Skipped: not offered: no truncate")),
+            raised(None),
+            {"outcome": "not offered", "reason": "not offered: no truncate"},
+        ),
+        (
+            fake_report(outcome="skipped", wasxfail="known bug 12"),
+            raised(None),
+            {"outcome": "skipped", "reason": "xfail: known bug 12"},
+        ),
+        (
+            fake_report(),
+            raised(failures.DataLoss("layer 0: length is 3\n  at step 2")),
+            {"outcome": "FAIL", "severity": "data loss or corruption"},
+        ),
+        (
+            fake_report(),
+            raised(CacheContractError("layer 1: append must return 4 rows")),
+            {"outcome": "FAIL", "severity": "data loss or corruption"},
+        ),
+        (
+            fake_report(),
+            raised(
+                BaseExceptionGroup("two", [failures.UnclearError("u"), failures.WrongResults("w")])
+            ),
+            {"outcome": "FAIL", "severity": "wrong results", "reason": "w"},
+        ),
+        (
+            fake_report(when="setup"),
+            raised(RuntimeError("no GPU")),
+            {
+                "severity": "crash",
+                "reason": "in setup, before the property ran: RuntimeError: no GPU",
+            },
+        ),
+    ],
+)
+def test_a_report_becomes_a_verdict_entry(report, call, expected):
+    entry = kvverdict.entry_for(fake_item(), call, report)
+    assert {key: entry[key] for key in expected} == expected, entry
