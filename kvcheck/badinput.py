@@ -112,7 +112,7 @@ def compared(got: int, wanted: int) -> str:
 
 def both_numbers(*numbers: int) -> str:
     """A regex for a message that shows each of ``numbers`` somewhere."""
-    return "".join(rf"(?=.*(?<![\d.]){number}(?![\d.]))" for number in numbers)
+    return "".join(rf"(?=.*(?<![\d.]){re.escape(str(number))}(?![\d.]))" for number in numbers)
 
 
 def either(*shows: Callable[[tuple], list[str]]) -> Callable[[tuple], list[str]]:
@@ -297,7 +297,10 @@ BAD_CALLS = [
         "caches built for another batch size",
         lambda s: (grow(s.tokens, 0), s.caches),
         BATCH,
-        lambda bad: [compared(len(bad[0]), len(bad[0]) - 1)],
+        lambda bad: [
+            compared(len(bad[0]), len(bad[0]) - 1),
+            rf"(?<![\d.]){len(bad[0])}(\D{{1,4}}\d+){{3}}",  # the key's shape (B + 1, H, T, D)
+        ],
     ),
     BadInput("token ids of rank 1", lambda s: (s.tokens[0], s.caches), r"rank"),
     BadInput("token ids of rank 3", lambda s: (s.tokens[None], s.caches), r"rank"),
@@ -325,16 +328,19 @@ BAD_TRUNCATES = [
         "negative length",
         lambda held: (-1,),
         r"length|negative|range|between|>=|at least|position",
+        lambda bad: [both_numbers(bad[0])],
     ),
     BadInput(
         "past the length held",
         lambda held: (held + 1,),
         r"length|range|between|<=|at most|exceed|held|position|beyond|more than",
+        lambda bad: [both_numbers(bad[0])],
     ),
     BadInput(
         "not an int",
         lambda held: (held / 2 + 0.5,),
         r"int|type|float|length",
+        lambda bad: [both_numbers(bad[0])],
         errors=NOT_A_TENSOR_ERRORS,
     ),
 ]

@@ -64,8 +64,11 @@ NOT_OFFERED = "not offered"
 def skip_unless_offered(prop: Property, factory) -> None:
     """Skip, as "not offered", a property of a capability the cache does not have (a cache
     offers one by having the method)."""
-    if prop.requires and prop.requires not in capabilities(factory(kvstateful.PROBE)):
-        pytest.skip(f"{NOT_OFFERED}: the cache has no {prop.requires}() method")
+    if not prop.requires:
+        return
+    if missing := set(prop.requires) - capabilities(factory(kvstateful.PROBE)):
+        methods = " or ".join(f"{name}()" for name in sorted(missing))
+        pytest.skip(f"{NOT_OFFERED}: the cache has no {methods} method")
 
 
 def search(prop: Property, check, pinned: dict[str, tuple] | None = None) -> None:
@@ -163,6 +166,7 @@ class ReorderTests(KitTests):
 
     test_reorders_act_on_the_permuted_histories = property_test(kvprop.REORDER)
     test_bad_reorder_is_refused_and_changes_nothing = property_test(kvprop.BAD_REORDER)
+    test_truncates_and_reorders_mixed_act_on_the_history_left = property_test(kvprop.EDITS)
 
 
 class CacheTests(

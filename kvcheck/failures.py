@@ -57,6 +57,12 @@ class UnclearError(PropertyFailure):
     severity = UNCLEAR_ERROR
 
 
+class RefusesValidInput(PropertyFailure):
+    """A call the contract says a cache must take was refused: a crash the kit recognised."""
+
+    severity = CRASH
+
+
 def worst(error: BaseException, default: str) -> tuple[str, BaseException]:
     """The severity of ``error`` escaping a property whose plain assertions mean ``default``,
     and the exception it comes from (the worst one, when Hypothesis found several)."""

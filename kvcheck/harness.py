@@ -121,7 +121,9 @@ def may_refuse(config: ModelConfig, held: int, target: int) -> bool:
     the next query needs the positions from target - W + 1, and a cache must keep only the
     last W - 1."""
     windows = {config.layer_window(layer) for layer in range(config.num_layers)} - {None}
-    return any(max(0, target - w + 1) < max(0, held - w + 1) for w in windows)
+    # Some position the next query needs (target - W + 1 .. target - 1) lies before the
+    # first one every cache must keep (held - W + 1).
+    return any(max(0, target - w + 1) < min(target, max(0, held - w + 1)) for w in windows)
 
 
 @dataclass(frozen=True, kw_only=True)

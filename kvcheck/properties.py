@@ -250,18 +250,10 @@ def check_edits(factory: CacheFactory, plan: kvst.EditPlan) -> None:
         if isinstance(step, int):
             history = torch.cat((history, feed(step, where)), dim=1)
         elif isinstance(step, kvst.Rollback):
-            drafted = feed(step.drafted, where)
-            history = torch.cat((history, drafted[:, : step.kept]), dim=1)
-            model.truncate(caches, history.shape[1])
+            drafted = torch.cat((history, feed(step.drafted, where)), dim=1)
+            history = forget(model, caches, drafted, drafted.shape[1] - step.drafted + step.kept)
         elif isinstance(step, kvst.Rewind | kvst.RewindTo):
-            target = step.target(history.shape[1])
-            error = kvassert.raised_by(lambda: model.truncate(caches, target))  # noqa: B023
-            if error is None:
-                history = history[:, :target]
-            elif not (
-                isinstance(error, ValueError) and may_refuse(plan.config, history.shape[1], target)
-            ):
-                raise error  # a refusal of a rewind every layer can make: a crash
+            history = forget(model, caches, history, step.target(history.shape[1]))
         else:
             if step.indices == tuple(range(plan.batch)):  # it would prove nothing
                 raise InvalidArgument(f"{where}: a reorder plan must not be the identity")
@@ -270,6 +262,23 @@ def check_edits(factory: CacheFactory, plan: kvst.EditPlan) -> None:
             history = history[indices]
         for layer, cache in enumerate(caches):
             kvassert.assert_length(cache, history.shape[1], who=f"layer {layer}", where=where)
+
+
+def forget(model, caches, history: torch.Tensor, target: int) -> torch.Tensor:
+    """Truncate every layer to ``target`` and return the history left: ``history[:target]``,
+    or all of it when a window layer refused as it may (it dropped a position the next
+    query needs). Any other refusal is a crash on valid input."""
+    error = kvassert.raised_by(lambda: model.truncate(caches, target))
+    if error is None:
+        return history[:, :target]
+    if isinstance(error, ValueError) and may_refuse(model.config, history.shape[1], target):
+        return history
+    raise failures.RefusesValidInput(
+        f"truncate from {history.shape[1]} tokens to {target} refused with "
+        f"{type(error).__name__}: {error}; no layer may refuse it: every position the next "
+        f"query needs is among those a window cache must keep\n  model: "
+        f"{kvst.describe_config(model.config)}"
+    ) from error
 
 
 def check_bad_truncate(factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.BadInput):
@@ -298,7 +307,7 @@ class Property:
     strategy: st.SearchStrategy | None  # None: the check draws for itself (a state machine)
     severity: str  # what a plain AssertionError escaping the check means
     cases: tuple = ()  # a table: one test per case
-    requires: str | None = None  # the optional capability it tests ("truncate", "reorder")
+    requires: tuple[str, ...] = ()  # the optional capabilities it tests ("truncate", ...)
     # The share of the profile's examples each test searches: below 1 for a table of many
     # cases that mostly share one path (the model's own guards).
     budget: float = 1.0
@@ -401,7 +410,7 @@ TRUNCATE = Property(
     check_edits,
     kvst.edit_plans(),
     failures.WRONG_RESULTS,
-    requires="truncate",
+    requires=("truncate",),
     pinned=kvst.PINNED_EDITS,
 )
 BAD_TRUNCATE = Property(
@@ -411,7 +420,7 @@ BAD_TRUNCATE = Property(
     kvst.cache_plans(room=1),
     failures.ACCEPTS_BAD_INPUT,
     cases=tuple(kvbad.BAD_TRUNCATES),
-    requires="truncate",
+    requires=("truncate",),
 )
 REORDER = Property(
     "reorder",
@@ -419,7 +428,7 @@ REORDER = Property(
     check_edits,
     kvst.edit_plans(rollbacks=False, reorder=True),
     failures.WRONG_RESULTS,
-    requires="reorder",
+    requires=("reorder",),
 )
 BAD_REORDER = Property(
     "bad reorder",
@@ -428,7 +437,17 @@ BAD_REORDER = Property(
     kvst.cache_plans(room=1),
     failures.ACCEPTS_BAD_INPUT,
     cases=tuple(kvbad.BAD_REORDERS),
-    requires="reorder",
+    requires=("reorder",),
+)
+EDITS = Property(
+    "truncate and reorder",
+    "rollbacks, rewinds and reorders mixed: a reorder after a truncate, a truncate after one",
+    check_edits,
+    kvst.edit_plans(rollbacks=True, reorder=True),
+    failures.WRONG_RESULTS,
+    requires=("truncate", "reorder"),
+    pinned=kvst.PINNED_MIXED_EDITS,
+    budget=0.5,  # truncate and reorder each have their own full search
 )
 STATEFUL = Property(
     "stateful",
@@ -456,5 +475,6 @@ ALL = (
     BAD_TRUNCATE,
     REORDER,
     BAD_REORDER,
+    EDITS,
 )
 BY_NAME = {prop.name: prop for prop in ALL}

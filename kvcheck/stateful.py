@@ -26,7 +26,7 @@ from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
 from kvcheck import profiles as kvprofiles
 from kvcheck import strategies as kvst
-from kvcheck.failures import DataLoss
+from kvcheck.failures import DataLoss, RefusesValidInput
 from kvcheck.harness import Recorder, build, may_refuse, record
 from kvref import CacheFactory, CacheSpec, capabilities
 
@@ -161,7 +161,10 @@ class CachedDecoding(RuleBasedStateMachine):
         if error is None:
             cache_set.history = cache_set.history[:, :target]
         elif not (isinstance(error, ValueError) and may_refuse(self.model.config, held, target)):
-            raise error  # a refusal of a truncate every layer can make: a crash
+            raise RefusesValidInput(
+                f"{cache_set.name}: truncate from {held} tokens to {target} refused with "
+                f"{type(error).__name__}: {error}; no layer may refuse it"
+            ) from error
 
     @precondition(lambda self: "reorder" in self.offered)
     @rule(cache_set=cache_sets, data=st.data())

@@ -485,7 +485,8 @@ def edit_plans(draw, *, rollbacks: bool = True, reorder: bool = False) -> EditPl
         config=config,
         batch=batch,
         dtype=draw(st.sampled_from(DTYPES), label="dtype"),
-        prompt=draw(chunk_sizes, label="prompt"),
+        # Small prompts often: a ring sized by a small prompt wraps within a few steps.
+        prompt=draw(st.one_of(st.integers(1, 4), chunk_sizes), label="prompt"),
         steps=tuple(steps),
         token_seed=draw(st.integers(0, 2**16), label="token seed"),
     )
@@ -521,5 +522,19 @@ PINNED_EDITS = (
         prompt=1,
         steps=(1, 1, RewindTo(1), 1),
         token_seed=1,
+    ),
+)
+# A reorder after a rollback left a wrapped ring's rows away from slot 0: a ring that
+# reorders slots from 0 instead of its held rows (ReorderFromSlotZero).
+PINNED_MIXED_EDITS = (
+    EditPlan(
+        ModelConfig(
+            vocab_size=5, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2, ffn_dim=8, window=1
+        ),
+        batch=2,
+        dtype=torch.float64,
+        prompt=1,
+        steps=(1, 1, 1, 1, 1, 2, Rollback(1, 0), Reorder((0, 0)), 1),
+        token_seed=0,
     ),
 )

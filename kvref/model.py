@@ -417,7 +417,8 @@ class ReferenceTransformer(nn.Module):
             if not isinstance(spec, CacheSpec):
                 continue
             wanted = self.cache_spec(batch or spec.batch, max(lengths[0], 1), layer=layer)
-            for field in ("batch", "kv_heads", "head_dim", "dtype", "window"):
+            # Not the window: a cache may ignore it and keep everything (the mask applies it).
+            for field in ("batch", "kv_heads", "head_dim", "dtype"):
                 if getattr(spec, field) != getattr(wanted, field):
                     raise CacheContractError(
                         f"layer {layer}: cache built for {field} {getattr(spec, field)}, but this "

@@ -5,15 +5,19 @@ suite checks it. In short:
 
 - ``append(key, value)`` takes tensors shaped (batch, kv_heads, T, head_dim), T >= 1, of the
   spec's dtype and device, copies them, and returns every row appended since the last reset,
-  oldest first, each exactly as given (views are fine until the next call).
+  oldest first, each exactly as given (views are fine until the next call). With
+  ``spec.window = W`` it may return only a recent run: at least the last W - 1 rows before
+  the new ones and the new ones (``CacheSpec.rows_needed``).
 - ``length`` grows by exactly T per append; ``reset()`` makes it 0, and nothing written
   before a reset may influence a later result. Caches from one factory share no rows.
 - At least ``spec.max_length`` tokens fit; past that a cache may refuse, never drop, wrap or
-  overwrite.
+  overwrite (a window cache drops only positions no later query can see).
 - Bad input raises ``ValueError`` (or a subclass; ``TypeError`` is also fine for an argument
   that is not a tensor) whose message names the problem in the implementer's own words, and
   leaves the cache exactly as it was. T = 0 may be refused or accepted as a no-op.
-- ``nbytes`` is what the cache really reserves: at least 2 x B x H_kv x length x D x itemsize.
+- ``nbytes`` is what the cache really reserves: at least 2 x B x H_kv x rows x D x itemsize,
+  rows being ``length``, or min(length, W - 1) with a window.
+- Optional capabilities (``truncate``, ``reorder``) are offered by having the method.
 
 ``check_append`` is offered to implementers so that a cache can reject bad input with clear
 messages in one call; using it is optional, keeping the rules is not.

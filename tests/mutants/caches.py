@@ -567,6 +567,67 @@ class ReorderSkipped(WindowCache):
         check_reorder(self.spec, indices)
 
 
+class RefusesTruncateZero(WindowCache):
+    """Refuses ``truncate(0)`` once its ring has dropped position 0, as if the next query
+    needed it.
+
+    Stands for a rollback check that forgets a query at position 0 (or with a window of 1)
+    needs no earlier position: "regenerate from scratch" fails on a long session, the
+    crop(0) class of bug (transformers 47433) in its refusing form.
+    """
+
+    def truncate(self, length: int) -> None:
+        check_truncate(self._length, length)
+        oldest = self._length - self._held
+        if oldest > max(0, length - self.lookback):
+            raise ValueError(f"truncate: positions before {oldest} are gone")
+        super().truncate(length)
+
+
+class TruncateDropsPendingReorder(PreallocatedCache):
+    """Applies a reorder lazily, at the next append, and forgets it on ``truncate``.
+
+    Stands for a deferred beam reorder kept beside the cache (applied when the next token is
+    written): a speculative rollback between the reorder and that token discards it, and
+    every beam continues from another beam's history.
+    """
+
+    pending: Tensor | None = None
+
+    def reorder(self, indices: Tensor) -> None:
+        check_reorder(self.spec, indices)
+        self.pending = indices if self.pending is None else self.pending[indices]
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        if self.pending is not None:
+            held = self._length
+            for buffer in (self.key, self.value):
+                buffer[:, :, :held] = buffer[:, :, :held].index_select(0, self.pending)
+            self.pending = None
+        return super().append(key, value)
+
+    def truncate(self, length: int) -> None:
+        super().truncate(length)
+        self.pending = None
+
+    def reset(self) -> None:
+        super().reset()
+        self.pending = None
+
+
+class ReorderFromSlotZero(WindowCache):
+    """Reorders the ring's first ``held`` slots instead of the slots its held rows are in.
+
+    Stands for a ring buffer whose beam reorder assumes its rows start at slot 0: true while
+    it has not wrapped, wrong once a rollback leaves the held rows elsewhere in the ring.
+    """
+
+    def reorder(self, indices: Tensor) -> None:
+        check_reorder(self.spec, indices)
+        for buffer in (self.key, self.value):
+            buffer[:, :, : self._held] = buffer[:, :, : self._held].index_select(0, indices)
+
+
 CACHE_MUTANTS = (
     WrongAxis,
     Prepends,
@@ -602,4 +663,7 @@ CACHE_MUTANTS = (
     ReorderKeysOnly,
     ReorderIgnoresRepeats,
     ReorderSkipped,
+    RefusesTruncateZero,
+    TruncateDropsPendingReorder,
+    ReorderFromSlotZero,
 )
