@@ -510,8 +510,13 @@ PINNED = (
 )
 
 
-# A rewind to position 1 after the ring of a window-2 cache dropped position 0, which the
-# next query needs: a cache that takes it instead of refusing (WindowTruncateUnchecked).
+_one_layer = ModelConfig(
+    vocab_size=5, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2, ffn_dim=8
+)
+# - A rewind to position 1 after the ring of a window-2 cache dropped position 0, which the
+#   next query needs: a cache that takes it instead of refusing (WindowTruncateUnchecked).
+# - A rewind of everything after a window-1 ring dropped position 0: truncate(0) needs no
+#   position, so a cache must not refuse it (RefusesTruncateZero).
 PINNED_EDITS = (
     EditPlan(
         ModelConfig(
@@ -523,18 +528,34 @@ PINNED_EDITS = (
         steps=(1, 1, RewindTo(1), 1),
         token_seed=1,
     ),
+    EditPlan(
+        dataclasses.replace(_one_layer, window=1),
+        batch=1,
+        dtype=torch.float64,
+        prompt=1,
+        steps=(1, Rewind(MAX_SESSION)),
+        token_seed=0,
+    ),
 )
-# A reorder after a rollback left a wrapped ring's rows away from slot 0: a ring that
-# reorders slots from 0 instead of its held rows (ReorderFromSlotZero).
+# - A reorder after a rollback left a wrapped ring's rows away from slot 0: a ring that
+#   reorders slots from 0 instead of its held rows (ReorderFromSlotZero).
+# - A reorder, then a truncate (of nothing), then a token: a reorder kept pending until the
+#   next append must survive the truncate (TruncateDropsPendingReorder).
 PINNED_MIXED_EDITS = (
     EditPlan(
-        ModelConfig(
-            vocab_size=5, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2, ffn_dim=8, window=1
-        ),
+        dataclasses.replace(_one_layer, window=1),
         batch=2,
         dtype=torch.float64,
         prompt=1,
         steps=(1, 1, 1, 1, 1, 2, Rollback(1, 0), Reorder((0, 0)), 1),
+        token_seed=0,
+    ),
+    EditPlan(
+        _one_layer,
+        batch=3,
+        dtype=torch.float64,
+        prompt=1,
+        steps=(Reorder((0, 0, 0)), Rewind(0), 1),
         token_seed=0,
     ),
 )
