@@ -183,12 +183,12 @@ def compare(old: dict, new: dict) -> tuple[list[str], bool]:
         before = old["caches"].get(label, {}).get("properties", {})
         after = new["caches"].get(label, {}).get("properties", {})
         for name in [*before, *(name for name in after if name not in before)]:
-            was, now = _state(before.get(name)), _state(after.get(name))
-            if was == now:
+            was, now = before.get(name), after.get(name)
+            if _state(was) == _state(now):
                 continue
-            why = f": {after[name]['reason']}" if now.startswith(FAIL) else ""
-            lines.append(f"{label}: {name}: {was} -> {now}{why}")
-            regressed |= _worse_state(was, now)
+            why = f": {now['reason']}" if now and now["result"] == FAIL else ""
+            lines.append(f"{label}: {name}: {_state(was)} -> {_state(now)}{why}")
+            regressed |= _got_worse(was, now)
     return lines, regressed
 
 
@@ -200,12 +200,13 @@ def _state(row: dict | None) -> str:
     return row["result"]
 
 
-def _worse_state(was: str, now: str) -> bool:
-    if was == PASS:  # failing, skipped, not offered or gone: all lost ground
+def _got_worse(was: dict | None, now: dict | None) -> bool:
+    if was is None or was["result"] not in (PASS, FAIL):
+        return False
+    if was["result"] == PASS:  # failing, skipped, not offered or gone: all lost ground
         return True
-    if was.startswith(FAIL) and now.startswith(FAIL):
-        return _worse(now[6:-1], was[6:-1])
-    return False
+    failing = now is not None and now["result"] == FAIL
+    return failing and _worse(now["severity"], was["severity"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
