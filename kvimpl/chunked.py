@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvimpl._checks import check_reorder, check_truncate
-from kvref.protocol import CacheSpec, check_append
+from kvref.protocol import CacheSpec, check_append, check_reorder, check_truncate
 
 DEFAULT_CHUNK_SIZE = 16
 

@@ -10,6 +10,8 @@ from kvref.protocol import (
     Truncatable,
     capabilities,
     check_append,
+    check_reorder,
+    check_truncate,
     min_nbytes,
 )
 
@@ -24,5 +26,7 @@ __all__ = [
     "Truncatable",
     "capabilities",
     "check_append",
+    "check_reorder",
+    "check_truncate",
     "min_nbytes",
 ]

@@ -22,7 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvref.protocol import CacheContractError, CacheFactory, CacheSpec, LayerCache
+from kvref.protocol import (
+    CacheContractError,
+    CacheFactory,
+    CacheSpec,
+    LayerCache,
+    check_reorder,
+    check_truncate,
+)
 
 
 @dataclass(frozen=True)
@@ -299,10 +306,7 @@ class ReferenceTransformer(nn.Module):
         self._check_offered(caches, "truncate")
         if isinstance(length, bool) or not isinstance(length, int):
             raise TypeError(f"truncate: length must be an int, got {type(length).__name__}")
-        if not 0 <= length <= held:
-            raise ValueError(
-                f"truncate: length must be between 0 and {held} (the tokens held), got {length}"
-            )
+        check_truncate(held, length)
         c = self.config
         windows = {layer: c.layer_window(layer) for layer in range(c.num_layers)}
         # Widest window first; global layers (window None) never need to refuse: last.
@@ -319,20 +323,11 @@ class ReferenceTransformer(nn.Module):
             raise TypeError(
                 f"reorder: indices must be a torch.Tensor, got {type(indices).__name__}"
             )
+        # The batch a cache's spec says, else the one the indices imply.
         specs = [getattr(cache, "spec", None) for cache in caches]
         batches = {spec.batch for spec in specs if isinstance(spec, CacheSpec)}
         batch = batches.pop() if len(batches) == 1 else indices.numel()
-        problem = None
-        if indices.dtype != torch.int64:
-            problem = f"dtype must be int64, got {indices.dtype}"
-        elif tuple(indices.shape) != (batch,):
-            problem = f"shape must be ({batch},) (the batch), got {tuple(indices.shape)}"
-        elif indices.device != self.device:
-            problem = f"device must be {self.device}, got {indices.device}"
-        elif batch and not (int(indices.min()) >= 0 and int(indices.max()) < batch):
-            problem = f"values must be in [0, {batch}), got {indices.tolist()}"
-        if problem:
-            raise ValueError(f"reorder: indices {problem}")
+        check_reorder(self.cache_spec(batch, 1), indices)
         for cache in caches:
             cache.reorder(indices)
 

@@ -19,8 +19,9 @@ suite checks it. In short:
   rows being ``length``, or min(length, W - 1) with a window.
 - Optional capabilities (``truncate``, ``reorder``) are offered by having the method.
 
-``check_append`` is offered to implementers so that a cache can reject bad input with clear
-messages in one call; using it is optional, keeping the rules is not.
+``check_append`` (and ``check_truncate``, ``check_reorder`` for the optional capabilities) is
+offered to implementers so that a cache can reject bad input with clear messages in one call;
+using them is optional, keeping the rules is not.
 """
 
 from __future__ import annotations
@@ -155,6 +156,41 @@ def check_append(
 def _same_device(actual: torch.device, wanted: torch.device) -> bool:
     # A spec that says "cuda" accepts "cuda:0"; one that says "cuda:1" does not.
     return actual.type == wanted.type and wanted.index in (None, actual.index)
+
+
+def check_truncate(length_now: int, length: object) -> None:
+    """Refuse ``truncate(length)`` on a cache holding ``length_now`` tokens unless
+    0 <= length <= length_now and length is an int (a bool is not)."""
+    if isinstance(length, bool) or not isinstance(length, int):
+        raise ValueError(f"truncate: length must be an int, got {type(length).__name__} {length!r}")
+    if not 0 <= length <= length_now:
+        raise ValueError(
+            f"truncate: length must be between 0 and {length_now} (the tokens held), got {length}"
+        )
+
+
+def check_reorder(spec: CacheSpec, indices: object) -> None:
+    """Refuse ``reorder(indices)`` unless ``indices`` is an int64 tensor shaped (batch,) on
+    the cache's device with values in [0, batch) (repeats are fine)."""
+    if not isinstance(indices, Tensor):
+        raise TypeError(f"reorder: indices must be a torch.Tensor, got {type(indices).__name__}")
+    if indices.dtype != torch.int64:
+        raise ValueError(f"reorder: indices must be int64, got {indices.dtype}")
+    if indices.shape != (spec.batch,):
+        raise ValueError(
+            f"reorder: indices must have shape (batch,) = ({spec.batch},), "
+            f"got {tuple(indices.shape)}"
+        )
+    if not _same_device(indices.device, torch.device(spec.device)):
+        raise ValueError(
+            f"reorder: indices must be on the cache's device {spec.device}, got {indices.device}"
+        )
+    low, high = int(indices.min()), int(indices.max())
+    if low < 0 or high >= spec.batch:
+        raise ValueError(
+            f"reorder: indices must be in [0, {spec.batch}) (batch rows), "
+            f"got values from {low} to {high}"
+        )
 
 
 def min_nbytes(spec: CacheSpec, length: int) -> int:

@@ -170,7 +170,11 @@ def warm_caches(factory=kvimpl.ConcatCache, window=None):
         (lambda m, c: m.truncate(c[:2], 3), ValueError, "wrong number of caches"),
         (lambda m, c: m.reorder(c, torch.tensor([0, 2])), ValueError, r"in \[0, 2\)"),
         (lambda m, c: m.reorder(c, torch.tensor([0, 1], dtype=torch.int32)), ValueError, "int64"),
-        (lambda m, c: m.reorder(c, torch.tensor([0, 1, 1])), ValueError, r"shape must be \(2,\)"),
+        (
+            lambda m, c: m.reorder(c, torch.tensor([0, 1, 1])),
+            ValueError,
+            r"shape \(batch,\) = \(2,\)",
+        ),
         (lambda m, c: m.reorder(c, [0, 1]), TypeError, "torch.Tensor"),
     ],
 )

@@ -13,8 +13,7 @@ import torch
 from torch import Tensor
 
 from kvimpl import ChunkedCache, ConcatCache, PreallocatedCache, WindowCache
-from kvimpl._checks import check_reorder, check_truncate
-from kvref import CacheSpec, check_append
+from kvref import CacheSpec, check_append, check_reorder, check_truncate
 
 
 class WrongAxis(ConcatCache):
