@@ -1,10 +1,12 @@
 """The reference transformer and the public key/value cache protocol."""
 
-from kvref.model import ModelConfig, ReferenceTransformer
+from kvref.model import ModelConfig, ReferenceTransformer, attention
 from kvref.protocol import (
+    Attending,
     CacheContractError,
     CacheFactory,
     CacheSpec,
+    Forkable,
     LayerCache,
     Reorderable,
     Truncatable,
@@ -16,14 +18,17 @@ from kvref.protocol import (
 )
 
 __all__ = [
+    "Attending",
     "CacheContractError",
     "CacheFactory",
     "CacheSpec",
+    "Forkable",
     "LayerCache",
     "ModelConfig",
     "ReferenceTransformer",
     "Reorderable",
     "Truncatable",
+    "attention",
     "capabilities",
     "check_append",
     "check_reorder",

@@ -108,6 +108,29 @@ def causal_mask(
     return allowed
 
 
+def attention(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    query_positions: Tensor,
+    key_positions: Tensor,
+    window: int | None = None,
+) -> Tensor:
+    """Softmax attention of ``query`` (B, H, T, D) over ``keys`` and ``values`` (B, H_kv,
+    rows, D) at the given absolute positions: causal, windowed if ``window``, scaled by
+    1/sqrt(D). Query head h reads kv head h // (H // H_kv) (grouped-query attention)."""
+    group = query.shape[1] // keys.shape[1]
+    if group > 1:
+        # Skipped for ordinary multi-head attention: repeat_interleave copies even when
+        # group is 1, and at long contexts that copy costs more than the attention.
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+    scores = (query @ keys.transpose(-2, -1)) / math.sqrt(query.shape[-1])
+    allowed = causal_mask(query_positions, key_positions, window)
+    weights = F.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return weights @ values
+
+
 class RMSNorm(nn.Module):
     def __init__(self, width: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -141,28 +164,38 @@ class Attention(nn.Module):
         v = self.value(x).view(batch, new_tokens, c.num_kv_heads, c.head_dim).transpose(1, 2)
         q = apply_rope(q, positions, c.rope_base)
         k = apply_rope(k, positions, c.rope_base)  # stored rotated: never rotate them again
-        all_k, all_v = (k, v) if cache is None else cache.append(k, v)
         end = int(positions[-1]) + 1
-        if cache is not None:
-            self._check_returned_rows(all_k, all_v, batch, start=int(positions[0]), end=end)
-
-        # The keys held are the most recent ones, ending at the last new position (without a
-        # window and with caches they start at 0).
-        held = all_k.shape[-2]
-        key_positions = torch.arange(end - held, end, device=x.device)
-        allowed = causal_mask(positions, key_positions, self.window)
-        group = c.num_heads // c.num_kv_heads
-        if group > 1:  # query head h reads kv head h // group
-            # Skipped for ordinary multi-head attention: repeat_interleave copies even when
-            # group is 1, and at long contexts that copy costs more than the attention.
-            all_k = all_k.repeat_interleave(group, dim=1)
-            all_v = all_v.repeat_interleave(group, dim=1)
-        scores = q @ all_k.transpose(-2, -1)
-        scores = scores / math.sqrt(c.head_dim)
-        weights = F.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-        mixed = weights @ all_v
+        if cache is not None and callable(getattr(cache, "attend", None)):
+            # The cache computes attention itself (a paged kernel, say): no rows come back.
+            mixed = cache.attend(q, k, v)
+            self._check_attended(mixed, q)
+        else:
+            all_k, all_v = (k, v) if cache is None else cache.append(k, v)
+            if cache is not None:
+                self._check_returned_rows(all_k, all_v, batch, start=int(positions[0]), end=end)
+            # The keys held are the most recent ones, ending at the last new position
+            # (without a window and with caches they start at 0).
+            held = all_k.shape[-2]
+            key_positions = torch.arange(end - held, end, device=x.device)
+            mixed = attention(q, all_k, all_v, positions, key_positions, self.window)
         mixed = mixed.transpose(1, 2).reshape(batch, new_tokens, c.d_model)
         return self.out(mixed), k, v
+
+    def _check_attended(self, mixed: object, query: Tensor) -> None:
+        if (
+            not isinstance(mixed, Tensor)
+            or mixed.shape != query.shape
+            or (mixed.dtype != query.dtype)
+        ):
+            got = (
+                f"{tuple(mixed.shape)} {mixed.dtype}"
+                if isinstance(mixed, Tensor)
+                else type(mixed).__name__
+            )
+            raise CacheContractError(
+                f"layer {self.layer}: attend must return a tensor shaped like the query "
+                f"{tuple(query.shape)} {query.dtype}; it returned {got}"
+            )
 
     def _check_returned_rows(
         self, keys: Tensor, values: Tensor, batch: int, *, start: int, end: int

@@ -17,7 +17,8 @@ suite checks it. In short:
   leaves the cache exactly as it was. T = 0 may be refused or accepted as a no-op.
 - ``nbytes`` is what the cache really reserves: at least 2 x B x H_kv x rows x D x itemsize,
   rows being ``length``, or min(length, W - 1) with a window.
-- Optional capabilities (``truncate``, ``reorder``) are offered by having the method.
+- Optional capabilities (``truncate``, ``reorder``, ``fork``, ``attend``) are offered by
+  having the method.
 
 ``check_append`` (and ``check_truncate``, ``check_reorder`` for the optional capabilities) is
 offered to implementers so that a cache can reject bad input with clear messages in one call;
@@ -219,7 +220,31 @@ class Reorderable(Protocol):
         ...
 
 
-CAPABILITIES = {"truncate": Truncatable, "reorder": Reorderable}
+@runtime_checkable
+class Forkable(Protocol):
+    def fork(self) -> LayerCache:
+        """A new cache holding the same tokens (parallel sampling, a shared prompt); from then
+        on the two are independent. It may share storage copy-on-write."""
+        ...
+
+
+@runtime_checkable
+class Attending(Protocol):
+    def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """Append ``key`` and ``value`` as ``append`` would, then return softmax attention of
+        ``query`` (batch, heads, T, head_dim; heads a multiple of kv_heads, query head h
+        reading kv head h // (heads // kv_heads)) over the rows kept, masked by absolute
+        position (causal, and the window), scaled by 1/sqrt(head_dim), shaped like ``query``.
+        ``kvref.attention`` is the reference it is held to."""
+        ...
+
+
+CAPABILITIES = {
+    "truncate": Truncatable,
+    "reorder": Reorderable,
+    "fork": Forkable,
+    "attend": Attending,
+}
 
 
 def capabilities(cache: object) -> set[str]:
