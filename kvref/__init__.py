@@ -3,6 +3,8 @@
 from kvref.model import ModelConfig, ReferenceTransformer, attention
 from kvref.protocol import (
     Attending,
+    BlockPool,
+    BlockTables,
     CacheContractError,
     CacheFactory,
     CacheSpec,
@@ -19,6 +21,8 @@ from kvref.protocol import (
 
 __all__ = [
     "Attending",
+    "BlockPool",
+    "BlockTables",
     "CacheContractError",
     "CacheFactory",
     "CacheSpec",

@@ -247,6 +247,38 @@ CAPABILITIES = {
 }
 
 
+@runtime_checkable
+class BlockPool(Protocol):
+    """A factory whose caches take fixed-size blocks from one pool it owns (a paged cache,
+    as serving engines have): caches for any layer and any request share it, each through
+    block tables of its own, and give their blocks back on ``reset()`` and when collected."""
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        ...
+
+    @property
+    def blocks_in_use(self) -> int:
+        """Distinct blocks the live caches' block tables reference; a shared block once."""
+        ...
+
+    @property
+    def blocks_free(self) -> int:
+        """Blocks an append may still take before the pool refuses."""
+        ...
+
+
+@runtime_checkable
+class BlockTables(Protocol):
+    """A cache of a ``BlockPool`` that shows where its rows lie."""
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """Per batch row, the ids of the pool blocks it reads, oldest first."""
+        ...
+
+
 def capabilities(cache: object) -> set[str]:
     """The optional capabilities ``cache`` offers: it offers one by having the method."""
     return {name for name, protocol in CAPABILITIES.items() if isinstance(cache, protocol)}
