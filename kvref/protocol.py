@@ -268,6 +268,12 @@ class BlockPool(Protocol):
         """Blocks an append may still take before the pool refuses."""
         ...
 
+    def with_blocks(self, num_blocks: int) -> BlockPool:
+        """A new, empty pool of the same kind and block size with room for ``num_blocks``
+        blocks: the suite builds tight pools with it, so that blocks are freed and reused
+        constantly and an exhausted pool's refusal is tested."""
+        ...
+
 
 @runtime_checkable
 class BlockTables(Protocol):
