@@ -14,6 +14,7 @@ from examples import doubling_cache as examples_doubling
 from kvcheck import asserts as kvassert
 from kvcheck import strategies as kvst
 from kvref import CacheContractError, ModelConfig, ReferenceTransformer
+from kvref import attention as kvref_attention
 
 
 @given(data=st.data())
@@ -205,3 +206,47 @@ def test_window_layers_are_asked_first_so_a_refused_rewind_changes_no_layer():
         model.truncate(caches, 1)
     lengths = [cache.length for cache in caches]
     assert lengths == [14, 14, 14], f"a refused rewind changed a layer: lengths {lengths}"
+
+
+class AttendingConcat(kvimpl.ConcatCache):
+    """A concat cache that also computes attention itself, with the reference function on
+    the rows it holds: the model must take this route and give the same logits."""
+
+    calls = 0
+
+    def attend(self, query, key, value):
+        keys, values = self.append(key, value)
+        end = self.length
+        positions = torch.arange(end - key.shape[2], end)
+        AttendingConcat.calls += 1
+        return kvref_attention(query, keys, values, positions, torch.arange(end), self.window)
+
+    @property
+    def window(self):
+        return self.spec.window
+
+
+def test_the_model_uses_attend_when_a_cache_offers_it():
+    config = ModelConfig(num_heads=4, num_kv_heads=2, window=5, window_layers="alternate")
+    model = ReferenceTransformer(config)
+    tokens = kvst.random_tokens(config, 2, 12, seed=3)
+    caches = model.new_caches(AttendingConcat, batch=2, max_length=12)
+    before = AttendingConcat.calls
+    logits = torch.cat(
+        [model(tokens[:, :7], caches=caches), model(tokens[:, 7:], caches=caches)], 1
+    )
+    assert AttendingConcat.calls - before == 2 * config.num_layers, "attend was not called"
+    kvassert.assert_close_at(
+        logits, model(tokens), what="logits through attend", where="chunks 7+5", position_axis=1
+    )
+
+
+def test_an_attend_that_returns_the_wrong_shape_is_a_contract_error():
+    class Truncating(AttendingConcat):
+        def attend(self, query, key, value):
+            return super().attend(query, key, value)[:, :, :, 1:]
+
+    model = ReferenceTransformer(ModelConfig())
+    caches = model.new_caches(Truncating, batch=1, max_length=4)
+    with pytest.raises(CacheContractError, match="attend must return a tensor shaped like"):
+        model(torch.zeros(1, 2, dtype=torch.int64), caches=caches)
