@@ -1,4 +1,4 @@
-"""Attention over keys and values held in pieces, read where they lie (an online softmax).
+"""Keys and values held in fixed-size blocks: attention over them where they lie, and joining.
 
 A cache whose rows lie in separate blocks or chunks computes attention one piece at a time
 and merges the pieces with a running log-sum-exp, as paged and flash attention kernels do,
@@ -16,11 +16,15 @@ each kv head serves its whole group in one matmul.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from kvref.protocol import CacheSpec
+
+# Block ``index`` of a cache: its keys and values, (B, H_kv, >= rows held there, D).
+ReadBlock = Callable[[int], tuple[Tensor, Tensor]]
 
 
 class BlockwiseAttention:
@@ -95,6 +99,34 @@ class BlockwiseAttention:
         if self.window is not None:
             allowed &= keys[None, :] > self.query_positions[:, None] - self.window
         return allowed
+
+
+def attend_blocks(
+    query: Tensor, spec: CacheSpec, first_position: int, length: int, size: int, read: ReadBlock
+) -> Tensor:
+    """Attention of ``query`` (the tokens at ``first_position`` onwards) over the ``length``
+    rows of a cache that keeps position p in block p // ``size``, reading only the blocks
+    some query sees, each where it lies."""
+    attention = BlockwiseAttention(query, spec.kv_heads, first_position, spec.window)
+    for index in range(-(-length // size)):
+        start = index * size
+        rows = min(size, length - start)
+        if attention.sees(start, rows):
+            keys, values = read(index)
+            attention.add(keys[:, :, :rows], values[:, :, :rows], start)
+    return attention.result()
+
+
+def join_blocks(length: int, size: int, read: ReadBlock) -> tuple[Tensor, Tensor]:
+    """Every row of such a cache, oldest first, joined into (B, H_kv, length, D) copies: what
+    ``append`` must return (only the rows written, none of a block's stale ones)."""
+    keys, values = [], []
+    for index in range(-(-length // size)):
+        rows = min(size, length - index * size)
+        block_keys, block_values = read(index)
+        keys.append(block_keys[:, :, :rows])
+        values.append(block_values[:, :, :rows])
+    return torch.cat(keys, dim=2), torch.cat(values, dim=2)
 
 
 def check_query(spec: CacheSpec, query: object, key: Tensor) -> None:

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kvimpl.blockwise import BlockwiseAttention, check_query
+from kvimpl.blockwise import attend_blocks, check_query, join_blocks
 from kvref.protocol import CacheSpec, check_append, check_reorder, check_truncate
 
 DEFAULT_BLOCK_SIZE = 16
@@ -276,7 +276,7 @@ class PagedCache:
         new_tokens = check_append(self.spec, self._length, key, value)
         self._write(key, value, new_tokens, doing="append")
         self._length += new_tokens
-        return self._joined(0), self._joined(1)
+        return join_blocks(self._length, self.pool.block_size, self._read)
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         new_tokens = check_append(self.spec, self._length, key, value)
@@ -284,15 +284,9 @@ class PagedCache:
         first = self._length
         self._write(key, value, new_tokens, doing="attend")
         self._length += new_tokens
-        attention = BlockwiseAttention(query, self.spec.kv_heads, first, self.spec.window)
-        size = self.pool.block_size
-        for index in range(len(self._tables[0])):
-            start = index * size
-            rows = min(size, self._length - start)
-            if attention.sees(start, rows):
-                keys, values = self.pool._column(self._column_ids(index))
-                attention.add(keys[:, :, :rows], values[:, :, :rows], start)
-        return attention.result()
+        return attend_blocks(
+            query, self.spec, first, self._length, self.pool.block_size, self._read
+        )
 
     def truncate(self, length: int) -> None:
         check_truncate(self._length, length)
@@ -379,14 +373,9 @@ class PagedCache:
             segment.key[slot, :, low:high] = key[batch_row]
             segment.value[slot, :, low:high] = value[batch_row]
 
-    def _joined(self, which: int) -> Tensor:
-        """Every row held, oldest first, joined into one (batch, kv_heads, length, head_dim)."""
-        size = self.pool.block_size
-        parts = []
-        for index in range(len(self._tables[0])):
-            rows = min(size, self._length - index * size)
-            parts.append(self.pool._column(self._column_ids(index))[which][:, :, :rows])
-        return torch.cat(parts, dim=2)
+    def _read(self, index: int) -> tuple[Tensor, Tensor]:
+        """Keys and values of every batch row's block ``index``, (B, H_kv, block_size, D)."""
+        return self.pool._column(self._column_ids(index))
 
 
 # The default pool: ``kvimpl.CACHES["paged"]`` and ``--kv-impl kvimpl.paged:pool``.
