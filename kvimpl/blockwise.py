@@ -1,4 +1,4 @@
-"""Keys and values held in fixed-size blocks: attention over them where they lie, and joining.
+"""Attention over keys and values held in fixed-size blocks, read where they lie.
 
 A cache whose rows lie in separate blocks or chunks computes attention one piece at a time
 and merges the pieces with a running log-sum-exp, as paged and flash attention kernels do,
@@ -119,18 +119,6 @@ def attend_blocks(
             keys, values = read(index)
             attention.add(keys[:, :, :rows], values[:, :, :rows], start)
     return attention.result()
-
-
-def join_blocks(length: int, size: int, read: ReadBlock) -> tuple[Tensor, Tensor]:
-    """Every row of such a cache, oldest first, joined into (B, H_kv, length, D) copies: what
-    ``append`` must return (only the rows written, none of a block's stale ones)."""
-    keys, values = [], []
-    for index in range(-(-length // size)):
-        rows = min(size, length - index * size)
-        block_keys, block_values = read(index)
-        keys.append(block_keys[:, :, :rows])
-        values.append(block_values[:, :, :rows])
-    return torch.cat(keys, dim=2), torch.cat(values, dim=2)
 
 
 def check_query(spec: CacheSpec, query: object, key: Tensor) -> None:

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kvimpl.blockwise import attend_blocks, check_query, join_blocks
+from kvimpl.blockwise import attend_blocks, check_query
 from kvref.protocol import CacheSpec, check_append, check_reorder, check_truncate
 
 DEFAULT_BLOCK_SIZE = 16
@@ -276,7 +276,7 @@ class PagedCache:
         new_tokens = check_append(self.spec, self._length, key, value)
         self._write(key, value, new_tokens, doing="append")
         self._length += new_tokens
-        return join_blocks(self._length, self.pool.block_size, self._read)
+        return self._joined()
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         new_tokens = check_append(self.spec, self._length, key, value)
@@ -372,6 +372,17 @@ class PagedCache:
             segment, slot = self.pool._locate(block)
             segment.key[slot, :, low:high] = key[batch_row]
             segment.value[slot, :, low:high] = value[batch_row]
+
+    def _joined(self) -> tuple[Tensor, Tensor]:
+        """Every row held, oldest first, joined into (B, H_kv, length, D) copies: only the
+        rows written, none of a block's stale ones."""
+        keys, values = [], []
+        for index in range(len(self._tables[0])):
+            rows = min(self.pool.block_size, self._length - index * self.pool.block_size)
+            block_keys, block_values = self._read(index)
+            keys.append(block_keys[:, :, :rows])
+            values.append(block_values[:, :, :rows])
+        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
 
     def _read(self, index: int) -> tuple[Tensor, Tensor]:
         """Keys and values of every batch row's block ``index``, (B, H_kv, block_size, D)."""
