@@ -4,13 +4,15 @@
 ``PagedCache`` for any layer of any request, and every such cache takes its blocks from the
 pool. ``kvimpl.CACHES["paged"]`` and ``kvimpl.paged:pool`` are the default instance (blocks of
 16 tokens, room for 2**20 of them), so ``--kv-impl paged`` and ``--kv-impl kvimpl.paged:pool``
-work. Naming the class (``kvimpl.paged:PagedPool``) would not: called with a spec it would
-build a pool with that spec as its block size, not a cache.
+work. Naming the class (``kvimpl.paged:PagedPool``) would not: it builds pools, not caches,
+so called with a spec it raises a TypeError that says to name an instance.
 
 Storage. Blocks of one shape live together: per (kv_heads, head_dim, dtype, device) the pool
 keeps segments, each a key tensor and a value tensor shaped (blocks, kv_heads, block_size,
-head_dim). A group gets its first segment when a cache of that shape first appends, and each
-later one as large as all before (so a tiny test reserves kilobytes, a long run doubles).
+head_dim). A group gets its first segment (16 blocks) when a cache of that shape first
+appends, and each later one as large as all before it, or what the append needs if more: a
+tiny test reserves kilobytes, and a group never reserves more than 16 blocks or twice the
+most it has had in use at once, whichever is larger.
 Block ids are ints unique in the pool: each segment owns a consecutive range of them.
 Freed blocks go back to their group and are reused smallest id first, so the blocks that an
 append takes for every batch row at once are usually adjacent in one segment, and attention
@@ -99,6 +101,11 @@ class PagedPool:
     def __init__(
         self, block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int = DEFAULT_NUM_BLOCKS
     ) -> None:
+        if isinstance(block_size, CacheSpec):
+            raise TypeError(
+                "PagedPool is the pool class, not a cache factory: name an instance instead "
+                "(kvimpl.paged:pool, or your own PagedPool(block_size, num_blocks))"
+            )
         for name, number in (("block_size", block_size), ("num_blocks", num_blocks)):
             if isinstance(number, bool) or not isinstance(number, int) or number < 1:
                 raise ValueError(f"PagedPool: {name} must be a positive int, got {number!r}")
