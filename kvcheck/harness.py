@@ -37,6 +37,10 @@ class Recorder:
         self.lent: tuple[Tensor, ...] = ()
 
     def __getattr__(self, name: str):
+        if name == "attend":
+            # Hidden, so that the model appends through the recorder and every append is
+            # recorded and checked; attend is held to kvref.attention by its own property.
+            raise AttributeError(name)
         return getattr(self.cache, name)  # e.g. the optional `spec` the model looks for
 
     @property
