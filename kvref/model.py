@@ -127,8 +127,17 @@ def attention(
         values = values.repeat_interleave(group, dim=1)
     scores = (query @ keys.transpose(-2, -1)) / math.sqrt(query.shape[-1])
     allowed = causal_mask(query_positions, key_positions, window)
-    weights = F.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-    return weights @ values
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = F.softmax(scores, dim=-1, dtype=at_least_float32(scores.dtype))
+    return weights.to(values.dtype) @ values
+
+
+def at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half precision, else ``dtype``: half-precision models take norms and
+    softmax in float32, as real ones do. It also keeps their results independent of how many
+    tokens a call holds (torch's half-precision rsqrt and exp take other paths for other
+    sizes), so that a cached run differs from an uncached one only by what its cache did."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 class RMSNorm(nn.Module):
@@ -138,7 +147,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(width))
 
     def forward(self, x: Tensor) -> Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        wide = x.to(at_least_float32(x.dtype))
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
 
 
 class Attention(nn.Module):

@@ -36,6 +36,9 @@ class TestNoReset(CacheTests):
 HOST_TEST_FILE = """
 from hypothesis import settings
 
+# Built on the kit's device (--kv-device): skipped where this machine lacks it.
+pytestmark = pytest.mark.kv_device
+
 def test_the_kit_leaves_my_hypothesis_profile_alone():
     assert settings.get_current_profile_name() in ("default", "ci")
     assert settings().max_examples == 100
