@@ -8,7 +8,8 @@ yields each step next to the uncached model's answer for it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import functools
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -144,10 +145,9 @@ class Step:
     caches: list[Recorder]
     lengths_before: list[int]
     oracle_kv: list[tuple[Tensor, Tensor]]  # each layer's rotated K, V over the whole session
-    # In half precision, the float64 model's logits (at this step's positions) and oracle_kv,
-    # which the error budget measures both runs against; None otherwise.
-    reference_logits: Tensor | None = None
-    reference_kv: list[tuple[Tensor, Tensor]] | None = None
+    # In half precision, the float64 model's uncached pass over the session (logits, K and V),
+    # which the error budget measures both runs against, made when first asked for; else None.
+    reference: Callable[[], tuple[Tensor, list[tuple[Tensor, Tensor]]]] | None = None
 
     @property
     def session(self) -> Session:
@@ -157,16 +157,20 @@ class Step:
     def new_tokens(self) -> int:
         return self.end - self.start
 
+    @property
+    def reference_logits(self) -> Tensor | None:
+        """The float64 model's logits at this step's positions (half precision only)."""
+        return None if self.reference is None else self.reference()[0][:, self.start : self.end]
+
     def uncached_rows(self, layer: int, which: int, first: int) -> tuple[Tensor, Tensor | None]:
         """Layer ``layer``'s rotated keys (``which`` 0) or values (1) from the uncached pass,
         at positions ``first`` to the step's last; and the float64 model's in half precision
         (else None), for the error budget."""
         rows = slice(first, self.end)
-        reference = None if self.reference_kv is None else self.reference_kv[layer][which]
-        return (
-            self.oracle_kv[layer][which][:, :, rows],
-            None if reference is None else reference[:, :, rows],
-        )
+        if self.reference is None:
+            return self.oracle_kv[layer][which][:, :, rows], None
+        reference = self.reference()[1][layer][which]
+        return self.oracle_kv[layer][which][:, :, rows], reference[:, :, rows]
 
     def where(self) -> str:
         return where_in_session(self.scenario, self.session_index, self.step_index, self.start)
@@ -202,10 +206,10 @@ def run(factory: CacheFactory, scenario: Scenario) -> Iterator[Step]:
         )
         tokens = scenario.tokens(session)
         expected_logits, oracle_kv = model.forward_with_kv(tokens)
-        reference_logits, reference_kv = (
-            scenario.reference().forward_with_kv(tokens)
+        reference = (
+            functools.cache(functools.partial(scenario.reference().forward_with_kv, tokens))
             if needs_reference(scenario.dtype)
-            else (None, None)
+            else None
         )
         start = 0
         for step_index, size in enumerate(session.chunks):
@@ -227,10 +231,7 @@ def run(factory: CacheFactory, scenario: Scenario) -> Iterator[Step]:
                 caches=caches,
                 lengths_before=lengths_before,
                 oracle_kv=oracle_kv,
-                reference_logits=(
-                    None if reference_logits is None else reference_logits[:, start : start + size]
-                ),
-                reference_kv=reference_kv,
+                reference=reference,
             )
             start += size
         if session.poison:
