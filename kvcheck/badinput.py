@@ -84,6 +84,17 @@ def other_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.float64 else torch.float64
 
 
+def other_half(dtype: torch.dtype) -> torch.dtype:
+    """float16, the dtype a half-precision caller slips in, unless the cache holds it."""
+    return torch.bfloat16 if dtype == torch.float16 else torch.float16
+
+
+def other_device(device: torch.device) -> torch.device:
+    """A device a caller may hand a cache on ``device`` by mistake: the CPU for an
+    accelerator's cache; for a CPU cache, ``meta`` (shape and dtype without values)."""
+    return torch.device("meta" if device.type == "cpu" else "cpu")
+
+
 def grow(tensor: Tensor, axis: int) -> Tensor:
     """One more entry along ``axis``: a copy of the first."""
     return torch.cat((tensor, tensor.narrow(axis, 0, 1)), dim=axis)
@@ -187,12 +198,14 @@ BAD_APPENDS = [
     ),
     BadInput(
         "wrong dtype of value only",
-        lambda k, v: (k, v.to(torch.float16)),
+        lambda k, v: (k, v.to(other_half(v.dtype))),
         r"dtype|type|precision",
         dtypes_of,
     ),
     BadInput(
-        "wrong device", lambda k, v: (k.to("meta"), v.to("meta")), r"device|meta|cpu|cuda|place"
+        "wrong device",
+        lambda k, v: (k.to(other_device(k.device)), v.to(other_device(v.device))),
+        r"device|meta|cpu|cuda|place",
     ),
     BadInput(
         "key not a tensor",
@@ -235,6 +248,7 @@ def build_model_state(factory: CacheFactory, plan: ModelPlan) -> ModelState:
     caches = record(model.new_caches(factory, batch=plan.batch, max_length=fed + 3), plan.config)
     generator = torch.Generator().manual_seed(plan.token_seed)
     history = torch.randint(0, plan.config.vocab_size, (plan.batch, fed + 2), generator=generator)
+    history = history.to(model.device)
     start = 0
     for size in plan.chunks:
         model(history[:, start : start + size], caches=caches)
@@ -348,31 +362,39 @@ REORDER_WORDS = r"indices|index|dtype|int64|long|shape|size|batch|range|device|t
 
 # make(spec) -> the indices argument of ``reorder``, for a batch of spec.batch rows
 BAD_REORDERS = [
-    BadInput("int32 indices", lambda s: (torch.zeros(s.batch, dtype=torch.int32),), REORDER_WORDS),
-    BadInput("float indices", lambda s: (torch.zeros(s.batch),), REORDER_WORDS),
+    BadInput(
+        "int32 indices",
+        lambda s: (torch.zeros(s.batch, dtype=torch.int32, device=s.device),),
+        REORDER_WORDS,
+    ),
+    BadInput("float indices", lambda s: (torch.zeros(s.batch, device=s.device),), REORDER_WORDS),
     BadInput(
         "one index too many",
-        lambda s: (torch.zeros(s.batch + 1, dtype=torch.long),),
+        lambda s: (torch.zeros(s.batch + 1, dtype=torch.long, device=s.device),),
         REORDER_WORDS,
         shapes_of(0),
     ),
     BadInput(
         "indices of rank 2",
-        lambda s: (torch.zeros(s.batch, 1, dtype=torch.long),),
+        lambda s: (torch.zeros(s.batch, 1, dtype=torch.long, device=s.device),),
         REORDER_WORDS,
         shapes_of(0),
     ),
     BadInput(
         "index past the batch",
-        lambda s: (torch.full((s.batch,), s.batch, dtype=torch.long),),
+        lambda s: (torch.full((s.batch,), s.batch, dtype=torch.long, device=s.device),),
         REORDER_WORDS,
     ),
     BadInput(
-        "negative index", lambda s: (torch.full((s.batch,), -1, dtype=torch.long),), REORDER_WORDS
+        "negative index",
+        lambda s: (torch.full((s.batch,), -1, dtype=torch.long, device=s.device),),
+        REORDER_WORDS,
     ),
     BadInput(
         "indices on another device",
-        lambda s: (torch.zeros(s.batch, dtype=torch.long, device="meta"),),
+        lambda s: (
+            torch.zeros(s.batch, dtype=torch.long, device=other_device(torch.device(s.device))),
+        ),
         REORDER_WORDS + "|meta|cpu|cuda",
     ),
     BadInput(

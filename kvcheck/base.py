@@ -66,7 +66,7 @@ def skip_unless_offered(prop: Property, factory) -> None:
     offers one by having the method)."""
     if not prop.requires:
         return
-    if missing := set(prop.requires) - capabilities(factory(kvstateful.PROBE)):
+    if missing := set(prop.requires) - capabilities(factory(kvstateful.probe_spec())):
         methods = " or ".join(f"{name}()" for name in sorted(missing))
         pytest.skip(f"{NOT_OFFERED}: the cache has no {methods} method")
 

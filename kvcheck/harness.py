@@ -8,14 +8,15 @@ yields each step next to the uncached model's answer for it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import functools
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from kvcheck.asserts import fail_if_not_empty
-from kvcheck.strategies import POISON_VALUES, CachePlan, Scenario, Session, random_rows
+from kvcheck.asserts import fail_if_not_empty, needs_reference
+from kvcheck.strategies import CachePlan, Scenario, Session, poison_value, random_rows
 from kvref import CacheFactory, CacheSpec, LayerCache, ModelConfig
 
 
@@ -93,7 +94,7 @@ class Recorder:
     def reorder(self, indices: Tensor) -> None:
         self.cache.reorder(indices)
         if self.given is not None:
-            self.given = tuple(rows[indices.cpu()] for rows in self.given)
+            self.given = tuple(rows[indices.to(rows.device)] for rows in self.given)
 
 
 def record(caches: Iterable[LayerCache], config: ModelConfig) -> list[Recorder]:
@@ -148,6 +149,9 @@ class Step:
     caches: list[Recorder]
     lengths_before: list[int]
     oracle_kv: list[tuple[Tensor, Tensor]]  # each layer's rotated K, V over the whole session
+    # In half precision, the float64 model's uncached pass over the session (logits, K and V),
+    # which the error budget measures both runs against, made when first asked for; else None.
+    reference: Callable[[], tuple[Tensor, list[tuple[Tensor, Tensor]]]] | None = None
 
     @property
     def session(self) -> Session:
@@ -156,6 +160,21 @@ class Step:
     @property
     def new_tokens(self) -> int:
         return self.end - self.start
+
+    @property
+    def reference_logits(self) -> Tensor | None:
+        """The float64 model's logits at this step's positions (half precision only)."""
+        return None if self.reference is None else self.reference()[0][:, self.start : self.end]
+
+    def uncached_rows(self, layer: int, which: int, first: int) -> tuple[Tensor, Tensor | None]:
+        """Layer ``layer``'s rotated keys (``which`` 0) or values (1) from the uncached pass,
+        at positions ``first`` to the step's last; and the float64 model's in half precision
+        (else None), for the error budget."""
+        rows = slice(first, self.end)
+        if self.reference is None:
+            return self.oracle_kv[layer][which][:, :, rows], None
+        reference = self.reference()[1][layer][which]
+        return self.oracle_kv[layer][which][:, :, rows], reference[:, :, rows]
 
     def where(self) -> str:
         return where_in_session(self.scenario, self.session_index, self.step_index, self.start)
@@ -191,6 +210,11 @@ def run(factory: CacheFactory, scenario: Scenario) -> Iterator[Step]:
         )
         tokens = scenario.tokens(session)
         expected_logits, oracle_kv = model.forward_with_kv(tokens)
+        reference = (
+            functools.cache(functools.partial(scenario.reference().forward_with_kv, tokens))
+            if needs_reference(scenario.dtype)
+            else None
+        )
         start = 0
         for step_index, size in enumerate(session.chunks):
             lengths_before = [cache.length for cache in caches]
@@ -211,6 +235,7 @@ def run(factory: CacheFactory, scenario: Scenario) -> Iterator[Step]:
                 caches=caches,
                 lengths_before=lengths_before,
                 oracle_kv=oracle_kv,
+                reference=reference,
             )
             start += size
         if session.poison:
@@ -221,6 +246,11 @@ def poison(caches: list[Recorder], session: Session, scenario: Scenario) -> None
     """Leave rows of nan, inf, -inf or huge values behind for the next session to shed."""
     c = scenario.config
     shape = (scenario.batch, c.num_kv_heads, session.poison_rows, c.head_dim)
-    bad = torch.full(shape, POISON_VALUES[session.poison], dtype=scenario.dtype)
+    bad = torch.full(
+        shape,
+        poison_value(session.poison, scenario.dtype),
+        dtype=scenario.dtype,
+        device=scenario.model().device,
+    )
     for cache in caches:
         cache.append(bad, bad.clone())

@@ -8,6 +8,9 @@ It adds, wherever the package is installed:
 - ``--kv-profile dev|ci|thorough``: how hard the kit's tests search (``kvcheck.profiles``;
   the kit loads no Hypothesis profile for the process);
 - ``--kv-torch-threads N|keep``: torch threads while a kit test runs (default 1);
+- ``--kv-device DEVICE`` (or ``KV_DEVICE``, or the ``kv_device`` ini option): where the kit
+  builds every model, cache and row (default cpu); on a device this machine lacks, the kit's
+  tests skip with the reason (``kvcheck.devices``);
 - the run header line naming the caches under test, and the verdict per cache at the end
   of the run (``--kv-report PATH`` writes it as JSON).
 
@@ -54,13 +57,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="torch threads while a kit test runs (default 1: the kit's tensors are tiny; "
         "keep: torch's own setting); the host's setting is restored after each test",
     )
+    group.addoption(
+        "--kv-device",
+        metavar="DEVICE",
+        default=None,
+        help="the torch device the kit runs every model, cache and row on, e.g. cpu, cuda, "
+        "cuda:1, mps (default: KV_DEVICE, else the kv_device ini option, else cpu); on a "
+        "device this machine lacks, the kit's tests skip with the reason",
+    )
     parser.addini("kv_impl", type="linelist", default=[], help="caches to test, as --kv-impl")
+    parser.addini("kv_device", default="", help="the kit's device, as --kv-device")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kv_property(name): the kit property a test checks")
     config.addinivalue_line("markers", "kv_cache(label, name): the cache a test runs on")
-    from kvcheck import profiles, verdict
+    config.addinivalue_line(
+        "markers", "kv_device: a test that runs on --kv-device (skipped where it is unavailable)"
+    )
+    from kvcheck import devices, profiles, verdict
 
     for option, choose in (
         ("--kv-profile", profiles.choose),
@@ -70,6 +85,13 @@ def pytest_configure(config: pytest.Config) -> None:
             choose(config.getoption(option))
         except ValueError as error:
             raise pytest.UsageError(f"{option}: {error}") from None
+    device = (
+        config.getoption("--kv-device") or os.environ.get("KV_DEVICE") or config.getini("kv_device")
+    )
+    try:
+        devices.choose(device)
+    except ValueError as error:
+        raise pytest.UsageError(f"--kv-device / KV_DEVICE: {error}") from None
     # --kv-impl, else KV_IMPL, else the ini option, else every built-in.
     names = config.getoption("--kv-impl")
     from_env = os.environ.get("KV_IMPL")
@@ -90,13 +112,26 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    from kvcheck import profiles
+    from kvcheck import devices, profiles
 
     described = [
         label if label == selected.name else f"{label} ({selected.name})"
         for label, selected in config.stash[SELECTED].items()
     ]
-    return f"kv caches under test: {', '.join(described)}; kit profile: {profiles.current_name()}"
+    return (
+        f"kv caches under test: {', '.join(described)}; kit profile: {profiles.current_name()}; "
+        f"kv device: {devices.describe()}"
+    )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A kit test (or one marked ``kv_device``) on a device this machine lacks is skipped,
+    with the reason, before it builds anything there."""
+    if item.get_closest_marker("kv_property") or item.get_closest_marker("kv_device"):
+        from kvcheck import devices
+
+        if reason := devices.unavailable():
+            pytest.skip(f"--kv-device {devices.current()}: {reason}")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

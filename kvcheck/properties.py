@@ -44,6 +44,7 @@ def check_logits_match_uncached(factory: CacheFactory, scenario: kvst.Scenario) 
                 where=step.where(),
                 position_axis=1,
                 first_position=step.start,
+                reference=step.reference_logits,
             )
         except failures.WrongResults as error:
             error.add_note(first_wrong_layer(step))
@@ -54,16 +55,15 @@ def first_wrong_layer(step: Step) -> str:
     """Which layer's cache first hands back keys or values the uncached pass did not make:
     the first place to look when logits diverge (later layers inherit its error)."""
     for layer, cache in enumerate(step.caches):
-        pairs = zip(("keys", "values"), cache.returned, step.oracle_kv[layer], strict=True)
-        for name, got, want in pairs:
-            want = want[:, :, step.end - got.shape[2] : step.end]  # a window returns the last
+        for which, (name, got) in enumerate(zip(("keys", "values"), cache.returned, strict=True)):
+            # A window returns the last rows.
+            want, reference = step.uncached_rows(layer, which, step.end - got.shape[2])
             if got.shape != want.shape:
                 return (
                     f"  diagnosis: layer {layer}'s cache returned {name} shaped "
                     f"{tuple(got.shape)}, not {tuple(want.shape)}"
                 )
-            bad = ~torch.isclose(got, want, **kvassert.TOLERANCES[want.dtype])
-            rows = bad.movedim(2, 0).flatten(1).any(1).nonzero().flatten().tolist()
+            rows = kvassert.diverging_positions(got, want, 2, reference)
             if rows:
                 return (
                     f"  diagnosis: layer {layer} is the first whose cache returned {name} unlike "
@@ -90,17 +90,20 @@ def check_contents(factory: CacheFactory, scenario: kvst.Scenario) -> None:
     """What each layer holds equals the uncached pass's rotated keys and its values."""
     for step in run(factory, scenario):
         for layer, cache in enumerate(step.caches):
-            oracle = step.oracle_kv[layer]
-            for name, got, want in zip(("keys", "values"), cache.returned, oracle, strict=True):
+            for which, (name, got) in enumerate(
+                zip(("keys", "values"), cache.returned, strict=True)
+            ):
                 first = step.end - got.shape[2]  # with a window, a recent run of the rows
+                want, reference = step.uncached_rows(layer, which, first)
                 kvassert.assert_close_at(
                     got,
-                    want[:, :, first : step.end],
+                    want,
                     what=f"layer {layer}'s cached {name} and the uncached pass's (rotated) {name}",
                     where=step.where(),
                     position_axis=2,
                     first_position=first,
                     failure=failures.DataLoss,
+                    reference=reference,
                 )
 
 
@@ -127,7 +130,9 @@ def check_stale_rows(factory: CacheFactory, plan: kvst.StaleRowsPlan) -> None:
     come back."""
     cache = build(factory, plan.spec)
     for rows in plan.poisoned:
-        bad = kvst.random_rows(plan.spec, rows, seed=rows).fill_(kvst.POISON_VALUES[plan.poison])
+        bad = kvst.random_rows(plan.spec, rows, seed=rows).fill_(
+            kvst.poison_value(plan.poison, plan.spec.dtype)
+        )
         cache.append(bad, bad.clone())
     if plan.how == "reset":
         cache.reset()
@@ -225,10 +230,10 @@ def check_edits(factory: CacheFactory, plan: kvst.EditPlan) -> None:
     caches = record(built, plan.config)
     generator = torch.Generator().manual_seed(plan.token_seed)
     vocab = plan.config.vocab_size
-    history = torch.empty(plan.batch, 0, dtype=torch.long)
+    history = torch.empty(plan.batch, 0, dtype=torch.long, device=model.device)
 
     def feed(size: int, where: str) -> torch.Tensor:
-        new = torch.randint(0, vocab, (plan.batch, size), generator=generator)
+        new = torch.randint(0, vocab, (plan.batch, size), generator=generator).to(model.device)
         start = history.shape[1]
         expected = model(torch.cat((history, new), dim=1))[:, start:]
         where = f"{size} tokens at absolute positions {start}..{start + size - 1} in {where}"
@@ -257,7 +262,7 @@ def check_edits(factory: CacheFactory, plan: kvst.EditPlan) -> None:
         else:
             if step.indices == tuple(range(plan.batch)):  # it would prove nothing
                 raise InvalidArgument(f"{where}: a reorder plan must not be the identity")
-            indices = torch.tensor(step.indices)
+            indices = torch.tensor(step.indices, device=model.device)
             model.reorder(caches, indices)
             history = history[indices]
         for layer, cache in enumerate(caches):

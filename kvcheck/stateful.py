@@ -24,14 +24,20 @@ from hypothesis.stateful import (
 
 from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
+from kvcheck import devices as kvdevices
 from kvcheck import profiles as kvprofiles
 from kvcheck import strategies as kvst
 from kvcheck.failures import DataLoss, RefusesValidInput
 from kvcheck.harness import Recorder, build, may_refuse, record
 from kvref import CacheFactory, CacheSpec, capabilities
 
-# The spec a factory is asked for once, to see which optional capabilities its caches offer.
-PROBE = CacheSpec(batch=1, kv_heads=1, head_dim=2, max_length=8, dtype=torch.float64, device="cpu")
+
+def probe_spec() -> CacheSpec:
+    """The spec a factory is asked for once, to see which optional capabilities its caches
+    offer: on the kit's device, in its first dtype there."""
+    dtype = kvdevices.usable(kvst.DTYPES)[0]
+    return CacheSpec(1, 1, 2, max_length=8, dtype=dtype, device=kvdevices.current())
+
 
 MAX_LENGTH = 64
 STEPS = 20
@@ -43,7 +49,7 @@ class CacheSet:
     def __init__(self, name: str, caches: list[Recorder], batch: int) -> None:
         self.name = name
         self.caches = caches
-        self.history = torch.empty(batch, 0, dtype=torch.long)
+        self.history = torch.empty(batch, 0, dtype=torch.long, device=kvdevices.current())
 
 
 class CachedDecoding(RuleBasedStateMachine):
@@ -52,7 +58,7 @@ class CachedDecoding(RuleBasedStateMachine):
     def __init__(self, factory: CacheFactory) -> None:
         super().__init__()
         self.factory = factory
-        self.offered = capabilities(factory(PROBE))
+        self.offered = capabilities(factory(probe_spec()))
         self.every_set: list[CacheSet] = []
         self.token_generator = torch.Generator().manual_seed(0)
 
@@ -60,7 +66,7 @@ class CachedDecoding(RuleBasedStateMachine):
         target=cache_sets,
         config=kvst.model_configs(max_layers=3),
         batch=st.integers(1, 3),
-        dtype=st.sampled_from(kvst.DTYPES),
+        dtype=kvst.dtypes_on_device(kvst.DTYPES),
     )
     def first_cache_set(self, config, batch, dtype):
         """The model every set runs on, and the first set of caches."""
@@ -86,6 +92,7 @@ class CachedDecoding(RuleBasedStateMachine):
             return  # full: only a reset or a prefill makes room
         vocab = self.model.config.vocab_size
         new = torch.randint(0, vocab, (self.batch, size), generator=self.token_generator)
+        new = new.to(self.model.device)
         cache_set.history = torch.cat((cache_set.history, new), dim=1)
         start, end = cache_set.history.shape[1] - size, cache_set.history.shape[1]
         where = f"{cache_set.name}, {size} new tokens at absolute positions {start}..{end - 1}"
@@ -135,7 +142,7 @@ class CachedDecoding(RuleBasedStateMachine):
             caches=cache_set.caches,
             spare=build(self.factory, spec),
             spec=spec,
-            tokens=torch.zeros(self.batch, 1, dtype=torch.long),
+            tokens=torch.zeros(self.batch, 1, dtype=torch.long, device=self.model.device),
             layer=layer % len(cache_set.caches),
         )
         if not case.applies(state):
@@ -172,7 +179,7 @@ class CachedDecoding(RuleBasedStateMachine):
         """Batch row b becomes the old row indices[b] in every layer (repeats allowed)."""
         rows = st.integers(0, self.batch - 1)
         drawn = data.draw(st.lists(rows, min_size=self.batch, max_size=self.batch), "indices")
-        indices = torch.tensor(drawn)
+        indices = torch.tensor(drawn, device=self.model.device)
         self.model.reorder(cache_set.caches, indices)
         cache_set.history = cache_set.history[indices]
 

@@ -24,9 +24,14 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
+from kvcheck import devices as kvdevices
 from kvref import CacheSpec, ModelConfig, ReferenceTransformer
 
-DTYPES = (torch.float64, torch.float32)
+DTYPES = (torch.float64, torch.float32)  # close enough for a tolerance (asserts.TOLERANCES)
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # held to an error budget (asserts.BUDGETS)
+# What scenarios and cache specs draw: half precision a third of the time. float64 comes
+# first, so that a failure that does not need another dtype shrinks to it.
+WITH_HALF = (*DTYPES, *DTYPES, *HALF_DTYPES)
 
 # Sizes are drawn near multiples of a 16-row block (a common page and chunk size, and the
 # built-in chunked cache's): one below, at, and one past the boundary, once and twice.
@@ -35,6 +40,15 @@ POISON_VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")
 BOUNDARY_SIZES = (EDGE - 1, EDGE, EDGE + 1, 2 * EDGE - 1, 2 * EDGE, 2 * EDGE + 1)
 LONG_SESSION = 64  # sessions are drawn beyond this too: some bugs only show past it
 MAX_SESSION = 100
+
+
+def poison_value(kind: str, dtype: torch.dtype) -> float:
+    """The value rows of ``kind`` are full of: "huge" is 1e30, or the largest finite value
+    of a dtype that cannot hold it (float16)."""
+    return (
+        min(POISON_VALUES[kind], torch.finfo(dtype).max) if kind == "huge" else POISON_VALUES[kind]
+    )
+
 
 chunk_sizes = st.one_of(
     st.integers(1, 4), st.integers(5, 2 * EDGE + 1), st.sampled_from(BOUNDARY_SIZES)
@@ -80,6 +94,10 @@ class Scenario:
     def model(self) -> ReferenceTransformer:
         return build_model(self.config, self.dtype)
 
+    def reference(self) -> ReferenceTransformer:
+        """The float64 model: the truth a half-precision run is measured against."""
+        return build_model(self.config, torch.float64)
+
     def describe(self) -> str:
         return f"{describe_config(self.config)}, batch {self.batch}, " + (
             f"{str(self.dtype).removeprefix('torch.')}, max_length {self.max_length}"
@@ -100,15 +118,22 @@ def describe_config(c: ModelConfig) -> str:
 
 
 def random_tokens(config: ModelConfig, batch: int, length: int, seed: int) -> torch.Tensor:
-    """Token ids from a seed of their own, so that no test depends on the global RNG."""
+    """Token ids from a seed of their own, so that no test depends on the global RNG (drawn
+    on the CPU, so that every device gets the same ones), on the kit's device."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, config.vocab_size, (batch, length), generator=generator)
+    tokens = torch.randint(0, config.vocab_size, (batch, length), generator=generator)
+    return tokens.to(kvdevices.current())
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype) -> ReferenceTransformer:
+    """The reference model for ``config`` in ``dtype`` on the kit's device."""
+    return _build_model(config, dtype, kvdevices.current())
 
 
 @functools.lru_cache(maxsize=64)
-def build_model(config: ModelConfig, dtype: torch.dtype) -> ReferenceTransformer:
+def _build_model(config: ModelConfig, dtype: torch.dtype, device) -> ReferenceTransformer:
     # Models are pure functions of (config, dtype); building one per example would dominate.
-    return ReferenceTransformer(config, dtype=dtype)
+    return ReferenceTransformer(config, dtype=dtype, device=device)
 
 
 # Windows around the chunk sizes drawn (so that lengths cross W - 1, W and W + 1, chunks
@@ -160,7 +185,7 @@ def scenarios(
     min_sessions: int = 1,
     max_sessions: int = 3,
     poison: bool = False,
-    dtypes: tuple[torch.dtype, ...] = DTYPES,
+    dtypes: tuple[torch.dtype, ...] = WITH_HALF,
 ) -> Scenario:
     """A model, a batch, a dtype and sessions; with ``poison``, every session but the last
     leaves nan/inf/-inf/huge rows behind for the next one's reset or fresh caches to shed."""
@@ -176,7 +201,7 @@ def scenarios(
     return Scenario(
         config=draw(model_configs(), label="config"),
         batch=draw(st.integers(1, 4), label="batch"),
-        dtype=draw(st.sampled_from(dtypes), label="dtype"),
+        dtype=draw(dtypes_on_device(dtypes), label="dtype"),
         sessions=tuple(drawn),
         slack=draw(st.sampled_from((0, 0, 1, 7)), label="slack"),
     )
@@ -210,16 +235,23 @@ EDGES = {"boundaries": BOUNDARIES, "poisoned_reset": POISONED_RESET}
 
 
 @st.composite
-def cache_specs(draw, dtypes: tuple[torch.dtype, ...] = DTYPES, min_length: int = 1) -> CacheSpec:
+def cache_specs(
+    draw, dtypes: tuple[torch.dtype, ...] = WITH_HALF, min_length: int = 1
+) -> CacheSpec:
     return CacheSpec(
         batch=draw(st.integers(1, 3), label="batch"),
         kv_heads=draw(st.integers(1, 3), label="kv_heads"),
         head_dim=draw(st.sampled_from((2, 4, 6, 8)), label="head_dim"),
         max_length=draw(st.integers(max(1, min_length), 3 * EDGE), label="max_length"),
-        dtype=draw(st.sampled_from(dtypes), label="dtype"),
-        device=torch.device("cpu"),
+        dtype=draw(dtypes_on_device(dtypes), label="dtype"),
+        device=kvdevices.current(),
         window=draw(windows, label="window"),
     )
+
+
+def dtypes_on_device(dtypes: tuple[torch.dtype, ...]) -> st.SearchStrategy[torch.dtype]:
+    """One of ``dtypes`` that the kit's device computes in (chosen when the run starts)."""
+    return st.sampled_from(kvdevices.usable(dtypes))
 
 
 def chunk_plans(max_total: int, min_chunks: int = 0, max_chunks: int = 6) -> st.SearchStrategy:
@@ -251,7 +283,8 @@ def random_rows(spec: CacheSpec, rows: int, seed: int) -> torch.Tensor:
     """Keys or values for ``rows`` new tokens: normal noise, so every row is distinct."""
     generator = torch.Generator().manual_seed(seed)
     shape = (spec.batch, spec.kv_heads, rows, spec.head_dim)
-    return torch.randn(shape, generator=generator, dtype=torch.float64).to(spec.dtype)
+    rows = torch.randn(shape, generator=generator, dtype=torch.float64)
+    return rows.to(device=spec.device, dtype=spec.dtype)
 
 
 @dataclass(frozen=True)
@@ -361,7 +394,7 @@ def model_plans(draw) -> ModelPlan:
     config = draw(model_configs(min_layers=2, max_layers=3), label="config")
     return ModelPlan(
         config=config,
-        dtype=draw(st.sampled_from(DTYPES), label="dtype"),
+        dtype=draw(dtypes_on_device(DTYPES), label="dtype"),
         batch=draw(st.integers(1, 3), label="batch"),
         chunks=tuple(draw(chunk_plans(EDGE + 1, min_chunks=1, max_chunks=3), label="chunks")),
         layer=draw(st.integers(0, config.num_layers - 1), label="layer"),
@@ -484,7 +517,7 @@ def edit_plans(draw, *, rollbacks: bool = True, reorder: bool = False) -> EditPl
     return EditPlan(
         config=config,
         batch=batch,
-        dtype=draw(st.sampled_from(DTYPES), label="dtype"),
+        dtype=draw(dtypes_on_device(DTYPES), label="dtype"),
         # Small prompts often: a ring sized by a small prompt wraps within a few steps.
         prompt=draw(st.one_of(st.integers(1, 4), chunk_sizes), label="prompt"),
         steps=tuple(steps),

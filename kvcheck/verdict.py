@@ -150,7 +150,11 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
         rows = cache["properties"]
         named = label if label == cache["name"] else f"{label} ({cache['name']})"
         offered = len(rows) - cache.get("not offered", 0)
-        verdict = "holds every property" if not cache["failed"] else f"{cache['failed']} FAIL"
+        skipped = sum(row["result"] == SKIPPED for row in rows.values())
+        if cache["failed"]:
+            verdict = f"{cache['failed']} FAIL"
+        else:  # a property skipped (an unavailable device, say) was not shown to hold
+            verdict = f"{skipped} skipped" if skipped else "holds every property"
         lines.append(f"{named}: {verdict} ({cache['holds']} of {offered} pass)")
         passed = [name for name, row in rows.items() if row["result"] == PASS]
         if passed:

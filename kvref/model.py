@@ -125,10 +125,21 @@ def attention(
         # group is 1, and at long contexts that copy costs more than the attention.
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
-    scores = (query @ keys.transpose(-2, -1)) / math.sqrt(query.shape[-1])
+    # In half precision, scores, softmax and sums in float32, rounded once at the end.
+    wide = at_least_float32(query.dtype)
+    scores = (query.to(wide) @ keys.to(wide).transpose(-2, -1)) / math.sqrt(query.shape[-1])
     allowed = causal_mask(query_positions, key_positions, window)
     weights = F.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-    return weights @ values
+    return (weights @ values.to(wide)).to(query.dtype)
+
+
+def at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half precision, else ``dtype``: half-precision models take attention and
+    norms in float32, as real ones (and fused attention kernels) do. It also keeps their
+    results independent of how many tokens a call holds (torch's half-precision rsqrt and exp
+    take other paths for other sizes), so that a cached run differs from an uncached one only
+    by what its cache did; and torch's half-precision matmuls on the CPU are slow."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 class RMSNorm(nn.Module):
@@ -138,7 +149,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(width))
 
     def forward(self, x: Tensor) -> Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        wide = x.to(at_least_float32(x.dtype))
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
 
 
 class Attention(nn.Module):

@@ -20,6 +20,9 @@ from kvcheck import strategies as kvst
 from kvimpl import ChunkedCache
 from kvref import ModelConfig, ReferenceTransformer, min_nbytes
 
+# Built on the kit's device (--kv-device): skipped where this machine lacks it.
+pytestmark = pytest.mark.kv_device
+
 
 class TestSelectedCaches(CacheTests):
     pass

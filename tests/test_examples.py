@@ -5,11 +5,15 @@ repository, fails by either route with a message that points at the bug and a ve
 import json
 from typing import ClassVar
 
+import pytest
 import torch
 
 from examples.doubling_cache import DoublingCache
 from kvcheck import CacheTests
 from tests.pytest_run import run_pytest
+
+# Built on the kit's device (--kv-device): skipped where this machine lacks it.
+pytestmark = pytest.mark.kv_device
 
 
 class TestDoublingCache(CacheTests):

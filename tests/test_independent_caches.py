@@ -15,6 +15,9 @@ from tests.independent.slot_cache import SlotCache
 from tests.independent.stacked_cache import StackedCache
 from tests.independent.view_cache import ViewCache
 
+# Built on the kit's device (--kv-device): skipped where this machine lacks it.
+pytestmark = pytest.mark.kv_device
+
 
 class TestListCache(CacheTests):
     factory = ListCache

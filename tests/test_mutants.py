@@ -7,12 +7,20 @@ passes when one does, and records which (``caught_by`` in the JUnit XML, and pri
 ``tests/mutants/hunt.py``. A new property joins the hunt by joining ``ALL``.
 """
 
+import dataclasses
+
 import pytest
+import torch
 
 import kvimpl
+from kvcheck import strategies as kvst
 from kvcheck.properties import ALL, LOGITS
 from tests import mutants as kvmut
-from tests.mutants.hunt import hunt
+from tests.mutants.caches import StoresFloat16AsBfloat16
+from tests.mutants.hunt import hunt, search
+
+# Built on the kit's device (--kv-device): skipped where this machine lacks it.
+pytestmark = pytest.mark.kv_device
 
 # The hunt's order: logits first (it catches anything that changes what the model computes),
 # then the capability properties (the core ones never call truncate or reorder, so a mutant
@@ -41,3 +49,18 @@ def test_hunt_spares_correct_caches(name):
     assert catch is None, (
         f"the hunt flags the correct built-in cache {name!r}: {catch.describe()}\n{catch.example!r}"
     )
+
+
+def test_the_logits_budget_alone_sees_float16_stored_as_bfloat16():
+    # The lengths and contents properties see the changed rows bit for bit; a cache that
+    # computes attention itself (attend) returns no rows, so the logits' error budget must
+    # see the narrower storage on its own, in float16 scenarios.
+    in_float16 = dataclasses.replace(LOGITS, strategy=kvst.scenarios(dtypes=(torch.float16,)))
+    catch = search(
+        StoresFloat16AsBfloat16, in_float16, max_examples=EXAMPLES_PER_PROPERTY, pinned=False
+    )
+    assert catch is not None, (
+        f"no float16 scenario of the logits property caught StoresFloat16AsBfloat16 in "
+        f"{EXAMPLES_PER_PROPERTY} examples: the error budget (kvcheck.asserts.BUDGETS) is too loose"
+    )
+    print(f"caught by {catch.describe()}")

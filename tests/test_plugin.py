@@ -7,8 +7,10 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import kvimpl
+from kvcheck import devices as kvdevices
 from kvcheck import failures
 from kvcheck import profiles as kvprofiles
 from kvcheck import verdict as kvverdict
@@ -84,7 +86,10 @@ def test_the_run_header_and_test_ids_name_the_caches(tmp_path):
         extra_path=kvimpl.__path__[0] + "/..",
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    header = f"kv caches under test: chunked, DoublingCache ({EXAMPLE}); kit profile: thorough"
+    header = (
+        f"kv caches under test: chunked, DoublingCache ({EXAMPLE}); kit profile: thorough; "
+        "kv device: cpu (float64, float32, bfloat16, float16)"
+    )
     assert header in result.stdout, result.stdout
     tests = [line.strip() for line in result.stdout.splitlines() if "<Function" in line]
     assert tests == [
@@ -104,11 +109,60 @@ def test_an_unimportable_name_stops_the_run_with_one_line(tmp_path):
     ], result.stderr
 
 
-@pytest.mark.parametrize(("option", "value"), [("profile", "fast"), ("threads", "0")])
+def missing_cuda_device() -> str:
+    """A CUDA device this machine lacks: any on a machine without a GPU."""
+    return f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+
+
+def test_a_device_this_machine_lacks_skips_every_kit_test_with_the_reason():
+    device = missing_cuda_device()
+    result = run_pytest(
+        "--pyargs", "kvcheck", "-k", "logits or reorder", "--kv-impl", "concat",
+        "--kv-device", device, "-rs",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"kv device: {device} (unavailable: " in result.stdout, result.stdout
+    skipped = [line for line in result.stdout.splitlines() if line.startswith("SKIPPED")]
+    # One reason per test (not "not offered": the device is checked first), and no test ran.
+    assert skipped, result.stdout
+    assert all(f"--kv-device {device}: " in line for line in skipped), skipped
+    assert " passed" not in result.stdout, result.stdout
+    assert "concat: 4 skipped (0 of 4 pass)" in result.stdout, result.stdout
+    assert " failed" not in result.stdout, result.stdout
+
+
+def test_a_dtype_the_device_lacks_is_never_drawn(monkeypatch):
+    from hypothesis import given
+
+    from kvcheck import devices
+    from kvcheck import strategies as kvst
+    from kvcheck.stateful import probe_spec
+
+    # As on MPS, which has no float64.
+    monkeypatch.setattr(devices, "supports", lambda dtype, device: dtype != torch.float64)
+    assert probe_spec().dtype == torch.float32
+
+    @given(spec=kvst.cache_specs(), scenario=kvst.scenarios(max_sessions=1))
+    def draws(spec, scenario):
+        assert torch.float64 not in (spec.dtype, scenario.dtype)
+
+    draws()
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("profile", "fast"), ("threads", "0"), ("device", "gpu:0"), ("device", "meta")],
+)
 def test_a_bad_kit_setting_is_refused_with_the_choices(option, value):
-    choose = {"profile": kvprofiles.choose, "threads": kvprofiles.choose_threads}[option]
+    # The plugin turns the ValueError into a one-line usage error (see the --kv-impl test).
+    choose = {
+        "profile": kvprofiles.choose,
+        "threads": kvprofiles.choose_threads,
+        "device": kvdevices.choose,
+    }[option]
     with pytest.raises(ValueError, match=repr(value)):
         choose(value)
+    kvdevices.choose(None)
 
 
 def report(caches: dict) -> dict:

@@ -1,0 +1,121 @@
+"""Measure the half-precision error budget (``kvcheck.asserts.BUDGETS``) on correct caches
+and on a cache that stores float16 as bfloat16: the numbers behind the README's "Half
+precision" section.
+
+    python -m tests.measure_budget [--seeds 10] [--examples 20] [--device cpu]
+
+For every built-in and independent cache, and every seed, the logits property's scenarios
+are drawn in bfloat16 and float16; at each new position of each step it records how far
+the cached logits are from the float64 model, against how far the uncached run in the same
+dtype is: their ratio, and the excess in roundings (the unit roundoff times the largest
+|float64 logit| there, at least 1). A correct cache must stay inside the budget at every
+position; the narrow-storage mutant must leave it in most scenarios.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+from hypothesis import HealthCheck, given, seed, settings
+
+import kvimpl
+from kvcheck import asserts as kvassert
+from kvcheck import devices as kvdevices
+from kvcheck import strategies as kvst
+from kvcheck.harness import run
+from tests.independent.deque_window_cache import DequeWindowCache
+from tests.independent.list_cache import ListCache
+from tests.independent.paged_cache import PagedCache
+from tests.independent.pooled_ring_cache import RingCache
+from tests.independent.slot_cache import SlotCache
+from tests.independent.stacked_cache import StackedCache
+from tests.independent.view_cache import ViewCache
+from tests.mutants.caches import StoresFloat16AsBfloat16
+
+CORRECT = {
+    **kvimpl.CACHES,
+    **{cache.__name__: cache for cache in (DequeWindowCache, ListCache, PagedCache, RingCache)},
+    **{cache.__name__: cache for cache in (SlotCache, StackedCache, ViewCache)},
+}
+
+
+def measure(factory, dtypes, seeds: int, examples: int) -> list[dict]:
+    """One row per position: dtype, scenario, the ratio, the excess in roundings, and
+    whether the budget holds there."""
+    rows: list[dict] = []
+    drawn = [0]
+
+    def record(scenario: kvst.Scenario) -> None:
+        drawn[0] += 1
+        for step in run(factory, scenario):
+            ref = step.reference_logits
+            bad, cached, _ = kvassert.over_budget(step.logits, step.expected_logits, ref, 1)
+            uncached = kvassert.position_errors(step.expected_logits, ref, 1)
+            scale = ref.double().abs().amax(dim=(0, 2)).clamp_min(1)
+            rounding = torch.finfo(scenario.dtype).eps / 2 * scale
+            for index in range(bad.numel()):
+                rows.append(
+                    {
+                        "dtype": scenario.dtype,
+                        "scenario": drawn[0],
+                        "ratio": (cached[index] / uncached[index]).item(),
+                        "excess": ((cached[index] - uncached[index]) / rounding[index]).item(),
+                        "over": bool(bad[index]),
+                    }
+                )
+
+    for number in range(seeds):
+        search = given(scenario=kvst.scenarios(dtypes=dtypes))(record)
+        quiet = settings(
+            max_examples=examples,
+            database=None,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        )
+        seed(number)(quiet(search))()
+    return rows
+
+
+def quantiles(values: list[float]) -> str:
+    ordered = sorted(value for value in values if value == value)  # 0 / 0 is no evidence
+    if not ordered:
+        return "-"
+    at = [ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in (0.5, 0.99, 0.999)]
+    return f"p50 {at[0]:.3g}, p99 {at[1]:.3g}, p99.9 {at[2]:.3g}, max {ordered[-1]:.3g}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--examples", type=int, default=20)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    kvdevices.choose(args.device)
+    torch.set_num_threads(1)
+    for dtype, budget in kvassert.BUDGETS.items():
+        print(f"{dtype}: budget {budget.describe(dtype)}")
+    by_dtype = defaultdict(list)
+    for name, factory in CORRECT.items():
+        rows = measure(factory, kvst.HALF_DTYPES, args.seeds, args.examples)
+        over = sum(row["over"] for row in rows)
+        print(f"{name}: {len(rows)} positions, {over} over the budget")
+        for row in rows:
+            by_dtype[row["dtype"]].append(row)
+    for dtype, rows in by_dtype.items():
+        print(f"correct caches, {dtype}, {len(rows)} positions:")
+        print(f"  cached / uncached error: {quantiles([row['ratio'] for row in rows])}")
+        print(f"  excess, in roundings:    {quantiles([row['excess'] for row in rows])}")
+    rows = measure(StoresFloat16AsBfloat16, (torch.float16,), args.seeds, args.examples)
+    scenarios = {row["scenario"] for row in rows}
+    caught = {row["scenario"] for row in rows if row["over"]}
+    print(
+        f"StoresFloat16AsBfloat16, float16: over the budget in {len(caught)} of "
+        f"{len(scenarios)} scenarios; cached / uncached error: "
+        f"{quantiles([row['ratio'] for row in rows])}"
+    )
+
+
+if __name__ == "__main__":
+    main()
