@@ -7,6 +7,8 @@ Performance section). An attention kernel that read the chunks in place would re
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import Tensor
 
@@ -16,6 +18,10 @@ DEFAULT_CHUNK_SIZE = 16
 
 
 class ChunkedCache:
+    # Its sizes, for the suite to hit its chunk boundaries on purpose (kvcheck.Sizes; a
+    # plain dict, so that the cache needs nothing from the kit).
+    kv_sizes: ClassVar[dict[str, int]] = {"page": DEFAULT_CHUNK_SIZE}
+
     def __init__(self, spec: CacheSpec, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")

@@ -22,6 +22,7 @@ from typing import Any
 from hypothesis import Phase, find, settings
 from hypothesis.errors import NoSuchExample
 
+from kvcheck import sizes as kvsizes
 from kvcheck.properties import Property
 from kvref import CacheContractError, CacheFactory
 from tests.mutants import Mutant
@@ -57,7 +58,8 @@ def hunt(
 ) -> Catch | None:
     """The first property, in order, under which Hypothesis finds the mutant out, or None
     when none does within ``max_examples`` examples each."""
-    with mutant.patch():
+    # The sizes the factory declares, as every run of the kit aims at them.
+    with mutant.patch(), kvsizes.aiming_at(kvsizes.declared_by(mutant.factory)):
         for prop in properties:
             if prop.strategy is None:  # a state machine: it draws for itself
                 continue

@@ -1,0 +1,243 @@
+"""The sizes a cache is built around, and how the suite draws sizes to reach them.
+
+Most bugs of a real cache live where it runs: a kernel for head_dim 128, eight kv heads,
+batch 8, pages of 128 or 256 rows, chunked prefills of hundreds of tokens onto a warm cache,
+an object reset dozens of times. The suite draws mostly small examples (fast, and they
+shrink well) and a share of large ones in every profile: each dimension goes large on its
+own coin (``LARGE_ONE_IN``), lengths land at and around powers of two, and the attention
+cost of an example is bounded (``ATTENTION_BUDGET``), so that an example is large in one or
+two dimensions at once, never in all.
+
+A cache's author can say where its own edges are with ``Sizes``, next to the factory::
+
+    class MyPagedCache:
+        kv_sizes = kvcheck.Sizes(page=128, head_dims=(64, 128), max_batch=8)
+
+(a plain dict with the same keys works too, so that a cache library need not import the
+kit), or on a test class (``sizes = Sizes(...)``), or on the command line (``--kv-page``,
+``--kv-head-dim``, ``--kv-heads``, ``--kv-max-batch``; these win, field by field). The
+draws then hit lengths k x page - 1, k x page and k x page + 1, chunks that straddle pages,
+the declared head widths and kv heads, and batches up to the declared largest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+from hypothesis import strategies as st
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Sizes.{name} must be a positive int, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The sizes a cache is designed around; every field is optional."""
+
+    page: int | None = None  # rows per page, block or chunk: boundaries to hit on purpose
+    head_dims: tuple[int, ...] = ()  # head widths the cache has a path for (even: RoPE)
+    kv_heads: tuple[int, ...] = ()  # kv head counts it is built for
+    max_batch: int | None = None  # the largest batch it serves
+
+    def __post_init__(self) -> None:
+        if self.page is not None:
+            _positive("page", self.page)
+        if self.max_batch is not None:
+            _positive("max_batch", self.max_batch)
+        for name in ("head_dims", "kv_heads"):
+            values = getattr(self, name)
+            if isinstance(values, int):  # Sizes(head_dims=128) means (128,)
+                values = (values,)
+            values = tuple(_positive(name, value) for value in values)
+            object.__setattr__(self, name, values)
+        if odd := [d for d in self.head_dims if d % 2]:
+            raise ValueError(f"Sizes.head_dims must be even (RoPE pairs channels), got {odd}")
+
+    @classmethod
+    def of(cls, declared: object) -> Sizes:
+        """A ``Sizes`` from a declaration: a Sizes, a mapping of its fields, or None."""
+        if declared is None:
+            return cls()
+        if isinstance(declared, Sizes):
+            return declared
+        if isinstance(declared, Mapping):
+            unknown = set(declared) - {field.name for field in dataclasses.fields(cls)}
+            if unknown:
+                raise ValueError(
+                    f"unknown size {', '.join(sorted(map(str, unknown)))}; a declaration may "
+                    "give page, head_dims, kv_heads and max_batch"
+                )
+            return cls(**declared)
+        raise TypeError(
+            f"kv_sizes must be a kvcheck.Sizes or a dict, got {type(declared).__name__}"
+        )
+
+    def over(self, other: Sizes) -> Sizes:
+        """These sizes, with ``other``'s for the fields these leave unset."""
+        return Sizes(
+            **{
+                field.name: getattr(self, field.name) or getattr(other, field.name)
+                for field in dataclasses.fields(self)
+            }
+        )
+
+    def describe(self) -> str:
+        parts = []
+        if self.page:
+            parts.append(f"page {self.page}")
+        if self.head_dims:
+            parts.append(f"head dims {'/'.join(map(str, self.head_dims))}")
+        if self.kv_heads:
+            parts.append(f"kv heads {'/'.join(map(str, self.kv_heads))}")
+        if self.max_batch:
+            parts.append(f"batch up to {self.max_batch}")
+        return ", ".join(parts) or "none declared"
+
+
+NONE = Sizes()
+_in_force: ContextVar[Sizes] = ContextVar("kvcheck_sizes", default=NONE)
+_from_options: list[Sizes] = [NONE]  # set once per run by the plugin
+
+
+def choose_options(sizes: Sizes) -> None:
+    """The sizes given on the command line, for every cache of the run."""
+    _from_options[:] = [sizes]
+
+
+def from_options() -> Sizes:
+    return _from_options[0]
+
+
+def declared_on(factory: object) -> Sizes:
+    """The factory's own ``kv_sizes`` (looked up through functools.partial)."""
+    own = getattr(factory, "kv_sizes", None)
+    if own is None and isinstance(factory, functools.partial):
+        own = getattr(factory.func, "kv_sizes", None)
+    return Sizes.of(own)
+
+
+def declared_by(factory: object, test_class: type | None = None) -> Sizes:
+    """The sizes in force for ``factory``: the command line's, then the test class's
+    ``sizes``, then the factory's own ``kv_sizes``, field by field."""
+    by_class = Sizes.of(getattr(test_class, "sizes", None))
+    return from_options().over(by_class.over(declared_on(factory)))
+
+
+def current() -> Sizes:
+    """The sizes the draws aim at right now (none declared outside ``aiming_at``)."""
+    return _in_force.get()
+
+
+@contextmanager
+def aiming_at(sizes: Sizes) -> Iterator[None]:
+    """Draw for ``sizes`` while the block runs (the kit wraps each search in it)."""
+    token = _in_force.set(sizes)
+    try:
+        yield
+    finally:
+        _in_force.reset(token)
+
+
+# --- The draws --------------------------------------------------------------------------
+
+# Each dimension goes large on its own coin: one in LARGE_ONE_IN, so about half of all
+# examples are small in every dimension and shrinking (to index 0: small) stays easy.
+LARGE_ONE_IN = 10
+# Where no model runs (cache-level properties), length and lifetime cost little: oftener.
+LONG_ONE_IN = 4
+# Batch x query heads x length^2 x head_dim of an example's attention: past it, a large
+# draw falls back to a small one. 2**24 multiply-adds is a few ms on one core.
+ATTENTION_BUDGET = 2**24
+# Head widths of real models: 64 and 128 most often, then the rest (80, 96 and 112 have a
+# tail past a multiple of 32 or 64, where vectorised paths keep a scalar loop).
+LARGE_HEAD_DIMS = (64, 128, 64, 128, 256, 80, 96, 112, 160, 192, 32)
+LARGE_KV_HEADS = (8, 4, 6, 5, 7)
+LARGE_GROUPS = (8, 4, 6, 2, 7)  # query heads per kv head
+LARGE_BATCH = 8
+# Page and block sizes of real caches: lengths are drawn at and around their multiples.
+PAGES = (16, 32, 64, 128, 256, 512, 1024)
+LONG = 1100  # long sessions reach past 1,024 tokens
+LONG_LIVED = 24  # a long-lived cache object goes through up to this many sessions (resets)
+# Numbers in one key tensor of a cache-level example (batch x kv heads x rows x head_dim):
+# no model runs there, so they go long and wide at once, within this.
+ROWS_BUDGET = 2**18
+
+
+def large(draw, label: str, one_in: int = LARGE_ONE_IN) -> bool:
+    """One coin: whether a dimension goes large in this example (index 0, where shrinking
+    goes, is small)."""
+    return draw(st.integers(0, one_in - 1), label=f"{label} large?") == one_in - 1
+
+
+def pages() -> tuple[int, ...]:
+    """The page sizes whose boundaries are hit: the declared page first, then the usual."""
+    page = current().page
+    return (page, *(p for p in PAGES if p != page)) if page else PAGES
+
+
+def boundary_lengths(limit: int, low: int = 1) -> st.SearchStrategy[int]:
+    """Lengths k x page - 1, k x page and k x page + 1 within [low, limit], the declared
+    page's (first, for shrinking) and each usual page size's."""
+    return _boundary_lengths(pages(), low, limit)
+
+
+@functools.lru_cache(maxsize=64)
+def _boundary_lengths(page_sizes: tuple[int, ...], low: int, limit: int) -> st.SearchStrategy:
+    lengths = []
+    for page in page_sizes:
+        for k in range(1, limit // page + 2):
+            lengths += [n for n in (k * page - 1, k * page, k * page + 1) if low <= n <= limit]
+    # A page that fits fewer than twice still gets its first boundary, if it fits at all.
+    return st.sampled_from(list(dict.fromkeys(lengths))) if lengths else st.integers(low, limit)
+
+
+def _within(room: int | None, values) -> list[int]:
+    return [v for v in values if room is None or v <= room]
+
+
+@st.composite
+def head_dims(draw, small=(2, 4, 6, 8), *, room: int | None = None) -> int:
+    """A head width: mostly one of ``small``; with a coin, a real one (a declared one
+    first). None wider than ``room`` (but always the narrowest small one)."""
+    wide = _within(room, (*current().head_dims, *LARGE_HEAD_DIMS))
+    if wide and large(draw, "head_dim"):
+        return draw(st.sampled_from(wide), label="head_dim")
+    return draw(st.sampled_from(_within(room, small) or small[:1]), label="head_dim")
+
+
+@st.composite
+def kv_head_counts(draw, small_max: int = 3, *, room: int | None = None) -> int:
+    """Kv heads: mostly 1 to ``small_max``; with a coin, 4 to 8 or a declared count."""
+    wide = _within(room, (*current().kv_heads, *LARGE_KV_HEADS))
+    if wide and large(draw, "kv_heads"):
+        return draw(st.sampled_from(wide), label="kv_heads")
+    return draw(st.integers(1, max(1, min(small_max, room or small_max))), label="kv_heads")
+
+
+@st.composite
+def groups(draw, *, room: int | None = None) -> int:
+    """Query heads per kv head: mostly 1 (plain multi-head attention) to 3; with a coin,
+    up to 8."""
+    wide = _within(room, LARGE_GROUPS)
+    if wide and large(draw, "heads per kv head"):
+        return draw(st.sampled_from(wide), label="heads per kv head")
+    return draw(st.integers(1, max(1, min(3, room or 3))), label="heads per kv head")
+
+
+@st.composite
+def batches(draw, low: int = 1, small_max: int = 4, *, room: int | None = None) -> int:
+    """A batch: mostly ``low`` to ``small_max``; with a coin, up to 8 or the declared
+    largest, that largest itself often. Never above ``room`` unless ``low`` is."""
+    most = max(current().max_batch or LARGE_BATCH, small_max)
+    most = max(low, min(most, room)) if room is not None else most
+    if most > small_max and large(draw, "batch"):
+        return draw(st.one_of(st.just(most), st.integers(small_max + 1, most)), label="batch")
+    return draw(st.integers(low, max(low, min(small_max, most))), label="batch")
