@@ -153,9 +153,11 @@ def aiming_at(sizes: Sizes) -> Iterator[None]:
 LARGE_ONE_IN = 10
 # Where no model runs (cache-level properties), length and lifetime cost little: oftener.
 LONG_ONE_IN = 4
-# Batch x query heads x length^2 x head_dim of an example's attention: past it, a large
-# draw falls back to a small one. 2**24 multiply-adds is a few ms on one core.
+# Batch x query heads x length^2 x (head_dim + SCORE_COST) of an example's attention: past
+# it, a large draw falls back to a small one. 2**24 is a few ms on one core. Each score
+# also costs a mask, a fill and a softmax, whatever the head's width: SCORE_COST.
 ATTENTION_BUDGET = 2**24
+SCORE_COST = 16
 # Head widths of real models: 64 and 128 most often, then the rest (80, 96 and 112 have a
 # tail past a multiple of 32 or 64, where vectorised paths keep a scalar loop).
 LARGE_HEAD_DIMS = (64, 128, 64, 128, 256, 80, 96, 112, 160, 192, 32)
@@ -203,6 +205,11 @@ def _within(room: int | None, values) -> list[int]:
     return [v for v in values if room is None or v <= room]
 
 
+def _at_most(most: int, room: int | None) -> int:
+    """``most``, or less to fit ``room`` (None: no limit), but at least 1."""
+    return max(1, most if room is None else min(most, room))
+
+
 @st.composite
 def head_dims(draw, small=(2, 4, 6, 8), *, room: int | None = None) -> int:
     """A head width: mostly one of ``small``; with a coin, a real one (a declared one
@@ -219,7 +226,7 @@ def kv_head_counts(draw, small_max: int = 3, *, room: int | None = None) -> int:
     wide = _within(room, (*current().kv_heads, *LARGE_KV_HEADS))
     if wide and large(draw, "kv_heads"):
         return draw(st.sampled_from(wide), label="kv_heads")
-    return draw(st.integers(1, max(1, min(small_max, room or small_max))), label="kv_heads")
+    return draw(st.integers(1, _at_most(small_max, room)), label="kv_heads")
 
 
 @st.composite
@@ -229,7 +236,7 @@ def groups(draw, *, room: int | None = None) -> int:
     wide = _within(room, LARGE_GROUPS)
     if wide and large(draw, "heads per kv head"):
         return draw(st.sampled_from(wide), label="heads per kv head")
-    return draw(st.integers(1, max(1, min(3, room or 3))), label="heads per kv head")
+    return draw(st.integers(1, _at_most(3, room)), label="heads per kv head")
 
 
 @st.composite

@@ -38,6 +38,9 @@ POISON_VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")
 BOUNDARY_SIZES = (EDGE - 1, EDGE, EDGE + 1, 2 * EDGE - 1, 2 * EDGE, 2 * EDGE + 1)
 LONG_SESSION = 64  # sessions are drawn beyond this too: some bugs only show past it
 MAX_SESSION = 100
+# A long-lived set of caches runs a model through 9 to this many sessions (8 resets and
+# more); the cache-level stale-rows property takes one cache through dozens.
+LIVED_SESSIONS = 12
 
 chunk_sizes = st.one_of(
     st.integers(1, 4), st.integers(5, 2 * EDGE + 1), st.sampled_from(BOUNDARY_SIZES)
@@ -129,12 +132,15 @@ def model_configs(
     heads, up to 8 query heads per kv head) on a narrow residual, with one or two layers.
     ``tokens`` is the most the model attends over: wide draws stay within
     ``kvsizes.ATTENTION_BUDGET`` at that length, and the batch gets what is left."""
-    room = max(1, kvsizes.ATTENTION_BUDGET // tokens**2)  # for batch x heads x head_dim
-    head_dim = draw(kvsizes.head_dims(room=room), label="head_dim")
-    kv_heads = draw(kvsizes.kv_head_counts(room=room // head_dim), label="kv_heads")
-    group = draw(kvsizes.groups(room=room // (head_dim * kv_heads)), label="heads per kv head")
+    units = kvsizes.ATTENTION_BUDGET // tokens**2  # batch x heads x (head_dim + SCORE_COST)
+    head_dim = draw(kvsizes.head_dims(room=units - kvsizes.SCORE_COST), label="head_dim")
+    per_head = head_dim + kvsizes.SCORE_COST
+    kv_heads = draw(kvsizes.kv_head_counts(room=units // per_head), label="kv_heads")
+    group = draw(kvsizes.groups(room=units // (per_head * kv_heads)), label="heads per kv head")
     wide = head_dim > 8 or kv_heads > 3 or group > 3
-    layers = st.integers(min_layers, min(max_layers, max(min_layers, 2)) if wide else max_layers)
+    # Wide or long: one or two layers (a cache's bugs rarely need a third).
+    few = wide or tokens > 2 * MAX_SESSION
+    layers = st.integers(min_layers, min(max_layers, max(min_layers, 2)) if few else max_layers)
     return ModelConfig(
         vocab_size=draw(st.integers(5, 40), label="vocab_size"),
         num_layers=draw(layers, label="layers"),
@@ -152,7 +158,7 @@ def model_configs(
 
 def attention_room(config: ModelConfig, tokens: int) -> int:
     """The largest batch whose attention over ``tokens`` stays within the budget."""
-    per_row = config.num_heads * config.head_dim * tokens**2
+    per_row = config.num_heads * (config.head_dim + kvsizes.SCORE_COST) * tokens**2
     return max(1, kvsizes.ATTENTION_BUDGET // per_row)
 
 
@@ -212,7 +218,7 @@ def scenarios(
     # A share of scenarios runs one set of caches through dozens of sessions (each reset),
     # and a share has sessions past 1,024 tokens; most have a few short ones.
     long_lived = kvsizes.large(draw, "long-lived caches")
-    most = max(max_sessions, kvsizes.LONG_LIVED) if long_lived else max_sessions
+    most = max(max_sessions, LIVED_SESSIONS) if long_lived else max_sessions
     low = max(min_sessions, 9) if long_lived else min_sessions
     count = draw(st.integers(low, most), label="sessions")
     long = not long_lived and kvsizes.large(draw, "long sessions")
@@ -225,7 +231,7 @@ def scenarios(
         else:
             start = draw(st.sampled_from(("reset", "fresh")), label="start")
         leaves_poison = poison and index < count - 1
-        if long:
+        if long and index == 0:  # one long session: the others reuse or replace its caches
             session = long_sessions(start, poison=leaves_poison)
         else:
             session = sessions(start, poison=leaves_poison, max_chunks=1 if long_lived else 10)
