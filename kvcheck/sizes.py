@@ -179,26 +179,29 @@ def large(draw, label: str, one_in: int = LARGE_ONE_IN) -> bool:
     return draw(st.integers(0, one_in - 1), label=f"{label} large?") == one_in - 1
 
 
-def pages() -> tuple[int, ...]:
-    """The page sizes whose boundaries are hit: the declared page first, then the usual."""
-    page = current().page
-    return (page, *(p for p in PAGES if p != page)) if page else PAGES
+def declared_first(declared: tuple[int, ...], usual: tuple[int, ...]) -> st.SearchStrategy:
+    """Half the time one of the declared sizes (when there are any), else a usual one."""
+    usual_ones = st.sampled_from(usual)
+    return st.one_of(st.sampled_from(declared), usual_ones) if declared else usual_ones
 
 
 def boundary_lengths(limit: int, low: int = 1) -> st.SearchStrategy[int]:
-    """Lengths k x page - 1, k x page and k x page + 1 within [low, limit], the declared
-    page's (first, for shrinking) and each usual page size's."""
-    return _boundary_lengths(pages(), low, limit)
+    """Lengths k x page - 1, k x page and k x page + 1 within [low, limit], for the declared
+    page (half the time) or one of the usual page sizes."""
+    page = current().page
+    fitting = tuple(p for p in PAGES if p - 1 <= limit)
+    declared = (page,) if page and page - 1 <= limit else ()
+    if not fitting and not declared:
+        return st.integers(low, limit)
+    return _boundary_lengths(declared_first(declared, fitting or declared), low, limit)
 
 
-@functools.lru_cache(maxsize=64)
-def _boundary_lengths(page_sizes: tuple[int, ...], low: int, limit: int) -> st.SearchStrategy:
-    lengths = []
-    for page in page_sizes:
-        for k in range(1, limit // page + 2):
-            lengths += [n for n in (k * page - 1, k * page, k * page + 1) if low <= n <= limit]
-    # A page that fits fewer than twice still gets its first boundary, if it fits at all.
-    return st.sampled_from(list(dict.fromkeys(lengths))) if lengths else st.integers(low, limit)
+@st.composite
+def _boundary_lengths(draw, pages: st.SearchStrategy[int], low: int, limit: int) -> int:
+    page = draw(pages, label="page")
+    k = draw(st.integers(1, max(1, (limit + 1) // page)), label="pages")
+    near = [n for n in (k * page, k * page - 1, k * page + 1) if low <= n <= limit]
+    return draw(st.sampled_from(near), label="length") if near else low
 
 
 def _within(room: int | None, values) -> list[int]:
@@ -214,18 +217,20 @@ def _at_most(most: int, room: int | None) -> int:
 def head_dims(draw, small=(2, 4, 6, 8), *, room: int | None = None) -> int:
     """A head width: mostly one of ``small``; with a coin, a real one (a declared one
     first). None wider than ``room`` (but always the narrowest small one)."""
-    wide = _within(room, (*current().head_dims, *LARGE_HEAD_DIMS))
-    if wide and large(draw, "head_dim"):
-        return draw(st.sampled_from(wide), label="head_dim")
+    declared = tuple(_within(room, current().head_dims))
+    wide = tuple(_within(room, LARGE_HEAD_DIMS))
+    if (wide or declared) and large(draw, "head_dim"):
+        return draw(declared_first(declared, wide or declared), label="head_dim")
     return draw(st.sampled_from(_within(room, small) or small[:1]), label="head_dim")
 
 
 @st.composite
 def kv_head_counts(draw, small_max: int = 3, *, room: int | None = None) -> int:
     """Kv heads: mostly 1 to ``small_max``; with a coin, 4 to 8 or a declared count."""
-    wide = _within(room, (*current().kv_heads, *LARGE_KV_HEADS))
-    if wide and large(draw, "kv_heads"):
-        return draw(st.sampled_from(wide), label="kv_heads")
+    declared = tuple(_within(room, current().kv_heads))
+    wide = tuple(_within(room, LARGE_KV_HEADS))
+    if (wide or declared) and large(draw, "kv_heads"):
+        return draw(declared_first(declared, wide or declared), label="kv_heads")
     return draw(st.integers(1, _at_most(small_max, room)), label="kv_heads")
 
 

@@ -304,7 +304,7 @@ def cache_specs(draw, dtypes: tuple[torch.dtype, ...] = DTYPES, min_length: int 
 
 def chunk_plans(max_total: int, min_chunks: int = 0, max_chunks: int = 6) -> st.SearchStrategy:
     """Chunk sizes adding up to at most ``max_total``: each up to two blocks and one row,
-    or (when ``max_total`` allows) hundreds, at and around page boundaries."""
+    or (when ``max_total`` allows) up to hundreds, ending at and around page boundaries."""
     if min_chunks < 0 or max_chunks < min_chunks:
         raise InvalidArgument(f"need 0 <= min_chunks <= max_chunks, got {min_chunks}, {max_chunks}")
     if max_total < min_chunks:
@@ -316,11 +316,15 @@ def chunk_plans(max_total: int, min_chunks: int = 0, max_chunks: int = 6) -> st.
 
 @st.composite
 def _chunk_plans(draw, max_total: int, min_chunks: int, max_chunks: int) -> list[int]:
+    if max_total > 3 * EDGE:
+        # A long plan (a long spec): its chunks end at and around page boundaries (or
+        # anywhere), so that lengths land on them and chunks of hundreds straddle them.
+        size = max(min_chunks, 1)
+        ends = st.lists(cuts(max_total), min_size=size, max_size=max(size, max_chunks), unique=True)
+        drawn = sorted(draw(ends, label="chunk ends"))
+        return [end - before for before, end in zip([0, *drawn], drawn, strict=False)]
     plan: list[int] = []
-    size = st.integers(1, 2 * EDGE + 1)
-    if max_total > 2 * EDGE + 1:
-        size = st.one_of(size, kvsizes.boundary_lengths(max_total), st.integers(1, max_total))
-    sizes = st.lists(size, min_size=min_chunks, max_size=max_chunks)
+    sizes = st.lists(st.integers(1, 2 * EDGE + 1), min_size=min_chunks, max_size=max_chunks)
     for size in draw(sizes, label="chunk sizes"):
         # Cut to what is left, keeping one row for every chunk still owed to min_chunks.
         owed = max(min_chunks - len(plan) - 1, 0)
