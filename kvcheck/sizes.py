@@ -170,7 +170,7 @@ LONG = 1100  # long sessions reach past 1,024 tokens
 LONG_LIVED = 24  # a long-lived cache object goes through up to this many sessions (resets)
 # Numbers in one key tensor of a cache-level example (batch x kv heads x rows x head_dim):
 # no model runs there, so they go long and wide at once, within this.
-ROWS_BUDGET = 2**18
+ROWS_BUDGET = 2**16
 
 
 def large(draw, label: str, one_in: int = LARGE_ONE_IN) -> bool:

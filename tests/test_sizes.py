@@ -19,7 +19,7 @@ from kvimpl import ChunkedCache, ConcatCache
 from kvref import ModelConfig, ReferenceTransformer
 
 # Generation only: ``find`` returns the first example that reaches, without shrinking it.
-SEARCH = settings(max_examples=2_000, database=None, deadline=None, phases=[Phase.generate])
+SEARCH = settings(max_examples=1_000, database=None, deadline=None, phases=[Phase.generate])
 
 
 @pytest.mark.parametrize(
