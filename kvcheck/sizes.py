@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
+from kvcheck import profiles
+
 
 def _positive(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -149,8 +151,10 @@ def aiming_at(sizes: Sizes) -> Iterator[None]:
 # --- The draws --------------------------------------------------------------------------
 
 # Each dimension goes large on its own coin: one in LARGE_ONE_IN, so about half of all
-# examples are small in every dimension and shrinking (to index 0: small) stays easy.
+# examples are small in every dimension and shrinking (to index 0: small) stays easy. The
+# thorough profile, a long run, spends more of its examples large: one in THOROUGH_ONE_IN.
 LARGE_ONE_IN = 10
+THOROUGH_ONE_IN = 4
 # Where no model runs (cache-level properties), length and lifetime cost little: oftener.
 LONG_ONE_IN = 4
 # Batch x query heads x length^2 x (head_dim + SCORE_COST) of an example's attention: past
@@ -173,9 +177,12 @@ LONG_LIVED = 24  # a long-lived cache object goes through up to this many sessio
 ROWS_BUDGET = 2**16
 
 
-def large(draw, label: str, one_in: int = LARGE_ONE_IN) -> bool:
+def large(draw, label: str, one_in: int | None = None) -> bool:
     """One coin: whether a dimension goes large in this example (index 0, where shrinking
-    goes, is small)."""
+    goes, is small); one in ``one_in``, by default the profile's share."""
+    if one_in is None:
+        thorough = profiles.current_name() == "thorough"
+        one_in = THOROUGH_ONE_IN if thorough else LARGE_ONE_IN
     return draw(st.integers(0, one_in - 1), label=f"{label} large?") == one_in - 1
 
 
