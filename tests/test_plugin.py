@@ -80,12 +80,19 @@ def test_the_run_header_and_test_ids_name_the_caches(tmp_path):
         EXAMPLE,
         "--kv-profile",
         "thorough",
+        "--kv-head-dim",
+        "64,128",
+        "--kv-max-batch",
+        "16",
         cwd=tmp_path,
         extra_path=kvimpl.__path__[0] + "/..",
     )
     assert result.returncode == 0, result.stdout + result.stderr
     header = f"kv caches under test: chunked, DoublingCache ({EXAMPLE}); kit profile: thorough"
     assert header in result.stdout, result.stdout
+    sizes = "kv sizes from the command line: head dims 64/128, batch up to 16"
+    assert sizes in result.stdout, result.stdout
+    assert "kv sizes the caches declare: chunked page 16" in result.stdout, result.stdout
     tests = [line.strip() for line in result.stdout.splitlines() if "<Function" in line]
     assert tests == [
         "<Function test_logits_match_uncached[chunked]>",
