@@ -171,7 +171,7 @@ LARGE_BATCH = 8
 # Page and block sizes of real caches: lengths are drawn at and around their multiples.
 PAGES = (16, 32, 64, 128, 256, 512, 1024)
 LONG = 1100  # long sessions reach past 1,024 tokens
-LONG_LIVED = 24  # a long-lived cache object goes through up to this many sessions (resets)
+LONG_LIVED = 24  # rounds of poisoned rows and resets one cache goes through (no model)
 # Numbers in one key tensor of a cache-level example (batch x kv heads x rows x head_dim):
 # no model runs there, so they go long and wide at once, within this.
 ROWS_BUDGET = 2**16
