@@ -99,9 +99,10 @@ def describe_config(c: ModelConfig) -> str:
         window = f", window {c.window} on every layer"
     else:
         window = f", window {c.window} on even layers (odd ones global)"
+    hidden = "" if c.hidden is None else f" on a residual of width {c.hidden}"
     return (
         f"{c.num_layers} layers, {c.num_heads} heads over {c.num_kv_heads} kv heads of "
-        f"width {c.head_dim}{window}"
+        f"width {c.head_dim}{hidden}{window}"
     )
 
 
