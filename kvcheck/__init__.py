@@ -34,6 +34,7 @@ __all__ = [
     "RejectionTests",
     "ReorderTests",
     "ResetTests",
+    "Sizes",
     "StatefulTests",
     "TruncateTests",
 ]
@@ -43,6 +44,10 @@ def __getattr__(name: str):
     # The test classes import torch and the reference model: only when asked for, so that
     # the plugin (kvcheck.plugin, loaded by every pytest run where this is installed) and
     # `python -m kvcheck.verdict` stay light.
+    if name == "Sizes":
+        from kvcheck.sizes import Sizes
+
+        return Sizes
     if name in __all__:
         from kvcheck import base
 

@@ -23,6 +23,7 @@ from hypothesis import example, given, settings
 
 from kvcheck import profiles as kvprofiles
 from kvcheck import properties as kvprop
+from kvcheck import sizes as kvsizes
 from kvcheck import stateful as kvstateful
 from kvcheck.properties import Property
 from kvref import capabilities
@@ -38,7 +39,8 @@ def property_test(prop: Property):
 
         def test(self, cache_factory):
             skip_unless_offered(prop, cache_factory)
-            with kvprofiles.torch_threads():
+            sizes = kvsizes.declared_by(cache_factory, type(self))
+            with kvprofiles.torch_threads(), kvsizes.aiming_at(sizes):
                 prop.check(cache_factory)
 
     elif prop.cases:
@@ -46,13 +48,15 @@ def property_test(prop: Property):
         @pytest.mark.parametrize("case", prop.cases, ids=str)
         def test(self, cache_factory, case):
             skip_unless_offered(prop, cache_factory)
-            search(prop, lambda drawn: prop.check(cache_factory, drawn, case), self.pinned)
+            sizes = kvsizes.declared_by(cache_factory, type(self))
+            search(prop, lambda drawn: prop.check(cache_factory, drawn, case), self.pinned, sizes)
 
     else:
 
         def test(self, cache_factory):
             skip_unless_offered(prop, cache_factory)
-            search(prop, lambda drawn: prop.check(cache_factory, drawn), self.pinned)
+            sizes = kvsizes.declared_by(cache_factory, type(self))
+            search(prop, lambda drawn: prop.check(cache_factory, drawn), self.pinned, sizes)
 
     test.__doc__ = prop.title
     return pytest.mark.kv_property(prop.name)(test)
@@ -71,9 +75,14 @@ def skip_unless_offered(prop: Property, factory) -> None:
         pytest.skip(f"{NOT_OFFERED}: the cache has no {methods} method")
 
 
-def search(prop: Property, check, pinned: dict[str, tuple] | None = None) -> None:
+def search(
+    prop: Property,
+    check,
+    pinned: dict[str, tuple] | None = None,
+    sizes: kvsizes.Sizes = kvsizes.NONE,
+) -> None:
     """Search ``prop.strategy`` for an input that fails ``check``, pinned inputs first: the
-    kit's, then the test class's own (``pinned[prop.name]``)."""
+    kit's, then the test class's own (``pinned[prop.name]``); the draws aim at ``sizes``."""
 
     def falsify(drawn):
         check(drawn)
@@ -84,7 +93,7 @@ def search(prop: Property, check, pinned: dict[str, tuple] | None = None) -> Non
         test = example(drawn=drawn)(test)
     kit = kvprofiles.current()
     examples = max(1, math.ceil(kit.max_examples * prop.budget))
-    with kvprofiles.torch_threads():
+    with kvprofiles.torch_threads(), kvsizes.aiming_at(sizes):
         given(drawn=prop.strategy)(settings(kit, max_examples=examples)(test))()
 
 
@@ -108,6 +117,9 @@ class KitTests:
     # Your own regressions, tried first on every run: property name -> inputs, e.g. the
     # `drawn=` of a falsifying example pasted from a failure.
     pinned: ClassVar[dict[str, tuple]] = {}
+    # The sizes your cache is built around (kvcheck.Sizes: page, head_dims, kv_heads,
+    # max_batch), for the draws to hit on purpose; the factory's own `kv_sizes` otherwise.
+    sizes: ClassVar[kvsizes.Sizes | None] = None
 
 
 class CoreTests(KitTests):

@@ -8,6 +8,9 @@ It adds, wherever the package is installed:
 - ``--kv-profile dev|ci|thorough``: how hard the kit's tests search (``kvcheck.profiles``;
   the kit loads no Hypothesis profile for the process);
 - ``--kv-torch-threads N|keep``: torch threads while a kit test runs (default 1);
+- ``--kv-page N``, ``--kv-head-dim D``, ``--kv-heads H``, ``--kv-max-batch B``: the sizes
+  the caches under test are built around (``kvcheck.Sizes``), for the draws to hit on
+  purpose; they win over a cache's own ``kv_sizes`` and a test class's ``sizes``;
 - ``--kv-device DEVICE`` (or ``KV_DEVICE``, or the ``kv_device`` ini option): where the kit
   builds every model, cache and row (default cpu); on a device this machine lacks, the kit's
   tests skip with the reason (``kvcheck.devices``);
@@ -58,6 +61,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "keep: torch's own setting); the host's setting is restored after each test",
     )
     group.addoption(
+        "--kv-page",
+        metavar="N",
+        default=None,
+        help="rows per page (block, chunk) of the caches under test: lengths k x N - 1, "
+        "k x N, k x N + 1 and chunks straddling pages are drawn on purpose",
+    )
+    for option, metavar, what in (
+        ("--kv-head-dim", "D", "a head width the caches have a path for"),
+        ("--kv-heads", "H", "a number of kv heads the caches are built for"),
+    ):
+        group.addoption(
+            option,
+            action="append",
+            default=[],
+            metavar=metavar,
+            help=f"{what}, drawn often (repeatable, or comma-separated)",
+        )
+    group.addoption(
+        "--kv-max-batch",
+        metavar="B",
+        default=None,
+        help="the largest batch the caches serve: batches up to it are drawn (default 8)",
+    )
+    group.addoption(
         "--kv-device",
         metavar="DEVICE",
         default=None,
@@ -85,6 +112,10 @@ def pytest_configure(config: pytest.Config) -> None:
             choose(config.getoption(option))
         except ValueError as error:
             raise pytest.UsageError(f"{option}: {error}") from None
+    try:
+        choose_sizes(config)
+    except ValueError as error:
+        raise pytest.UsageError(f"kv sizes: {error}") from None
     device = (
         config.getoption("--kv-device") or os.environ.get("KV_DEVICE") or config.getini("kv_device")
     )
@@ -111,17 +142,52 @@ def pytest_configure(config: pytest.Config) -> None:
     verdict.configure(config)
 
 
-def pytest_report_header(config: pytest.Config) -> str:
-    from kvcheck import devices, profiles
+def choose_sizes(config: pytest.Config) -> None:
+    """The sizes given by --kv-page, --kv-head-dim, --kv-heads and --kv-max-batch."""
+    from kvcheck import sizes
+
+    def numbers(option: str) -> tuple[int, ...]:
+        given = ",".join(config.getoption(option)).split(",")
+        return tuple(number(option, text) for text in given if text.strip())
+
+    def number(option: str, text: str | None) -> int | None:
+        if text is None:
+            return None
+        if not text.strip().isdigit() or int(text) < 1:
+            raise ValueError(f"{option}: {text!r} is not a positive int")
+        return int(text)
+
+    sizes.choose_options(
+        sizes.Sizes(
+            page=number("--kv-page", config.getoption("--kv-page")),
+            head_dims=numbers("--kv-head-dim"),
+            kv_heads=numbers("--kv-heads"),
+            max_batch=number("--kv-max-batch", config.getoption("--kv-max-batch")),
+        )
+    )
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    from kvcheck import devices, profiles, sizes
 
     described = [
         label if label == selected.name else f"{label} ({selected.name})"
         for label, selected in config.stash[SELECTED].items()
     ]
-    return (
+    lines = [
         f"kv caches under test: {', '.join(described)}; kit profile: {profiles.current_name()}; "
         f"kv device: {devices.describe()}"
-    )
+    ]
+    if sizes.from_options() != sizes.NONE:
+        lines.append(f"kv sizes from the command line: {sizes.from_options().describe()}")
+    declared = [
+        f"{label} {sizes.declared_on(selected.factory).describe()}"
+        for label, selected in config.stash[SELECTED].items()
+        if sizes.declared_on(selected.factory) != sizes.NONE
+    ]
+    if declared:
+        lines.append(f"kv sizes the caches declare: {'; '.join(declared)}")
+    return lines
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

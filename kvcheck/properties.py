@@ -129,21 +129,30 @@ def check_stale_rows(factory: CacheFactory, plan: kvst.StaleRowsPlan) -> None:
     """Rows given before a reset (or to another cache), even nan, inf or huge ones, never
     come back."""
     cache = build(factory, plan.spec)
-    for rows in plan.poisoned:
-        bad = kvst.random_rows(plan.spec, rows, seed=rows).fill_(
-            kvst.poison_value(plan.poison, plan.spec.dtype)
-        )
-        cache.append(bad, bad.clone())
+    for round_ in range(plan.rounds):
+        if round_:  # room for the poison: the last round's clean rows go the same way
+            cache = clear(factory, cache, plan, f"the start of round #{round_}")
+        for rows in plan.poisoned:
+            bad = kvst.random_rows(plan.spec, rows, seed=rows).fill_(
+                kvst.poison_value(plan.poison, plan.spec.dtype)
+            )
+            cache.append(bad, bad.clone())
+        cache = clear(factory, cache, plan, f"round #{round_}")
+        for step, rows in enumerate(plan.clean):
+            clean = kvst.random_rows(plan.spec, rows, seed=step + round_)
+            cache.append(clean, clean * 2)
+            where = f"clean append #{step} of round #{round_} of {plan.describe()}"
+            kvassert.assert_returned_rows(cache, who="the cache", where=where)
+
+
+def clear(factory: CacheFactory, cache, plan: kvst.StaleRowsPlan, when: str):
+    """The cache reset, or a fresh one from the factory, as the plan says: empty."""
     if plan.how == "reset":
         cache.reset()
     else:
         cache = build(factory, plan.spec)
-    kvassert.fail_if_not_empty([cache], plan.describe())
-    for step, rows in enumerate(plan.clean):
-        clean = kvst.random_rows(plan.spec, rows, seed=step)
-        cache.append(clean, clean * 2)
-        where = f"clean append #{step} of {plan.describe()}"
-        kvassert.assert_returned_rows(cache, who="the cache", where=where)
+    kvassert.fail_if_not_empty([cache], f"{when} of {plan.describe()}")
+    return cache
 
 
 def check_bad_append(factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.BadInput) -> None:

@@ -10,7 +10,9 @@ Two kinds of plan:
   random numbers: no model, so these properties are cheap.
 
 Every plan has ``describe()``, which failure messages quote. Sizes are biased to the
-boundaries of ``EDGE``-row blocks, where off-by-ones live.
+boundaries of ``EDGE``-row blocks, where off-by-ones live; a share of every draw reaches the
+sizes real caches run at (``kvcheck.sizes``: wide heads, many heads, big batches, sessions
+past 1,024 tokens, dozens of resets), aimed at the sizes a cache declares.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
 from kvcheck import devices as kvdevices
+from kvcheck import sizes as kvsizes
 from kvref import CacheSpec, ModelConfig, ReferenceTransformer
 
 DTYPES = (torch.float64, torch.float32)  # close enough for a tolerance (asserts.TOLERANCES)
@@ -40,6 +43,9 @@ POISON_VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")
 BOUNDARY_SIZES = (EDGE - 1, EDGE, EDGE + 1, 2 * EDGE - 1, 2 * EDGE, 2 * EDGE + 1)
 LONG_SESSION = 64  # sessions are drawn beyond this too: some bugs only show past it
 MAX_SESSION = 100
+# A long-lived set of caches runs a model through 9 to this many sessions (8 resets and
+# more); the cache-level stale-rows property takes one cache through dozens.
+LIVED_SESSIONS = 12
 
 
 def poison_value(kind: str, dtype: torch.dtype) -> float:
@@ -111,9 +117,10 @@ def describe_config(c: ModelConfig) -> str:
         window = f", window {c.window} on every layer"
     else:
         window = f", window {c.window} on even layers (odd ones global)"
+    hidden = "" if c.hidden is None else f" on a residual of width {c.hidden}"
     return (
         f"{c.num_layers} layers, {c.num_heads} heads over {c.num_kv_heads} kv heads of "
-        f"width {c.head_dim}{window}"
+        f"width {c.head_dim}{hidden}{window}"
     )
 
 
@@ -144,30 +151,54 @@ windows = st.one_of(
 
 
 @st.composite
-def model_configs(draw, min_layers: int = 1, max_layers: int = 4) -> ModelConfig:
-    kv_heads = draw(st.integers(1, 3), label="kv_heads")
-    # Heads per kv head: 1 is plain multi-head attention.
-    group = draw(st.integers(1, 3), label="heads per kv head")
+def model_configs(
+    draw, min_layers: int = 1, max_layers: int = 4, tokens: int = MAX_SESSION + 8
+) -> ModelConfig:
+    """A model config; a share are wide where a cache looks (head_dim up to 256, up to 8 kv
+    heads, up to 8 query heads per kv head) on a narrow residual, with one or two layers.
+    ``tokens`` is the most the model attends over: wide draws stay within
+    ``kvsizes.ATTENTION_BUDGET`` at that length, and the batch gets what is left."""
+    units = kvsizes.ATTENTION_BUDGET // tokens**2  # batch x heads x (head_dim + SCORE_COST)
+    head_dim = draw(kvsizes.head_dims(room=units - kvsizes.SCORE_COST), label="head_dim")
+    per_head = head_dim + kvsizes.SCORE_COST
+    kv_heads = draw(kvsizes.kv_head_counts(room=units // per_head), label="kv_heads")
+    group = draw(kvsizes.groups(room=units // (per_head * kv_heads)), label="heads per kv head")
+    wide = head_dim > 8 or kv_heads > 3 or group > 3
+    # Wide or long: one or two layers (a cache's bugs rarely need a third).
+    few = wide or tokens > 2 * MAX_SESSION
+    layers = st.integers(min_layers, min(max_layers, max(min_layers, 2)) if few else max_layers)
     return ModelConfig(
         vocab_size=draw(st.integers(5, 40), label="vocab_size"),
-        num_layers=draw(st.integers(min_layers, max_layers), label="layers"),
+        num_layers=draw(layers, label="layers"),
         num_heads=kv_heads * group,
         num_kv_heads=kv_heads,
-        head_dim=draw(st.sampled_from((2, 4, 6, 8)), label="head_dim"),
+        head_dim=head_dim,
         ffn_dim=draw(st.sampled_from((8, 32)), label="ffn_dim"),
         seed=draw(st.integers(0, 2**16), label="weight seed"),
         window=draw(windows, label="window"),
         window_layers=draw(st.sampled_from(("all", "alternate")), label="window layers"),
+        # Wide heads on a narrow residual: the cache sees real sizes, the model stays cheap.
+        hidden=draw(st.sampled_from((16, 8, 32)), label="hidden") if wide else None,
     )
 
 
+def attention_room(config: ModelConfig, tokens: int) -> int:
+    """The largest batch whose attention over ``tokens`` stays within the budget."""
+    per_row = config.num_heads * (config.head_dim + kvsizes.SCORE_COST) * tokens**2
+    return max(1, kvsizes.ATTENTION_BUDGET // per_row)
+
+
 @st.composite
-def sessions(draw, start: str, poison: bool = False) -> Session:
+def sessions(draw, start: str, poison: bool = False, max_chunks: int = 10) -> Session:
     chunks = [draw(prompt_sizes, label="prompt")]
-    for size in draw(st.lists(chunk_sizes, max_size=10), label="decode chunks"):
+    for size in draw(st.lists(chunk_sizes, max_size=max_chunks), label="decode chunks"):
         if sum(chunks) + size > MAX_SESSION:
             break
         chunks.append(size)
+    return finish_session(draw, chunks, start, poison)
+
+
+def finish_session(draw, chunks: list[int], start: str, poison: bool) -> Session:
     poison_kind = draw(st.sampled_from(sorted(POISON_VALUES)), label="poison") if poison else None
     return Session(
         chunks=tuple(chunks),
@@ -176,6 +207,23 @@ def sessions(draw, start: str, poison: bool = False) -> Session:
         poison=poison_kind,
         poison_rows=draw(st.integers(1, 4), label="poison rows") if poison else 0,
     )
+
+
+def cuts(limit: int) -> st.SearchStrategy[int]:
+    """Where a chunk of a long session ends: at and around page boundaries, or anywhere."""
+    return st.one_of(kvsizes.boundary_lengths(limit), st.integers(1, limit))
+
+
+@st.composite
+def long_sessions(draw, start: str, poison: bool = False) -> Session:
+    """A session of up to ``kvsizes.LONG`` tokens: a prompt and chunks of up to hundreds of
+    tokens on a warm cache, each ending at or around a page boundary or anywhere (so that
+    chunks straddle pages), then a few decode steps."""
+    ends = draw(st.lists(cuts(kvsizes.LONG), min_size=1, max_size=5, unique=True), label="ends")
+    ends.sort()
+    chunks = [end - before for before, end in zip([0, *ends], ends, strict=False)]
+    chunks += draw(st.lists(st.integers(1, 4), max_size=3), label="decode steps")
+    return finish_session(draw, chunks, start, poison)
 
 
 @st.composite
@@ -193,17 +241,36 @@ def scenarios(
         raise InvalidArgument(
             f"need 1 <= min_sessions <= max_sessions, got {min_sessions}, {max_sessions}"
         )
-    count = draw(st.integers(min_sessions, max_sessions), label="sessions")
+    # A share of scenarios runs one set of caches through dozens of sessions (each reset),
+    # and a share has sessions past 1,024 tokens; most have a few short ones.
+    long_lived = kvsizes.large(draw, "long-lived caches")
+    most = max(max_sessions, LIVED_SESSIONS) if long_lived else max_sessions
+    low = max(min_sessions, 9) if long_lived else min_sessions
+    count = draw(st.integers(low, most), label="sessions")
+    long = not long_lived and kvsizes.large(draw, "long sessions")
     drawn = []
     for index in range(count):
-        start = "fresh" if index == 0 else draw(st.sampled_from(("reset", "fresh")), label="start")
-        drawn.append(draw(sessions(start, poison=poison and index < count - 1), label="session"))
+        if index == 0:
+            start = "fresh"
+        elif long_lived:
+            start = "reset"  # one cache object through every session
+        else:
+            start = draw(st.sampled_from(("reset", "fresh")), label="start")
+        leaves_poison = poison and index < count - 1
+        if long and index == 0:  # one long session: the others reuse or replace its caches
+            session = long_sessions(start, poison=leaves_poison)
+        else:
+            session = sessions(start, poison=leaves_poison, max_chunks=1 if long_lived else 10)
+        drawn.append(draw(session, label="session"))
+    slack = draw(st.sampled_from((0, 0, 1, 7)), label="slack")
+    tokens = max(s.length + s.poison_rows for s in drawn) + slack
+    config = draw(model_configs(tokens=tokens), label="config")
     return Scenario(
-        config=draw(model_configs(), label="config"),
-        batch=draw(st.integers(1, 4), label="batch"),
+        config=config,
+        batch=draw(kvsizes.batches(room=attention_room(config, tokens)), label="batch"),
         dtype=draw(dtypes_on_device(dtypes), label="dtype"),
         sessions=tuple(drawn),
-        slack=draw(st.sampled_from((0, 0, 1, 7)), label="slack"),
+        slack=slack,
     )
 
 
@@ -238,11 +305,25 @@ EDGES = {"boundaries": BOUNDARIES, "poisoned_reset": POISONED_RESET}
 def cache_specs(
     draw, dtypes: tuple[torch.dtype, ...] = WITH_HALF, min_length: int = 1
 ) -> CacheSpec:
+    """A spec for cache-level properties (no model, so they can go long cheaply): mostly
+    small; a share up to ``kvsizes.LONG`` rows, at and around page boundaries, and a share
+    wide, within ``kvsizes.ROWS_BUDGET`` numbers per key tensor."""
+    low = max(1, min_length)
+    if kvsizes.large(draw, "max_length", kvsizes.LONG_ONE_IN):
+        long = st.one_of(
+            kvsizes.boundary_lengths(kvsizes.LONG, low), st.integers(low, kvsizes.LONG)
+        )
+        max_length = draw(long, label="max_length")
+    else:
+        max_length = draw(st.integers(low, max(low, 3 * EDGE)), label="max_length")
+    room = max(1, kvsizes.ROWS_BUDGET // max_length)  # for batch x kv heads x head_dim
+    head_dim = draw(kvsizes.head_dims(room=room), label="head_dim")
+    kv_heads = draw(kvsizes.kv_head_counts(room=room // head_dim), label="kv_heads")
     return CacheSpec(
-        batch=draw(st.integers(1, 3), label="batch"),
-        kv_heads=draw(st.integers(1, 3), label="kv_heads"),
-        head_dim=draw(st.sampled_from((2, 4, 6, 8)), label="head_dim"),
-        max_length=draw(st.integers(max(1, min_length), 3 * EDGE), label="max_length"),
+        batch=draw(kvsizes.batches(small_max=3, room=room // (head_dim * kv_heads)), label="batch"),
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_length=max_length,
         dtype=draw(dtypes_on_device(dtypes), label="dtype"),
         device=kvdevices.current(),
         window=draw(windows, label="window"),
@@ -255,7 +336,8 @@ def dtypes_on_device(dtypes: tuple[torch.dtype, ...]) -> st.SearchStrategy[torch
 
 
 def chunk_plans(max_total: int, min_chunks: int = 0, max_chunks: int = 6) -> st.SearchStrategy:
-    """Chunk sizes (each up to two blocks and one row) adding up to at most ``max_total``."""
+    """Chunk sizes adding up to at most ``max_total``: each up to two blocks and one row,
+    or (when ``max_total`` allows) up to hundreds, ending at and around page boundaries."""
     if min_chunks < 0 or max_chunks < min_chunks:
         raise InvalidArgument(f"need 0 <= min_chunks <= max_chunks, got {min_chunks}, {max_chunks}")
     if max_total < min_chunks:
@@ -267,6 +349,13 @@ def chunk_plans(max_total: int, min_chunks: int = 0, max_chunks: int = 6) -> st.
 
 @st.composite
 def _chunk_plans(draw, max_total: int, min_chunks: int, max_chunks: int) -> list[int]:
+    if max_total > 3 * EDGE:
+        # A long plan (a long spec): its chunks end at and around page boundaries (or
+        # anywhere), so that lengths land on them and chunks of hundreds straddle them.
+        size = max(min_chunks, 1)
+        ends = st.lists(cuts(max_total), min_size=size, max_size=max(size, max_chunks), unique=True)
+        drawn = sorted(draw(ends, label="chunk ends"))
+        return [end - before for before, end in zip([0, *drawn], drawn, strict=False)]
     plan: list[int] = []
     sizes = st.lists(st.integers(1, 2 * EDGE + 1), min_size=min_chunks, max_size=max_chunks)
     for size in draw(sizes, label="chunk sizes"):
@@ -342,18 +431,21 @@ def isolation_plans(draw) -> IsolationPlan:
 @dataclass(frozen=True)
 class StaleRowsPlan:
     """A cache given rows full of ``poison``, then reset (or replaced by a fresh cache from
-    the same factory), then given clean rows."""
+    the same factory), then given clean rows; all of it ``rounds`` times over (a long-lived
+    cache object, reset dozens of times)."""
 
     spec: CacheSpec
     poisoned: tuple[int, ...]
     how: Literal["reset", "fresh cache"]
     poison: str
     clean: tuple[int, ...]
+    rounds: int = 1
 
     def describe(self) -> str:
+        rounds = f"; {self.rounds} rounds of it" if self.rounds > 1 else ""
         return (
             f"appends of {list(self.poisoned)} rows of {self.poison}, a {self.how}, then "
-            f"appends of {list(self.clean)} clean rows; {self.spec}"
+            f"appends of {list(self.clean)} clean rows{rounds}; {self.spec}"
         )
 
 
@@ -366,6 +458,9 @@ def stale_rows_plans(draw) -> StaleRowsPlan:
         how=draw(st.sampled_from(("reset", "fresh cache")), label="how"),
         poison=draw(st.sampled_from(sorted(POISON_VALUES)), label="poison"),
         clean=tuple(draw(chunk_plans(spec.max_length, min_chunks=1), label="clean")),
+        rounds=draw(st.integers(9, kvsizes.LONG_LIVED), label="rounds")
+        if kvsizes.large(draw, "long-lived cache", kvsizes.LONG_ONE_IN)
+        else 1,
     )
 
 
@@ -391,11 +486,13 @@ class ModelPlan:
 
 @st.composite
 def model_plans(draw) -> ModelPlan:
-    config = draw(model_configs(min_layers=2, max_layers=3), label="config")
+    config = draw(model_configs(min_layers=2, max_layers=3, tokens=EDGE + 3), label="config")
     return ModelPlan(
         config=config,
         dtype=draw(dtypes_on_device(DTYPES), label="dtype"),
-        batch=draw(st.integers(1, 3), label="batch"),
+        batch=draw(
+            kvsizes.batches(small_max=3, room=attention_room(config, EDGE + 3)), label="batch"
+        ),
         chunks=tuple(draw(chunk_plans(EDGE + 1, min_chunks=1, max_chunks=3), label="chunks")),
         layer=draw(st.integers(0, config.num_layers - 1), label="layer"),
         token_seed=draw(st.integers(0, 2**16), label="token seed"),
@@ -494,15 +591,19 @@ def reorders(batch: int) -> st.SearchStrategy[Reorder]:
     return indices.filter(lambda drawn: drawn != identity).map(Reorder)
 
 
+EDIT_TOKENS = 128  # what an edit plan's model attends over, mostly: its attention budget
+
+
 @st.composite
 def edit_plans(draw, *, rollbacks: bool = True, reorder: bool = False) -> EditPlan:
     """Plans of chunks and rollbacks (and rewinds), or with ``reorder`` of chunks and
     reorders (batch 2 to 4)."""
-    config = draw(model_configs(max_layers=3), label="config")
+    config = draw(model_configs(max_layers=3, tokens=EDIT_TOKENS), label="config")
     # Small windows fill up within a few steps, so that rewinds meet dropped positions.
     window = draw(st.one_of(st.integers(1, 6), windows), label="edit window")
     config = dataclasses.replace(config, window=window)
-    batch = draw(st.integers(2 if reorder else 1, 4), label="batch")
+    room = attention_room(config, EDIT_TOKENS)
+    batch = draw(kvsizes.batches(low=2 if reorder else 1, room=room), label="batch")
     kinds = [chunk_sizes, st.integers(1, 4)]  # mostly decode-sized chunks: windows fill up
     if rollbacks:
         drafts = st.integers(1, 8).flatmap(

@@ -9,6 +9,8 @@ chunk by chunk where the chunks lie, merging them with an online softmax
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import Tensor
 
@@ -19,6 +21,10 @@ DEFAULT_CHUNK_SIZE = 16
 
 
 class ChunkedCache:
+    # Its sizes, for the suite to hit its chunk boundaries on purpose (kvcheck.Sizes; a
+    # plain dict, so that the cache needs nothing from the kit).
+    kv_sizes: ClassVar[dict[str, int]] = {"page": DEFAULT_CHUNK_SIZE}
+
     def __init__(self, spec: CacheSpec, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")

@@ -44,6 +44,10 @@ class ModelConfig:
     seed: int = 0
     window: int | None = None  # sliding-window attention: a query at p sees keys p-W+1..p
     window_layers: Literal["all", "alternate"] = "all"  # every layer, or even layers only
+    # The residual width; None: num_heads x head_dim. Set apart from the heads (as Gemma does,
+    # the query and output projections mapping between the two), a model can be small
+    # everywhere but where a cache looks: wide heads, many kv heads, on a narrow residual.
+    hidden: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -56,6 +60,8 @@ class ModelConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden is not None and (isinstance(self.hidden, bool) or self.hidden < 1):
+            raise ValueError(f"ModelConfig.hidden must be None or an int >= 1, got {self.hidden!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})"
@@ -78,6 +84,12 @@ class ModelConfig:
 
     @property
     def d_model(self) -> int:
+        """The residual width: ``hidden``, or num_heads x head_dim when it is None."""
+        return self.num_heads * self.head_dim if self.hidden is None else self.hidden
+
+    @property
+    def attention_width(self) -> int:
+        """The width of all query heads side by side (what the output projection takes)."""
         return self.num_heads * self.head_dim
 
 
@@ -161,10 +173,10 @@ class Attention(nn.Module):
         self.layer = layer
         self.window = config.layer_window(layer)
         kv_width = config.num_kv_heads * config.head_dim
-        self.query = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.query = nn.Linear(config.d_model, config.attention_width, bias=False)
         self.key = nn.Linear(config.d_model, kv_width, bias=False)
         self.value = nn.Linear(config.d_model, kv_width, bias=False)
-        self.out = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.out = nn.Linear(config.attention_width, config.d_model, bias=False)
 
     def forward(
         self, x: Tensor, positions: Tensor, cache: LayerCache | None
@@ -191,7 +203,7 @@ class Attention(nn.Module):
             held = all_k.shape[-2]
             key_positions = torch.arange(end - held, end, device=x.device)
             mixed = attention(q, all_k, all_v, positions, key_positions, self.window)
-        mixed = mixed.transpose(1, 2).reshape(batch, new_tokens, c.d_model)
+        mixed = mixed.transpose(1, 2).reshape(batch, new_tokens, c.attention_width)
         return self.out(mixed), k, v
 
     def _check_attended(self, mixed: object, query: Tensor) -> None:

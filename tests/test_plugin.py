@@ -82,6 +82,10 @@ def test_the_run_header_and_test_ids_name_the_caches(tmp_path):
         EXAMPLE,
         "--kv-profile",
         "thorough",
+        "--kv-head-dim",
+        "64,128",
+        "--kv-max-batch",
+        "16",
         cwd=tmp_path,
         extra_path=kvimpl.__path__[0] + "/..",
     )
@@ -91,6 +95,9 @@ def test_the_run_header_and_test_ids_name_the_caches(tmp_path):
         "kv device: cpu (float64, float32, bfloat16, float16)"
     )
     assert header in result.stdout, result.stdout
+    sizes = "kv sizes from the command line: head dims 64/128, batch up to 16"
+    assert sizes in result.stdout, result.stdout
+    assert "kv sizes the caches declare: chunked page 16" in result.stdout, result.stdout
     tests = [line.strip() for line in result.stdout.splitlines() if "<Function" in line]
     assert tests == [
         "<Function test_logits_match_uncached[chunked]>",

@@ -16,6 +16,7 @@ from kvimpl import ConcatCache
 from kvref import CacheFactory
 from tests.mutants.caches import CACHE_MUTANTS
 from tests.mutants.model import MODEL_MUTANTS
+from tests.mutants.sizes import SIZE_MUTANTS
 
 
 @dataclass(frozen=True)
@@ -40,5 +41,6 @@ class Mutant:
 
 MUTANTS = (
     *(Mutant(factory) for factory in CACHE_MUTANTS),
+    *(Mutant(factory) for factory in SIZE_MUTANTS),
     *(Mutant(ConcatCache, patch) for patch in MODEL_MUTANTS),
 )

@@ -22,6 +22,7 @@ from typing import Any
 from hypothesis import Phase, find, settings
 from hypothesis.errors import NoSuchExample
 
+from kvcheck import sizes as kvsizes
 from kvcheck.properties import Property
 from kvref import CacheContractError, CacheFactory
 from tests.mutants import Mutant
@@ -54,18 +55,24 @@ def hunt(
     max_examples: int,
     shrink: bool = False,
     pinned: bool = True,
+    quick: int = 0,
 ) -> Catch | None:
     """The first property, in order, under which Hypothesis finds the mutant out, or None
-    when none does within ``max_examples`` examples each."""
-    with mutant.patch():
-        for prop in properties:
-            if prop.strategy is None:  # a state machine: it draws for itself
-                continue
-            catch = search(
-                mutant.factory, prop, max_examples=max_examples, shrink=shrink, pinned=pinned
-            )
-            if catch is not None:
-                return catch
+    when none does within ``max_examples`` examples each. With ``quick``, a first pass gives
+    each property only that many examples: most mutants fall in it, and the full search
+    of every property is paid only by those that need it."""
+    passes = [budget for budget in (quick, max_examples) if 0 < budget <= max_examples]
+    # The sizes the factory declares, as every run of the kit aims at them.
+    with mutant.patch(), kvsizes.aiming_at(kvsizes.declared_by(mutant.factory)):
+        for budget in dict.fromkeys(passes):
+            for prop in properties:
+                if prop.strategy is None:  # a state machine: it draws for itself
+                    continue
+                catch = search(
+                    mutant.factory, prop, max_examples=budget, shrink=shrink, pinned=pinned
+                )
+                if catch is not None:
+                    return catch
     return None
 
 
