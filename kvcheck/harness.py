@@ -18,11 +18,6 @@ from kvcheck.asserts import fail_if_not_empty
 from kvcheck.strategies import POISON_VALUES, CachePlan, Scenario, Session, random_rows
 from kvref import CacheFactory, CacheSpec, LayerCache, ModelConfig
 
-# What a recorder does not pass on: the model would call attend instead of append, and then no
-# rows would come back to record. attend and fork have properties of their own, which run
-# on the caches themselves (kvcheck.attend, kvcheck.requests).
-HIDDEN = frozenset({"attend", "fork"})
-
 
 class Recorder:
     """A cache passed through unchanged and watched.
@@ -42,8 +37,10 @@ class Recorder:
         self.lent: tuple[Tensor, ...] = ()
 
     def __getattr__(self, name: str):
-        if name in HIDDEN:
-            raise AttributeError(f"a recorded cache is driven through append: no {name}()")
+        if name == "attend":
+            # Hidden, so that the model appends through the recorder and every append is
+            # recorded and checked; attend is held to kvref.attention by its own property.
+            raise AttributeError(name)
         return getattr(self.cache, name)  # e.g. the optional `spec` the model looks for
 
     @property

@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 from kvimpl.chunked import ChunkedCache
 from kvimpl.concat import ConcatCache
+from kvimpl.paged import PagedCache, PagedPool
+from kvimpl.paged import pool as paged_pool
 from kvimpl.preallocated import PreallocatedCache
 from kvimpl.window import WindowCache
 from kvref.protocol import CacheFactory
@@ -16,6 +18,7 @@ CACHES: dict[str, CacheFactory] = {
     "preallocated": PreallocatedCache,
     "chunked": ChunkedCache,
     "window": WindowCache,
+    "paged": paged_pool,  # one pool of blocks shared by every cache it makes
 }
 
 
@@ -79,6 +82,8 @@ __all__ = [
     "CACHES",
     "ChunkedCache",
     "ConcatCache",
+    "PagedCache",
+    "PagedPool",
     "PreallocatedCache",
     "Selected",
     "WindowCache",

@@ -1,8 +1,10 @@
 """Fixed-size chunks allocated as needed: growth never copies old chunks, waste < one chunk.
 
-The protocol hands back contiguous (batch, kv_heads, length, head_dim) tensors, so every
-append joins the chunks with one ``torch.cat``: a full copy per step (see the README's
-Performance section). An attention kernel that read the chunks in place would remove it.
+The protocol's ``append`` hands back contiguous (batch, kv_heads, length, head_dim) tensors,
+so each append joins the chunks with one ``torch.cat``: a copy of the whole history. The
+model calls ``attend`` instead when a cache has it, and this one does: it computes attention
+chunk by chunk where the chunks lie, merging them with an online softmax
+(``kvimpl.blockwise``), so decoding through ``attend`` copies nothing but the new rows.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvimpl.blockwise import attend_blocks, check_query, join_blocks
 from kvref.protocol import CacheSpec, check_append, check_reorder, check_truncate
 
 DEFAULT_CHUNK_SIZE = 16
@@ -32,19 +35,17 @@ class ChunkedCache:
         return sum(k.nbytes + v.nbytes for k, v in self.chunks)
 
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        self._store(key, value, check_append(self.spec, self._length, key, value))
+        return join_blocks(self._length, self.chunk_size, self.chunks.__getitem__)
+
+    def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         new_tokens = check_append(self.spec, self._length, key, value)
-        written = 0
-        while written < new_tokens:
-            chunk, row = divmod(self._length + written, self.chunk_size)
-            if chunk == len(self.chunks):
-                self.chunks.append(self._new_chunk())
-            rows = min(self.chunk_size - row, new_tokens - written)
-            chunk_key, chunk_value = self.chunks[chunk]
-            chunk_key[:, :, row : row + rows] = key[:, :, written : written + rows]
-            chunk_value[:, :, row : row + rows] = value[:, :, written : written + rows]
-            written += rows
-        self._length += new_tokens
-        return self._joined(0), self._joined(1)
+        check_query(self.spec, query, key)
+        first = self._length
+        self._store(key, value, new_tokens)
+        return attend_blocks(
+            query, self.spec, first, self._length, self.chunk_size, self.chunks.__getitem__
+        )
 
     def truncate(self, length: int) -> None:
         check_truncate(self._length, length)
@@ -61,12 +62,18 @@ class ChunkedCache:
         self.chunks: list[tuple[Tensor, Tensor]] = []
         self._length = 0
 
-    def _joined(self, which: int) -> Tensor:
-        # Only the written rows of the last chunk, so the result is contiguous.
-        rows_in_last = self._length - (len(self.chunks) - 1) * self.chunk_size
-        parts = [chunk[which] for chunk in self.chunks[:-1]]
-        parts.append(self.chunks[-1][which][:, :, :rows_in_last])
-        return torch.cat(parts, dim=2)
+    def _store(self, key: Tensor, value: Tensor, new_tokens: int) -> None:
+        written = 0
+        while written < new_tokens:
+            chunk, row = divmod(self._length + written, self.chunk_size)
+            if chunk == len(self.chunks):
+                self.chunks.append(self._new_chunk())
+            rows = min(self.chunk_size - row, new_tokens - written)
+            chunk_key, chunk_value = self.chunks[chunk]
+            chunk_key[:, :, row : row + rows] = key[:, :, written : written + rows]
+            chunk_value[:, :, row : row + rows] = value[:, :, written : written + rows]
+            written += rows
+        self._length += new_tokens
 
     def _new_chunk(self) -> tuple[Tensor, Tensor]:
         s = self.spec

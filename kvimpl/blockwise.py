@@ -1,0 +1,158 @@
+"""Keys and values held in fixed-size blocks: attention over them where they lie, and joining.
+
+A cache whose rows lie in separate blocks or chunks computes attention one piece at a time
+and merges the pieces with a running log-sum-exp, as paged and flash attention kernels do,
+instead of joining its whole history into one tensor per step. For each query row it keeps
+the largest score seen so far (so exp never overflows), the sum of exp(score - max) and the
+weighted sum of values; a new piece with a larger max rescales what was kept by
+exp(old max - new max). The result equals softmax attention over all the pieces at once
+(``kvref.attention``) up to rounding.
+
+Grouped-query heads are handled without repeating keys: query head h reads kv head
+h // (H // H_kv), so the query (B, H, T, D) is viewed as (B, H_kv, (H // H_kv) x T, D) and
+each kv head serves its whole group in one matmul.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from kvref.protocol import CacheSpec
+
+# Block ``index`` of a cache: its keys and values, (B, H_kv, >= rows held there, D).
+ReadBlock = Callable[[int], tuple[Tensor, Tensor]]
+
+
+class BlockwiseAttention:
+    """Softmax attention of the new tokens' queries over pieces of keys and values.
+
+    ``query`` is (B, H, T, D) at absolute positions ``first_position`` .. + T - 1; each piece
+    given to ``add`` is keys and values (B, H_kv, rows, D) of the consecutive positions
+    ``start`` .. ``start + rows - 1``. Pieces may come in any order; every key the queries
+    may see (causal, and ``window``) must be given once. ``result()`` is shaped and typed like
+    ``query``.
+    """
+
+    def __init__(self, query: Tensor, kv_heads: int, first_position: int, window: int | None):
+        batch, heads, new_tokens, head_dim = query.shape
+        self.shape = query.shape
+        self.first = first_position
+        self.last = first_position + new_tokens - 1
+        self.window = window
+        group = heads // kv_heads
+        # Scaled once here rather than every piece's scores.
+        scaled = query * (1.0 / math.sqrt(head_dim))
+        self.query = scaled.reshape(batch, kv_heads, group * new_tokens, head_dim)
+        positions = torch.arange(first_position, self.last + 1, device=query.device)
+        self.query_positions = positions.repeat(group)  # row i of a group is token i % T
+        self.max: Tensor | None = None  # (B, H_kv, group x T, 1), -inf where nothing seen yet
+        self.sum: Tensor | None = None
+        self.out: Tensor | None = None
+
+    def sees(self, start: int, rows: int) -> bool:
+        """Whether any new query sees any of positions start .. start + rows - 1."""
+        if start > self.last:
+            return False
+        return self.window is None or start + rows - 1 > self.first - self.window
+
+    def add(self, keys: Tensor, values: Tensor, start: int) -> None:
+        """Merge one piece, keys and values of positions ``start`` .. ``start + rows - 1``."""
+        scores = self.query @ keys.transpose(-2, -1)
+        allowed = self._allowed(start, keys.shape[-2])
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        piece_max = scores.amax(-1, keepdim=True)
+        new_max = piece_max if self.max is None else torch.maximum(self.max, piece_max)
+        # A query that has seen no key yet has max -inf: shift by 0 there, so that
+        # exp(-inf - shift) is 0 rather than nan. Only a masked piece can leave one.
+        shift = new_max.masked_fill(new_max == float("-inf"), 0.0)
+        weights = torch.exp(scores - shift)
+        piece_sum = weights.sum(-1, keepdim=True)
+        piece_out = weights @ values
+        if self.max is None:
+            self.sum, self.out = piece_sum, piece_out
+        else:
+            rescale = torch.exp(self.max - shift)
+            self.sum = self.sum * rescale + piece_sum
+            self.out = self.out * rescale + piece_out
+        self.max = new_max
+
+    def result(self) -> Tensor:
+        """The attention output, shaped and typed like the query."""
+        if self.out is None:
+            raise ValueError("attention over no keys: every query sees at least its own key")
+        return (self.out / self.sum).reshape(self.shape)
+
+    def _allowed(self, start: int, rows: int) -> Tensor | None:
+        """(group x T, rows) booleans, or None when every query sees the whole piece."""
+        end = start + rows - 1
+        causal_cut = end > self.first  # some key is later than the earliest query
+        window_cut = self.window is not None and start <= self.last - self.window
+        if not (causal_cut or window_cut):
+            return None
+        keys = torch.arange(start, end + 1, device=self.query.device)
+        allowed = keys[None, :] <= self.query_positions[:, None]
+        if self.window is not None:
+            allowed &= keys[None, :] > self.query_positions[:, None] - self.window
+        return allowed
+
+
+def attend_blocks(
+    query: Tensor, spec: CacheSpec, first_position: int, length: int, size: int, read: ReadBlock
+) -> Tensor:
+    """Attention of ``query`` (the tokens at ``first_position`` onwards) over the ``length``
+    rows of a cache that keeps position p in block p // ``size``, reading only the blocks
+    some query sees, each where it lies."""
+    attention = BlockwiseAttention(query, spec.kv_heads, first_position, spec.window)
+    for index in range(-(-length // size)):
+        start = index * size
+        rows = min(size, length - start)
+        if attention.sees(start, rows):
+            keys, values = read(index)
+            attention.add(keys[:, :, :rows], values[:, :, :rows], start)
+    return attention.result()
+
+
+def join_blocks(length: int, size: int, read: ReadBlock) -> tuple[Tensor, Tensor]:
+    """Every row of such a cache, oldest first, joined into (B, H_kv, length, D) copies: what
+    ``append`` must return (only the rows written, none of a block's stale ones)."""
+    keys, values = [], []
+    for index in range(-(-length // size)):
+        rows = min(size, length - index * size)
+        block_keys, block_values = read(index)
+        keys.append(block_keys[:, :, :rows])
+        values.append(block_values[:, :, :rows])
+    return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+
+
+def check_query(spec: CacheSpec, query: object, key: Tensor) -> None:
+    """Refuse an ``attend`` query that is not (batch, heads, T, head_dim) with heads a
+    multiple of kv_heads, T and dtype and device those of ``key``. Call it after
+    ``check_append`` has accepted ``key`` and before changing anything."""
+    if not isinstance(query, Tensor):
+        raise TypeError(f"attend: query must be a torch.Tensor, got {type(query).__name__}")
+    if query.ndim != 4:
+        raise ValueError(
+            f"attend: query must have rank 4 (batch, heads, T, head_dim), got shape "
+            f"{tuple(query.shape)}"
+        )
+    batch, heads, new_tokens, head_dim = query.shape
+    if (batch, new_tokens, head_dim) != (key.shape[0], key.shape[2], key.shape[3]):
+        raise ValueError(
+            f"attend: query shape {tuple(query.shape)} does not match key shape "
+            f"{tuple(key.shape)} in batch, T or head_dim"
+        )
+    if heads == 0 or heads % spec.kv_heads:
+        raise ValueError(
+            f"attend: query has {heads} heads, not a positive multiple of the cache's "
+            f"{spec.kv_heads} kv heads"
+        )
+    if query.dtype != key.dtype or query.device != key.device:
+        raise ValueError(
+            f"attend: query is {query.dtype} on {query.device}, key is {key.dtype} on "
+            f"{key.device}; they must agree"
+        )
