@@ -1,12 +1,13 @@
 """An exhausted pool refuses, and its refusal changes nothing.
 
 On a tight pool (``with_blocks``) a cache A is warmed (and, for a fork-write, forked into F
-while blocks are left); a filler cache then takes blocks until ``blocks_free`` is 0. A call
-that needs a new block under any correct pool (more rows than the room left in the target's
-last block) must then be refused with a ``ValueError``: ``append`` or ``attend`` on A, or a
-write to the fork F (which copy-on-write pools must also copy first). Afterwards nothing may
-have changed: lengths, block tables, the pool's counts, and, once the filler is dropped and
-its blocks are back, the rows A and F return, bit for bit.
+while blocks are left); a filler cache then takes blocks until ``blocks_free`` is 0, 1 or 2.
+A call that needs more blocks than are left under any correct pool (more rows than the
+room in the target's last block and in that many blocks more) must then be refused with a
+``ValueError``: ``append`` or ``attend`` on A, or a write to the fork F (which
+copy-on-write pools must also copy first). Afterwards nothing may have changed: lengths,
+block tables, the pool's counts, and, once the filler is dropped and its blocks are back,
+the rows A and F return, bit for bit.
 """
 
 from __future__ import annotations
@@ -40,14 +41,16 @@ class ExhaustionPlan:
     spec: CacheSpec  # A's spec (no window: every row stays in its block)
     chunks: tuple[int, ...]
     call: Literal["append", "attend", "fork-write"]
-    extra: int  # rows beyond the room left in the target's last block
+    extra: int  # rows beyond the room left in the target's last block and `left` blocks
+    left: int  # blocks the filler leaves free: fewer than the call needs
 
     def describe(self) -> str:
         target = "a fork F of A" if self.call == "fork-write" else "A"
         return (
             f"cache A warmed by appends of {list(self.chunks)} rows, the pool filled up, "
-            f"then {self.call} on {target} of the rows left in its last block + {self.extra}; "
-            f"built for {self.spec}"
+            f"with {self.left} blocks left free, then {self.call} on {target} of the rows "
+            f"left in its last block + {self.left} blocks' worth + {self.extra}; built for "
+            f"{self.spec}"
         )
 
 
@@ -57,8 +60,10 @@ def exhaustion_plans(draw) -> ExhaustionPlan:
     chunks = draw(kvst.chunk_plans(2 * kvst.EDGE + 1, min_chunks=1, max_chunks=3), label="warm")
     call = draw(st.sampled_from(("append", "attend", "fork-write")), label="call")
     extra = draw(st.integers(1, 3), label="extra rows")
-    spec = dataclasses.replace(spec, window=None, max_length=sum(chunks) + 2 * kvst.EDGE + 8)
-    return ExhaustionPlan(spec, tuple(chunks), call, extra)
+    left = draw(st.integers(0, 2), label="blocks left")
+    room = sum(chunks) + (left + 2) * 2 * kvst.EDGE + 8  # blocks of up to 32 rows
+    spec = dataclasses.replace(spec, window=None, max_length=room)
+    return ExhaustionPlan(spec, tuple(chunks), call, extra, left)
 
 
 class _Given:
@@ -84,12 +89,12 @@ def _state(pool, caches: dict[str, _Given]) -> dict:
     return state
 
 
-def fill(pool, spec: CacheSpec, where: str):
-    """A cache of batch 1 that takes a block per append until the pool has none free."""
+def fill(pool, spec: CacheSpec, left: int, where: str):
+    """A cache of batch 1 that takes a block per append until the pool has ``left`` free."""
     size = pool.block_size
     filler_spec = dataclasses.replace(spec, batch=1, max_length=pool.blocks_free * size + 1)
     filler = pool(filler_spec)
-    while pool.blocks_free > 0:
+    while pool.blocks_free > left:
         free = pool.blocks_free
         rows = kvst.random_rows(filler_spec, size, seed=free)
         error = kvassert.raised_by(lambda: filler.append(rows, rows.clone()))  # noqa: B023
@@ -102,7 +107,8 @@ def fill(pool, spec: CacheSpec, where: str):
 
 
 def check_exhausted_pool(factory: CacheFactory, plan: ExhaustionPlan) -> None:
-    """On a pool with no free block, a call needing one is refused and changes nothing."""
+    """On a pool with fewer free blocks than a call needs, the call is refused and changes
+    nothing."""
     spec, size = plan.spec, factory.block_size
     probe = factory(spec)
     offered = {
@@ -114,7 +120,7 @@ def check_exhausted_pool(factory: CacheFactory, plan: ExhaustionPlan) -> None:
     held = math.ceil(sum(plan.chunks) / size) * spec.batch
     # Room for A, a full copy of A (a pool may copy at fork), and a filler of two blocks per
     # batch row at least, so that dropping the filler leaves room to read A and F back.
-    pool = factory.with_blocks(2 * held + 2 * spec.batch + 1)
+    pool = factory.with_blocks(2 * held + 2 * spec.batch + 1 + plan.left)
     caches = {"A": _Given(pool(spec), spec)}
     for step, rows in enumerate(plan.chunks):
         keys = kvst.random_rows(spec, rows, seed=step)
@@ -124,23 +130,26 @@ def check_exhausted_pool(factory: CacheFactory, plan: ExhaustionPlan) -> None:
         fork.keys, fork.values = caches["A"].keys, caches["A"].values
         caches["F"] = fork
     where = plan.describe()
-    filler = fill(pool, spec, where)
+    filler = fill(pool, spec, plan.left, where)
     target = caches["F" if call == "fork-write" else "A"]
     length = target.cache.length
-    rows = (-length) % size + plan.extra
+    # Past the room in the last block, more blocks than are left: at least left + 1 per
+    # batch row.
+    rows = (-length) % size + plan.left * size + plan.extra
     key = kvst.random_rows(spec, rows, seed=99)
     before = _state(pool, caches)
     if call == "attend":
         query = kvst.random_rows(spec, rows, seed=98)
-        call = lambda: target.cache.attend(query, key.clone(), key.clone() * 2)  # noqa: E731
+        attempt = lambda: target.cache.attend(query, key.clone(), key.clone() * 2)  # noqa: E731
     else:
-        call = lambda: target.cache.append(key.clone(), key.clone() * 2)  # noqa: E731
-    error = kvassert.raised_by(call)
+        attempt = lambda: target.cache.append(key.clone(), key.clone() * 2)  # noqa: E731
+    error = kvassert.raised_by(attempt)
     what = f"{call} of {rows} rows on a cache holding {length} in blocks of {size}"
     if error is None:
         raise failures.DataLoss(
-            f"the pool: {what} needs a new block, the pool had none free (blocks_free 0), "
-            f"and the call was not refused: blocks_free is wrong or the pool overcommits\n"
+            f"the pool: {what} needs more blocks than the pool had free (blocks_free "
+            f"{plan.left}), and the call was not refused: blocks_free is wrong or the pool "
+            f"overcommits\n"
             f"  at {where}"
         )
     if not isinstance(error, ValueError):

@@ -509,6 +509,7 @@ FORK = Property(
     kvreq.request_plans(forks=3, truncates=True, poison=False),
     failures.WRONG_RESULTS,
     requires=("fork",),
+    pinned=kvreq.PINNED_FORKS,
 )
 REQUESTS = Property(
     "requests",

@@ -551,4 +551,62 @@ def audit_pool(pool: BlockPool, live: list[Served], *, capacity: int, where: str
 
 
 # Pinned plans, tried first on every run: the orders where serving engines broke.
-PINNED: tuple[RequestPlan, ...] = ()
+_tiny = ModelConfig(vocab_size=11, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, seed=3)
+PINNED_FORKS = (
+    # Parent and fork both write into the partly filled block they share (copy-on-write).
+    RequestPlan(
+        _tiny,
+        torch.float64,
+        (
+            Start(0, 1),
+            Feed(0, 5),
+            Fork(0, 1),
+            Feed(1, 2),
+            Feed(0, 1),
+            Feed(1, 1),
+            Finish(0, "drop"),
+            Finish(1, "drop"),
+        ),
+        token_seed=1,
+    ),
+    # A request finishes, another is served into its freed blocks, then its fork decodes
+    # (reference counts of shared blocks).
+    RequestPlan(
+        _tiny,
+        torch.float64,
+        (
+            Start(0, 1),
+            Feed(0, 17),
+            Fork(0, 1),
+            Finish(0, "drop"),
+            Start(2, 1),
+            Feed(2, 20),
+            Feed(1, 1),
+            Finish(1, "drop"),
+            Finish(2, "drop"),
+        ),
+        token_seed=2,
+    ),
+)
+PINNED = (
+    *PINNED_FORKS,
+    # A request's reset caches serve a new request while another holds their old blocks
+    # (block tables cleared on reset).
+    RequestPlan(
+        _tiny,
+        torch.float64,
+        (
+            Start(0, 1),
+            Feed(0, 20),
+            Finish(0, "reset"),
+            Start(1, 1),
+            Feed(1, 20),
+            Start(2, 1, reuse=0),
+            Feed(2, 5),
+            Feed(1, 1),
+            Finish(1, "drop"),
+            Finish(2, "drop"),
+        ),
+        token_seed=3,
+    ),
+)
