@@ -379,7 +379,7 @@ def feed(model, request: Served, new: Tensor, plan: RequestPlan, index: int) -> 
     end = start + new.shape[1]
     kind = "prompt" if start == 0 else "decode"
     where = (
-        f"request {request.name}, its step #{request.steps} ({kind} of {new.shape[1]} tokens at "
+        f"request {request.name}, its step #{request.steps} ({kind} of {new.shape[1]} token(s) at "
         f"absolute positions {start}..{end - 1}), event #{index}\n  {plan.describe(index)}"
     )
     with attention_outputs(model) as cached:
@@ -558,11 +558,11 @@ PINNED_FORKS = (
         _tiny,
         torch.float64,
         (
-            Start(0, 1),
+            Start(0, 2),
             Feed(0, 5),
             Fork(0, 1),
-            Feed(1, 2),
-            Feed(0, 1),
+            Feed(1, 3),
+            Feed(0, 3),
             Feed(1, 1),
             Finish(0, "drop"),
             Finish(1, "drop"),

@@ -20,6 +20,17 @@ from kvimpl.paged import PagedCache, PagedPool
 from kvref import check_append
 
 
+class _MutantCache(PagedCache):
+    """A paged cache whose forks are of its own (broken) class."""
+
+    def fork(self) -> PagedCache:
+        twin = type(self)(self.pool, self.spec)
+        twin._tables[:] = [list(row) for row in self._tables]
+        self.pool._hold(block for row in twin._tables for block in row)
+        twin._length = self._length
+        return twin
+
+
 class _MutantPool(PagedPool):
     """A pool whose caches are ``cache_class``; named after its class in the mutant table."""
 
@@ -36,7 +47,7 @@ class _MutantPool(PagedPool):
         return type(self)(self.block_size, num_blocks)
 
 
-class _SharesWithoutCopy(PagedCache):
+class _SharesWithoutCopy(_MutantCache):
     def _rows_sharing(self, index: int) -> list[int]:
         return []
 
@@ -86,7 +97,7 @@ class FreesSharedBlock(_MutantPool):
             group.free.sort()  # still a heap: the smallest id is reused first
 
 
-class _KeepsStaleTable(PagedCache):
+class _KeepsStaleTable(_MutantCache):
     def reset(self) -> None:
         # The blocks go back to the pool, but the table keeps their ids.
         self.pool._drop([block for row in self._tables for block in row])
@@ -109,7 +120,7 @@ class ResetKeepsStaleTable(_ToleratesStaleIds):
     cache_class = _KeepsStaleTable
 
 
-class _MissesBlockOfOneRow(PagedCache):
+class _MissesBlockOfOneRow(_MutantCache):
     def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         new_tokens = check_append(self.spec, self._length, key, value)
         check_query(self.spec, query, key)
@@ -156,7 +167,7 @@ class _NoRunningMax(BlockwiseAttention):
             self.out = self.out + weights @ values
 
 
-class _MergesWithoutMax(PagedCache):
+class _MergesWithoutMax(_MutantCache):
     def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         new_tokens = check_append(self.spec, self._length, key, value)
         check_query(self.spec, query, key)
@@ -187,7 +198,7 @@ class MergeForgetsRunningMax(_MutantPool):
     cache_class = _MergesWithoutMax
 
 
-class _TakesWhatIsLeft(PagedCache):
+class _TakesWhatIsLeft(_MutantCache):
     def _write(self, key: Tensor, value: Tensor, new_tokens: int, doing: str) -> None:
         size = self.pool.block_size
         new_columns = -(-(self._length + new_tokens) // size) - len(self._tables[0])
