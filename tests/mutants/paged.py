@@ -30,6 +30,26 @@ class _MutantCache(PagedCache):
         twin._length = self._length
         return twin
 
+    def _attend(self, query, key, value, blocks=None, merge=BlockwiseAttention) -> Tensor:
+        """``attend`` as the built-in's, with ``blocks(length, size)`` blocks read and
+        ``merge`` merging them: what the attend mutants change."""
+        new_tokens = check_append(self.spec, self._length, key, value)
+        check_query(self.spec, query, key)
+        first = self._length
+        self._write(key, value, new_tokens, doing="attend")
+        self._length += new_tokens
+        size = self.pool.block_size
+        count = -(-self._length // size) if blocks is None else max(1, blocks(self._length, size))
+        attention = merge(query, self.spec.kv_heads, first, self.spec.window)
+        for index in range(count):
+            start = index * size
+            rows = min(size, self._length - start)
+            if attention.sees(start, rows):
+                keys, values = self._read(index)
+                attention.add(keys[:, :, :rows], values[:, :, :rows], start)
+        # A query whose whole window was skipped saw nothing: a kernel's 0 / 0, not an error.
+        return torch.zeros_like(query) if attention.out is None else attention.result()
+
 
 class _MutantPool(PagedPool):
     """A pool whose caches are ``cache_class``; named after its class in the mutant table."""
@@ -122,21 +142,8 @@ class ResetKeepsStaleTable(_ToleratesStaleIds):
 
 class _MissesBlockOfOneRow(_MutantCache):
     def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        new_tokens = check_append(self.spec, self._length, key, value)
-        check_query(self.spec, query, key)
-        first = self._length
-        self._write(key, value, new_tokens, doing="attend")
-        self._length += new_tokens
-        size = self.pool.block_size
-        attention = BlockwiseAttention(query, self.spec.kv_heads, first, self.spec.window)
-        for index in range(max(1, -(-(self._length - 1) // size))):  # blocks of length - 1
-            start = index * size
-            rows = min(size, self._length - start)
-            if attention.sees(start, rows):
-                keys, values = self._read(index)
-                attention.add(keys[:, :, :rows], values[:, :, :rows], start)
-        # A query whose window lies wholly in the missed block saw nothing: a kernel's 0 / 0.
-        return torch.zeros_like(query) if attention.out is None else attention.result()
+        # Counts the blocks of length - 1 rows.
+        return self._attend(query, key, value, lambda length, size: -(-(length - 1) // size))
 
 
 class AttendBlockOffByOne(_MutantPool):
@@ -169,20 +176,7 @@ class _NoRunningMax(BlockwiseAttention):
 
 class _MergesWithoutMax(_MutantCache):
     def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        new_tokens = check_append(self.spec, self._length, key, value)
-        check_query(self.spec, query, key)
-        first = self._length
-        self._write(key, value, new_tokens, doing="attend")
-        self._length += new_tokens
-        attention = _NoRunningMax(query, self.spec.kv_heads, first, self.spec.window)
-        size = self.pool.block_size
-        for index in range(-(-self._length // size)):
-            start = index * size
-            rows = min(size, self._length - start)
-            if attention.sees(start, rows):
-                keys, values = self._read(index)
-                attention.add(keys[:, :, :rows], values[:, :, :rows], start)
-        return attention.result()
+        return self._attend(query, key, value, merge=_NoRunningMax)
 
 
 class MergeForgetsRunningMax(_MutantPool):
