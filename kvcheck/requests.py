@@ -32,7 +32,14 @@ from kvcheck import asserts as kvassert
 from kvcheck import failures
 from kvcheck import strategies as kvst
 from kvcheck.harness import may_refuse
-from kvref import BlockPool, BlockTables, CacheFactory, ModelConfig, min_nbytes
+from kvref import (
+    BlockPool,
+    BlockTables,
+    CacheContractError,
+    CacheFactory,
+    ModelConfig,
+    min_nbytes,
+)
 
 MAX_LENGTH = 48  # per request; prompts are drawn around the 16-row boundaries below it
 MAX_LIVE = 4  # requests alive at once
@@ -331,19 +338,19 @@ def _serve(factory: CacheFactory, plan: RequestPlan, *, audit: bool) -> None:
     in_use_before = factory.blocks_in_use if audit else 0
     for index, event in enumerate(plan.events):
         where = f"event #{index} ({event.describe()})\n  {plan.describe(index)}"
-        if isinstance(event, Start):
-            served[event.request] = start(model, factory, event, reusable, where)
-        elif isinstance(event, Feed):
-            request = served[event.request]
-            feed(model, request, plan.tokens(index, request.history.shape[0]), plan, index)
-        elif isinstance(event, Fork):
-            child = fork(model, factory, served[event.parent], f"r{event.child}", plan, index)
-            served[event.child] = child
-        elif isinstance(event, Truncate):
-            truncate(model, served[event.request], event.back, where)
-        else:
-            finish(served.pop(event.request), event, reusable, plan)
-        request = child = None  # no reference of ours may keep a dropped request's caches
+        try:
+            run_event(model, factory, event, index, served, reusable, plan, where)
+        except ValueError as error:
+            if isinstance(error, CacheContractError) or not isinstance(factory, BlockPool):
+                raise
+            raise failures.RefusesValidInput(
+                f"the pool refused a step the plan needs: {type(error).__name__}: {error}; "
+                f"blocks_in_use {factory.blocks_in_use}, blocks_free {factory.blocks_free}, "
+                f"while the caches alive need at most "
+                f"{plan.blocks_needed(factory.block_size)} blocks of {factory.block_size} "
+                f"rows even unshared: blocks were not given back, or more were taken than "
+                f"the rows need\n  at {where}"
+            ) from error
         if audit:
             live = [*served.values(), *reusable.values()]
             audit_pool(factory, live, capacity=capacity, where=where)
@@ -360,6 +367,23 @@ def _serve(factory: CacheFactory, plan: RequestPlan, *, audit: bool) -> None:
                 f"{in_use_before} and {capacity - in_use_before} were before the requests "
                 f"started: blocks leaked\n  {plan.describe()}"
             )
+
+
+def run_event(model, factory, event: Event, index: int, served: dict, reusable: dict, plan, where):
+    """One event of the plan. Its own frame holds the caches it touches, so that none of
+    them outlives the event here (a dropped request's caches must be collectable)."""
+    if isinstance(event, Start):
+        served[event.request] = start(model, factory, event, reusable, where)
+    elif isinstance(event, Feed):
+        request = served[event.request]
+        feed(model, request, plan.tokens(index, request.history.shape[0]), plan, index)
+    elif isinstance(event, Fork):
+        child = fork(model, factory, served[event.parent], f"r{event.child}", plan, index)
+        served[event.child] = child
+    elif isinstance(event, Truncate):
+        truncate(model, served[event.request], event.back, where)
+    else:
+        finish(served.pop(event.request), event, reusable, plan)
 
 
 def start(model, factory, event: Start, reusable: dict, where: str) -> Served:

@@ -192,6 +192,28 @@ class MergeForgetsRunningMax(_MutantPool):
     cache_class = _MergesWithoutMax
 
 
+class _NeverFinalized(_MutantCache):
+    def __init__(self, pool: PagedPool, spec) -> None:
+        # The built-in's __init__ without its finalizer.
+        self.pool = pool
+        self.spec = spec
+        self._group = pool._group(spec)
+        self._length = 0
+        self._tables: list[list[int]] = [[] for _ in range(spec.batch)]
+
+
+class DropLeaksBlocks(_MutantPool):
+    """A cache dropped without ``reset()`` never gives its blocks back.
+
+    Stands for engines that free a request's blocks only on its normal finish path: a
+    request aborted, timed out or dropped by the scheduler keeps its blocks for ever, and the
+    pool runs dry (and refuses valid requests) long after the cause. Every answer stays
+    right until then.
+    """
+
+    cache_class = _NeverFinalized
+
+
 class _TakesWhatIsLeft(_MutantCache):
     def _write(self, key: Tensor, value: Tensor, new_tokens: int, doing: str) -> None:
         size = self.pool.block_size
@@ -248,5 +270,6 @@ PAGED_MUTANTS = (
     AttendBlockOffByOne(),
     MergeForgetsRunningMax(),
     RefusalKeepsTakenBlocks(),
+    DropLeaksBlocks(),
     ChunkPositionsOffByOne,
 )
