@@ -46,6 +46,7 @@ def row(mutant: kvmut.Mutant) -> str:
             for prop in PROPERTIES
             if prop.name != catch.property
             and prop.strategy is not None
+            and not (prop.requires and prop.not_offered(mutant.factory))
             and search(mutant.factory, prop, max_examples=EXAMPLES_PER_PROPERTY) is not None
         ]
     caught_by = f"{catch.property} (model guard)" if catch.by_model_guard else catch.property
