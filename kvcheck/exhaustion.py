@@ -130,6 +130,7 @@ def check_exhausted_pool(factory: CacheFactory, plan: ExhaustionPlan) -> None:
         fork.keys, fork.values = caches["A"].keys, caches["A"].values
         caches["F"] = fork
     where = plan.describe()
+    free_before_filler = pool.blocks_free
     filler = fill(pool, spec, plan.left, where)
     target = caches["F" if call == "fork-write" else "A"]
     length = target.cache.length
@@ -172,6 +173,12 @@ def check_exhausted_pool(factory: CacheFactory, plan: ExhaustionPlan) -> None:
     del filler  # its blocks go back: room to read A (and F) back
     with young_objects_only():
         gc.collect()
+    if pool.blocks_free != free_before_filler:
+        raise failures.DataLoss(
+            f"the pool: blocks_free is {pool.blocks_free} after the filler cache was dropped "
+            f"and collected, but was {free_before_filler} before it took its blocks: a "
+            f"dropped cache must give its blocks back\n  at {where}"
+        )
     for name, given in caches.items():
         row = kvst.random_rows(spec, 1, seed=77)
         returned = given.append(row, -row)
