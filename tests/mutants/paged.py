@@ -97,7 +97,17 @@ class CopyOnWriteKeysOnly(_MutantPool):
         to_segment.key[to_slot] = from_segment.key[from_slot]
 
 
-class FreesSharedBlock(_MutantPool):
+class _ToleratesStaleIds(_MutantPool):
+    # Stale ids may be free by now: counting them (fork, reorder) or dropping them again
+    # must not crash, so that the bug stays silent.
+    def _hold(self, ids: Iterable[int]) -> None:
+        super()._hold(block for block in ids if block in self._refs)
+
+    def _drop(self, ids: Iterable[int]) -> None:
+        super()._drop(block for block in ids if block in self._refs)
+
+
+class FreesSharedBlock(_ToleratesStaleIds):
     """Giving a block back frees it at once, whatever other tables still reference it.
 
     Stands for TensorRT-LLM issue 15018-like reference counting bugs: a request that
@@ -122,11 +132,6 @@ class _KeepsStaleTable(_MutantCache):
         # The blocks go back to the pool, but the table keeps their ids.
         self.pool._drop([block for row in self._tables for block in row])
         self._length = 0
-
-
-class _ToleratesStaleIds(_MutantPool):
-    def _drop(self, ids: Iterable[int]) -> None:
-        super()._drop(block for block in ids if block in self._refs)
 
 
 class ResetKeepsStaleTable(_ToleratesStaleIds):
