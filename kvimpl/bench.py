@@ -5,17 +5,26 @@
     python -m kvimpl.bench --kv-impl preallocated --kv-impl mypkg.caches:MyCache
 
 How one decode step at context L is timed: each layer's cache is given the rotated keys and
-values of the first L - 1 tokens in one append (what a model prefill hands it), then one model
-call with token L is timed: it appends one row and attends to L keys. Each call grows the
-cache, so before every timed call the cache is put back at L - 1 tokens (reset, then the same
-append) while the clock is paused. torch.utils.benchmark still warms up, picks a block size
-and repeats, but only decode steps at exactly context L are on the clock. The rows of one
-length take turns, a share of the time each per round, so a change in the machine's load
-falls on all of them alike.
+values of the first L - 1 tokens in appends of 64 (a chunked prefill), then one model call
+with token L is timed: it appends one row (or, for a cache with ``attend``, hands it the row
+and the query) and attends to L keys. Each call grows the cache, so before every timed call
+the cache is put back at L - 1 tokens while the clock is paused: by ``truncate(L - 1)`` when
+the cache has it, else by a reset and the same appends. Before timing, each cache decodes
+token L twice (after its prefill and after being put back) and must match the ideal.
+torch.utils.benchmark still warms up, picks a block size and repeats, but only decode steps
+at exactly context L are on the clock. The rows of one length take turns, a share of the time
+each per round, so a change in the machine's load falls on all of them alike. The chunked and
+paged built-ins are timed with blocks of ``--block-size`` tokens (default 256): their
+``attend`` pays a fixed cost per block.
 
 Besides the caches there are two rows: `ideal`, the same step with the keys and values of all
 L tokens already in place and no bookkeeping at all (the floor a cache can approach), and
 `uncached`, the model recomputing all L tokens to decode the last one.
+
+Then requests of batch 1 and different lengths are held side by side (requests.csv): on one
+paged pool, whose blocks in use are compared with the sum of the requests' own formulas, and
+on every other cache (``preallocated`` reserving the longest request's length for each); and
+samples forked from one prompt on one pool, sharing the prompt's blocks.
 """
 
 from __future__ import annotations
@@ -49,6 +58,9 @@ class Workload:
     lengths: tuple[int, ...]
     min_run_time: float  # seconds of timed decode steps per row
     rounds: int  # the rows of one length take turns this many times
+    # Context lengths of requests of batch 1 decoding side by side on one paged pool (cut to
+    # the longest of ``lengths``); the second is also the prompt that samples fork from.
+    requests: tuple[int, ...]
     dtype: torch.dtype = torch.float32
 
 
@@ -59,6 +71,7 @@ FULL = Workload(
     lengths=(256, 1024, 4096),
     min_run_time=2.0,
     rounds=5,
+    requests=(4096, 1536, 512, 64),
 )
 QUICK = Workload(
     ModelConfig(64, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16, ffn_dim=64),
@@ -66,10 +79,16 @@ QUICK = Workload(
     lengths=(16, 64, 256),
     min_run_time=0.05,
     rounds=2,
+    requests=(256, 100, 33, 5),
 )
 
 
+MIB = 2**20
 PREFILL_CHUNK = 64  # tokens per append when a cache is filled before a timed step
+BLOCK_SIZE = 256  # tokens per block (chunk) of the paged (chunked) built-in while timed
+QUICK_BLOCK_SIZE = 16
+SAMPLES = 4  # samples forked from one prompt, each then decoding SAMPLE_TOKENS of its own
+SAMPLE_TOKENS = 64
 
 
 @dataclass
@@ -86,6 +105,21 @@ class Row:
     # window (kvref.min_nbytes): the least any cache can hold
     formula_bytes: int
     peak_rss_bytes: int  # the whole process's high-water mark (ru_maxrss) when the row was done
+    note: str = ""
+
+
+@dataclass
+class RequestRow:
+    """One line of requests.csv: requests of batch 1 held side by side, and their memory."""
+
+    scenario: str
+    cache: str
+    requests: str  # the tokens each request holds, e.g. 4096+1536+512+64
+    # Memory the requests hold: a paged pool's nbytes_in_use (a shared block once), else
+    # the sum of the caches' nbytes.
+    in_use_bytes: int
+    formula_bytes: int  # the sum of every request's own formula (kvref.min_nbytes)
+    reserved_bytes: int  # a pool's nbytes_reserved (free blocks included), else as in use
     note: str = ""
 
 
@@ -145,6 +179,28 @@ def formula_bytes(model: ReferenceTransformer, batch: int, length: int) -> int:
     return sum(min_nbytes(model.cache_spec(batch, length, layer=layer), length) for layer in layers)
 
 
+def fill(cache: LayerCache, key: Tensor, value: Tensor) -> None:
+    """Append ``key`` and ``value`` to ``cache`` in chunks, as an engine's chunked prefill: a
+    window cache then holds the window and one chunk, not the whole prefill."""
+    for start in range(0, key.shape[2], PREFILL_CHUNK):
+        end = min(start + PREFILL_CHUNK, key.shape[2])
+        cache.append(key[:, :, start:end], value[:, :, start:end])
+
+
+def take_back(cache: LayerCache, length: int) -> bool:
+    """Put ``cache`` back at ``length`` tokens with its ``truncate``, if it has one that
+    accepts; the untimed check step has compared a decode after this with the ideal's.
+    Refilling instead costs seconds per timed step at 4096 tokens for a cache whose
+    ``append`` joins its history."""
+    if not callable(getattr(cache, "truncate", None)):
+        return False
+    try:
+        cache.truncate(length)
+    except ValueError:  # e.g. a window cache that has dropped what the next query needs
+        return False
+    return True
+
+
 class Progress:
     """A one-line progress bar on stderr."""
 
@@ -200,8 +256,14 @@ class Bench:
             for label, factory in factories.items()
         }
         caches = {"ideal": self._ideal_caches(length), **caches}
-        timers = {label: self._decode_timer(layers, length) for label, layers in caches.items()}
-        self._check_against_ideal(caches, length)
+        restores = {label: self._restore(layers, length) for label, layers in caches.items()}
+        self._check_against_ideal(caches, restores, length)
+        timers = {
+            label: self._timer(
+                partial(self.model, self.tokens[:, length - 1 : length], layers), restores[label]
+            )
+            for label, layers in caches.items()
+        }
         rounds = self.workload.rounds
         parts: dict[str, list[benchmark.Measurement]] = {label: [] for label in timers}
         for round_number in range(1, rounds + 1):
@@ -219,25 +281,87 @@ class Bench:
             for label in timers
         ]
 
-    def _check_against_ideal(self, caches: dict[str, list[LayerCache]], length: int) -> None:
-        """A fast wrong cache is no result: each must decode token ``length`` as the ideal does.
-
-        The timers put every cache back at ``length - 1`` tokens before each timed call, so
-        this one untimed step changes nothing they measure.
-        """
+    def _check_against_ideal(
+        self,
+        caches: dict[str, list[LayerCache]],
+        restores: dict[str, Callable[[], None]],
+        length: int,
+    ) -> None:
+        """A fast wrong cache is no result: each must decode token ``length`` as the ideal does,
+        from its first fill and again after being put back as before every timed call."""
         new_token = self.tokens[:, length - 1 : length]
         expected = self.model(new_token, caches["ideal"])
         for label, layers in caches.items():
-            torch.testing.assert_close(
-                self.model(new_token, layers),
-                expected,
-                rtol=1e-4,
-                atol=1e-4,
-                msg=lambda report, label=label: (
-                    f"{label} decodes token {length} unlike the ideal row, so its timing "
-                    f"would mean nothing; run the test suite on it.\n{report}"
-                ),
-            )
+            for when in ("after its prefill", "after being put back"):
+                torch.testing.assert_close(
+                    self.model(new_token, layers),
+                    expected,
+                    rtol=1e-4,
+                    atol=1e-4,
+                    msg=lambda report, label=label, when=when: (
+                        f"{label} decodes token {length} unlike the ideal row ({when}), so its "
+                        f"timing would mean nothing; run the test suite on it.\n{report}"
+                    ),
+                )
+                restores[label]()
+
+    def request_rows(self, factories: dict[str, CacheFactory], block_size: int) -> list[RequestRow]:
+        """Memory of requests of different lengths held side by side, and of samples forked
+        from one prompt: on one fresh paged pool, and on each of ``factories`` (the other
+        caches reserve per request, ``preallocated`` the longest request's length)."""
+        longest = self.tokens.shape[1]
+        lengths = [min(length, longest) for length in self.workload.requests]
+        mixed = "+".join(map(str, lengths))
+        rows = []
+        others = {label: factory for label, factory in factories.items() if label != "paged"}
+        for label, factory in {"paged": kvimpl.PagedPool(block_size), **others}.items():
+            requests = [
+                self._request(factory, length, max(lengths), r) for r, length in enumerate(lengths)
+            ]
+            rows.append(self._request_row("mixed lengths", label, mixed, factory, requests))
+        own = min(SAMPLE_TOKENS, longest // 2)  # tokens each sample adds to the prompt
+        prompt = min(lengths[1 % len(lengths)], longest - own)
+        pool = kvimpl.PagedPool(block_size)
+        shared = self._request(pool, prompt, prompt, 0)
+        samples = [[cache.fork() for cache in shared] for _ in range(SAMPLES)]
+        del shared  # the samples hold the prompt's blocks now
+        for number, caches in enumerate(samples):
+            row = number % self.workload.batch  # another row's keys: a continuation of its own
+            for (key, value), cache in zip(self.keys_values, caches, strict=True):
+                own_rows = (slice(row, row + 1), slice(None), slice(prompt, prompt + own))
+                fill(cache, key[own_rows], value[own_rows])
+        scenario = f"{SAMPLES} samples forked from one prompt"
+        tokens = "+".join([str(prompt + own)] * SAMPLES)
+        rows.append(self._request_row(scenario, "paged", tokens, pool, samples))
+        return rows
+
+    def _request(
+        self, factory: CacheFactory, length: int, max_length: int, number: int
+    ) -> list[LayerCache]:
+        """One request's caches holding ``length`` tokens of batch row ``number``: a chunked
+        prefill of all but the last, and the last decoded through the model."""
+        row = number % self.workload.batch
+        caches = self.model.new_caches(factory, batch=1, max_length=max_length)
+        for (key, value), cache in zip(self.keys_values, caches, strict=True):
+            fill(cache, key[row : row + 1, :, : length - 1], value[row : row + 1, :, : length - 1])
+        self.model(self.tokens[row : row + 1, length - 1 : length], caches)
+        return caches
+
+    def _request_row(
+        self,
+        scenario: str,
+        label: str,
+        tokens: str,
+        factory: CacheFactory,
+        requests: list[list[LayerCache]],
+    ) -> RequestRow:
+        formula = sum(formula_bytes(self.model, 1, caches[0].length) for caches in requests)
+        held = sum(cache.nbytes for caches in requests for cache in caches)
+        if isinstance(factory, kvimpl.PagedPool):
+            in_use, reserved = factory.nbytes_in_use, factory.nbytes_reserved
+            note = "" if held == in_use else f"the caches' nbytes: {held / 2**20:.1f} MiB"
+            return RequestRow(scenario, label, tokens, in_use, formula, reserved, note)
+        return RequestRow(scenario, label, tokens, held, formula, held)
 
     def uncached_row(self, length: int) -> Row:
         """Time the model recomputing all ``length`` tokens, which is how it decodes the last."""
@@ -258,25 +382,22 @@ class Bench:
             for key, value in self.keys_values
         ]
 
-    def _decode_timer(self, caches: Sequence[LayerCache], length: int) -> benchmark.Timer:
-        """A timer of one decode step at context ``length``, from ``length - 1`` cached tokens."""
+    def _restore(self, caches: Sequence[LayerCache], length: int) -> Callable[[], None]:
+        """Fill ``caches`` with the first ``length - 1`` tokens; return what puts them back
+        there after a decode step (by ``truncate`` where it works, else by refilling)."""
         prefix = [
             (key[:, :, : length - 1], value[:, :, : length - 1]) for key, value in self.keys_values
         ]
 
         def restore() -> None:
             for cache, (key, value) in zip(caches, prefix, strict=True):
+                if cache.length == length and take_back(cache, length - 1):
+                    continue
                 cache.reset()
-                # In chunks, as an engine's chunked prefill: a window cache then holds the
-                # window and one chunk, not the whole prefill.
-                for start in range(0, length - 1, PREFILL_CHUNK):
-                    end = min(start + PREFILL_CHUNK, length - 1)
-                    cache.append(key[:, :, start:end], value[:, :, start:end])
+                fill(cache, key, value)
 
-        restore()  # the caches' nbytes are read after timing: then they hold `length` tokens
-        return self._timer(
-            partial(self.model, self.tokens[:, length - 1 : length], caches), restore
-        )
+        restore()
+        return restore
 
     def _timer(self, step: Callable[[], object], restore: Callable[[], object]) -> benchmark.Timer:
         """A timer of ``step`` that runs ``restore`` off the clock before each call."""
@@ -312,13 +433,18 @@ class Bench:
         )
 
 
-def run(workload: Workload, caches: dict[str, CacheFactory], args: argparse.Namespace) -> list[Row]:
-    progress = Progress(total=len(workload.lengths) * (workload.rounds + 1))
+def run(
+    workload: Workload, caches: dict[str, CacheFactory], args: argparse.Namespace
+) -> tuple[list[Row], list[RequestRow]]:
+    progress = Progress(total=len(workload.lengths) * (workload.rounds + 1) + 1)
     progress.show(f"prefill of {max(workload.lengths)} tokens")
     bench = Bench(workload, torch.device(args.device), args.threads)
     rows = []
     for length in workload.lengths:
         rows += bench.decode_rows(caches, length, progress)
+    progress.show("requests side by side")
+    request_rows = bench.request_rows(caches, args.block_size)
+    progress.advance("requests side by side")
     # Last, so that its (batch, heads, L, L) scores do not set the peak RSS of the rows above.
     for length in workload.lengths:
         progress.show(f"uncached at {length} tokens")
@@ -328,12 +454,12 @@ def run(workload: Workload, caches: dict[str, CacheFactory], args: argparse.Name
             note = f"not timed: above --uncached-max-length {args.uncached_max_length}"
             rows.append(bench.skipped_row("uncached", length, note))
         progress.advance(f"uncached at {length} tokens")
-    return rows
+    return rows, request_rows
 
 
-def write_csv(rows: list[Row], path: Path) -> None:
+def write_csv(rows: list[Row] | list[RequestRow], path: Path) -> None:
     with path.open("w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=[field.name for field in fields(Row)])
+        writer = csv.DictWriter(file, fieldnames=[field.name for field in fields(type(rows[0]))])
         writer.writeheader()
         writer.writerows(asdict(row) for row in rows)
 
@@ -341,28 +467,51 @@ def write_csv(rows: list[Row], path: Path) -> None:
 def markdown_table(rows: list[Row]) -> str:
     """The results as a Markdown table: readable on a terminal, pasteable into the README."""
     ideal = {row.length: row.ms_per_token for row in rows if row.cache == "ideal"}
-    mib = 2**20
-    lines = [
-        "| cache | length | ms/token | IQR ms | x ideal | samples | nbytes MiB | formula MiB "
-        "| peak RSS MiB | note |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
+    header = "cache,length,ms/token,IQR ms,x ideal,samples,nbytes MiB,formula MiB,peak RSS MiB,note"
+    lines = []
     for row in sorted(rows, key=lambda row: row.length):
         ms, spread = row.ms_per_token, row.ms_spread
-        cells = [
+        lines.append(
+            [
+                row.cache,
+                str(row.length),
+                "-" if ms is None else f"{ms:.3f}",
+                "-" if spread is None else f"{spread:.3f}",
+                "-" if ms is None else f"{ms / ideal[row.length]:.2f}",
+                str(row.samples),
+                f"{row.nbytes / MIB:.1f}",
+                f"{row.formula_bytes / MIB:.1f}",
+                f"{row.peak_rss_bytes / MIB:.0f}",
+                row.note,
+            ]
+        )
+    return markdown(header.split(","), lines, text_columns=(0, 9))
+
+
+def requests_table(rows: list[RequestRow]) -> str:
+    """The requests held side by side, as a Markdown table."""
+    header = "scenario,cache,tokens per request,in use MiB,formula MiB,x formula,reserved MiB,note"
+    lines = [
+        [
+            row.scenario,
             row.cache,
-            str(row.length),
-            "-" if ms is None else f"{ms:.3f}",
-            "-" if spread is None else f"{spread:.3f}",
-            "-" if ms is None else f"{ms / ideal[row.length]:.2f}",
-            str(row.samples),
-            f"{row.nbytes / mib:.1f}",
-            f"{row.formula_bytes / mib:.1f}",
-            f"{row.peak_rss_bytes / mib:.0f}",
+            row.requests,
+            f"{row.in_use_bytes / MIB:.1f}",
+            f"{row.formula_bytes / MIB:.1f}",
+            f"{row.in_use_bytes / row.formula_bytes:.2f}",
+            f"{row.reserved_bytes / MIB:.1f}",
             row.note,
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        for row in rows
+    ]
+    return markdown(header.split(","), lines, text_columns=(0, 1, 2, 7))
+
+
+def markdown(header: list[str], lines: list[list[str]], text_columns: tuple[int, ...]) -> str:
+    """A Markdown table, numbers right-aligned."""
+    align = ["---" if column in text_columns else "---:" for column in range(len(header))]
+    rows = ["| " + " | ".join(cells) + " |" for cells in [header, *lines]]
+    return "\n".join([rows[0], "|" + "|".join(align) + "|", *rows[1:]])
 
 
 def plot(rows: list[Row], title: str, path: Path) -> None:
@@ -454,6 +603,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str
     )
     parser.add_argument("--quick", action="store_true", help="a small model, done in seconds")
     parser.add_argument(
+        "--block-size",
+        type=partial(_positive, int),
+        metavar="N",
+        help=f"tokens per block of the paged built-in and per chunk of the chunked one (default "
+        f"{BLOCK_SIZE}, their attend paying a fixed cost per block; with --quick "
+        f"{QUICK_BLOCK_SIZE}, as the suite tests them)",
+    )
+    parser.add_argument(
         "--window",
         type=partial(_positive, int),
         default=None,
@@ -486,6 +643,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str
         help="time the uncached model only up to this context (default 4096; it is quadratic)",
     )
     args = parser.parse_args(argv)
+    args.block_size = args.block_size or (QUICK_BLOCK_SIZE if args.quick else BLOCK_SIZE)
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out}: exists and is not a directory")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -497,7 +655,19 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str
     for label, (name, _) in selected.items():
         if label in ("ideal", "uncached"):
             parser.error(f"--kv-impl: {name!r} would be a second row labelled {label!r}")
-    return args, {label: factory for label, (_, factory) in selected.items()}
+    return args, {
+        label: at_block_size(factory, args.block_size) for label, (_, factory) in selected.items()
+    }
+
+
+def at_block_size(factory: CacheFactory, block_size: int) -> CacheFactory:
+    """The chunked and paged built-ins with ``block_size`` tokens per chunk or block; any
+    other factory as given."""
+    if factory is kvimpl.ChunkedCache:
+        return partial(kvimpl.ChunkedCache, chunk_size=block_size)
+    if factory is kvimpl.CACHES["paged"]:
+        return kvimpl.PagedPool(block_size)
+    return factory
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -511,12 +681,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args.out.mkdir(parents=True, exist_ok=True)  # before the run, so it fails fast
     try:
-        rows = run(workload, caches, args)
+        rows, request_rows = run(workload, caches, args)
     except AssertionError as wrong:  # a cache that decodes unlike the ideal: no timing
         sys.exit(f"\nkvimpl.bench: error: {wrong}")
     write_csv(rows, args.out / "results.csv")
+    write_csv(request_rows, args.out / "requests.csv")
     print(describe(workload, args))
     print(markdown_table(rows))
+    print()
+    print(requests_table(request_rows))
     try:
         plot(rows, describe(workload, args), args.out / "decode.png")
     except ImportError:  # the plot is the one part that needs the bench extra

@@ -1,4 +1,4 @@
-"""Keys and values held in fixed-size blocks: attention over them where they lie, and joining.
+"""Attention over keys and values held in fixed-size blocks, read where they lie.
 
 A cache whose rows lie in separate blocks or chunks computes attention one piece at a time
 and merges the pieces with a running log-sum-exp, as paged and flash attention kernels do,
@@ -52,6 +52,7 @@ class BlockwiseAttention:
         self.max: Tensor | None = None  # (B, H_kv, group x T, 1), -inf where nothing seen yet
         self.sum: Tensor | None = None
         self.out: Tensor | None = None
+        self.every_query_saw_a_key = False  # then no max is -inf any more
 
     def sees(self, start: int, rows: int) -> bool:
         """Whether any new query sees any of positions start .. start + rows - 1."""
@@ -61,25 +62,28 @@ class BlockwiseAttention:
 
     def add(self, keys: Tensor, values: Tensor, start: int) -> None:
         """Merge one piece, keys and values of positions ``start`` .. ``start + rows - 1``."""
+        # In place where the tensor is this call's own: a decode step merges many pieces of
+        # tiny tensors, so the cost is in the number of operations, not their size.
         scores = self.query @ keys.transpose(-2, -1)
         allowed = self._allowed(start, keys.shape[-2])
         if allowed is not None:
-            scores = scores.masked_fill(~allowed, float("-inf"))
+            scores.masked_fill_(~allowed, float("-inf"))
         piece_max = scores.amax(-1, keepdim=True)
         new_max = piece_max if self.max is None else torch.maximum(self.max, piece_max)
-        # A query that has seen no key yet has max -inf: shift by 0 there, so that
-        # exp(-inf - shift) is 0 rather than nan. Only a masked piece can leave one.
-        shift = new_max.masked_fill(new_max == float("-inf"), 0.0)
-        weights = torch.exp(scores - shift)
-        piece_sum = weights.sum(-1, keepdim=True)
-        piece_out = weights @ values
+        shift = new_max
+        if allowed is not None and not self.every_query_saw_a_key:
+            # A query that has seen no key yet has max -inf: shift by 0 there, so that
+            # exp(-inf - shift) is 0 rather than nan.
+            shift = new_max.masked_fill(new_max == float("-inf"), 0.0)
+        weights = scores.sub_(shift).exp_()
         if self.max is None:
-            self.sum, self.out = piece_sum, piece_out
+            self.sum, self.out = weights.sum(-1, keepdim=True), weights @ values
         else:
-            rescale = torch.exp(self.max - shift)
-            self.sum = self.sum * rescale + piece_sum
-            self.out = self.out * rescale + piece_out
+            rescale = (self.max - shift).exp_()
+            self.sum.mul_(rescale).add_(weights.sum(-1, keepdim=True))
+            self.out.mul_(rescale).add_(weights @ values)
         self.max = new_max
+        self.every_query_saw_a_key |= allowed is None
 
     def result(self) -> Tensor:
         """The attention output, shaped and typed like the query."""
@@ -115,18 +119,6 @@ def attend_blocks(
             keys, values = read(index)
             attention.add(keys[:, :, :rows], values[:, :, :rows], start)
     return attention.result()
-
-
-def join_blocks(length: int, size: int, read: ReadBlock) -> tuple[Tensor, Tensor]:
-    """Every row of such a cache, oldest first, joined into (B, H_kv, length, D) copies: what
-    ``append`` must return (only the rows written, none of a block's stale ones)."""
-    keys, values = [], []
-    for index in range(-(-length // size)):
-        rows = min(size, length - index * size)
-        block_keys, block_values = read(index)
-        keys.append(block_keys[:, :, :rows])
-        values.append(block_values[:, :, :rows])
-    return torch.cat(keys, dim=2), torch.cat(values, dim=2)
 
 
 def check_query(spec: CacheSpec, query: object, key: Tensor) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvimpl.blockwise import attend_blocks, check_query, join_blocks
+from kvimpl.blockwise import attend_blocks, check_query
 from kvref.protocol import CacheSpec, check_append, check_reorder, check_truncate
 
 DEFAULT_CHUNK_SIZE = 16
@@ -36,7 +36,7 @@ class ChunkedCache:
 
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         self._store(key, value, check_append(self.spec, self._length, key, value))
-        return join_blocks(self._length, self.chunk_size, self.chunks.__getitem__)
+        return self._joined(0), self._joined(1)
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         new_tokens = check_append(self.spec, self._length, key, value)
@@ -61,6 +61,13 @@ class ChunkedCache:
     def reset(self) -> None:
         self.chunks: list[tuple[Tensor, Tensor]] = []
         self._length = 0
+
+    def _joined(self, which: int) -> Tensor:
+        # Only the written rows of the last chunk, so the result is contiguous.
+        rows_in_last = self._length - (len(self.chunks) - 1) * self.chunk_size
+        parts = [chunk[which] for chunk in self.chunks[:-1]]
+        parts.append(self.chunks[-1][which][:, :, :rows_in_last])
+        return torch.cat(parts, dim=2)
 
     def _store(self, key: Tensor, value: Tensor, new_tokens: int) -> None:
         written = 0

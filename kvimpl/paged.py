@@ -4,13 +4,15 @@
 ``PagedCache`` for any layer of any request, and every such cache takes its blocks from the
 pool. ``kvimpl.CACHES["paged"]`` and ``kvimpl.paged:pool`` are the default instance (blocks of
 16 tokens, room for 2**20 of them), so ``--kv-impl paged`` and ``--kv-impl kvimpl.paged:pool``
-work. Naming the class (``kvimpl.paged:PagedPool``) would not: called with a spec it would
-build a pool with that spec as its block size, not a cache.
+work. Naming the class (``kvimpl.paged:PagedPool``) would not: it builds pools, not caches,
+so called with a spec it raises a TypeError that says to name an instance.
 
 Storage. Blocks of one shape live together: per (kv_heads, head_dim, dtype, device) the pool
 keeps segments, each a key tensor and a value tensor shaped (blocks, kv_heads, block_size,
-head_dim). A group gets its first segment when a cache of that shape first appends, and each
-later one as large as all before (so a tiny test reserves kilobytes, a long run doubles).
+head_dim). A group gets its first segment (16 blocks) when a cache of that shape first
+appends, and each later one as large as all before it, or what the append needs if more: a
+tiny test reserves kilobytes, and a group never reserves more than 16 blocks or twice the
+most it has had in use at once, whichever is larger.
 Block ids are ints unique in the pool: each segment owns a consecutive range of them.
 Freed blocks go back to their group and are reused smallest id first, so the blocks that an
 append takes for every batch row at once are usually adjacent in one segment, and attention
@@ -57,7 +59,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kvimpl.blockwise import attend_blocks, check_query, join_blocks
+from kvimpl.blockwise import attend_blocks, check_query
 from kvref.protocol import CacheSpec, check_append, check_reorder, check_truncate
 
 DEFAULT_BLOCK_SIZE = 16
@@ -99,6 +101,11 @@ class PagedPool:
     def __init__(
         self, block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int = DEFAULT_NUM_BLOCKS
     ) -> None:
+        if isinstance(block_size, CacheSpec):
+            raise TypeError(
+                "PagedPool is the pool class, not a cache factory: name an instance instead "
+                "(kvimpl.paged:pool, or your own PagedPool(block_size, num_blocks))"
+            )
         for name, number in (("block_size", block_size), ("num_blocks", num_blocks)):
             if isinstance(number, bool) or not isinstance(number, int) or number < 1:
                 raise ValueError(f"PagedPool: {name} must be a positive int, got {number!r}")
@@ -276,7 +283,7 @@ class PagedCache:
         new_tokens = check_append(self.spec, self._length, key, value)
         self._write(key, value, new_tokens, doing="append")
         self._length += new_tokens
-        return join_blocks(self._length, self.pool.block_size, self._read)
+        return self._joined()
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         new_tokens = check_append(self.spec, self._length, key, value)
@@ -372,6 +379,17 @@ class PagedCache:
             segment, slot = self.pool._locate(block)
             segment.key[slot, :, low:high] = key[batch_row]
             segment.value[slot, :, low:high] = value[batch_row]
+
+    def _joined(self) -> tuple[Tensor, Tensor]:
+        """Every row held, oldest first, joined into (B, H_kv, length, D) copies: only the
+        rows written, none of a block's stale ones."""
+        keys, values = [], []
+        for index in range(len(self._tables[0])):
+            rows = min(self.pool.block_size, self._length - index * self.pool.block_size)
+            block_keys, block_values = self._read(index)
+            keys.append(block_keys[:, :, :rows])
+            values.append(block_values[:, :, :rows])
+        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
 
     def _read(self, index: int) -> tuple[Tensor, Tensor]:
         """Keys and values of every batch row's block ``index``, (B, H_kv, block_size, D)."""

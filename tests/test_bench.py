@@ -11,7 +11,7 @@ import pytest
 import kvimpl
 from kvimpl import bench
 
-LENGTHS = (8, 16)
+LENGTHS = (8, 48)  # 48: the forked samples share a full block of 16
 COLUMNS = {"cache", "length", "ms_per_token", "ms_spread", "nbytes", "formula_bytes"}
 
 
@@ -38,6 +38,23 @@ def test_quick_run_writes_results_and_plot(tmp_path):
 
     png = (tmp_path / "decode.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n"), "decode.png is not a PNG file"
+
+    with (tmp_path / "requests.csv").open(newline="") as file:
+        requests = {(row["scenario"], row["cache"]): row for row in csv.DictReader(file)}
+    assert {cache for scenario, cache in requests if scenario == "mixed lengths"} == set(
+        kvimpl.CACHES
+    )
+    mixed, forked = (
+        requests["mixed lengths", "paged"],
+        requests[next(k for k in requests if "forked" in k[0])],
+    )
+    # Per request and layer the pool wastes under one block: the rest of the last one.
+    block_bytes = 2 * 4 * bench.QUICK_BLOCK_SIZE * 16 * 4  # 4 kv heads of 16, float32
+    waste = len(bench.QUICK.requests) * bench.QUICK.config.num_layers * block_bytes
+    formula, in_use = int(mixed["formula_bytes"]), int(mixed["in_use_bytes"])
+    assert formula <= in_use < formula + waste, f"paged, mixed lengths: {mixed}"
+    # Forked samples share the prompt's blocks: less in use than their formulas' sum.
+    assert int(forked["in_use_bytes"]) < int(forked["formula_bytes"]), f"forked: {forked}"
 
 
 @pytest.mark.parametrize(

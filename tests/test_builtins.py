@@ -43,14 +43,16 @@ def test_a_chunk_size_that_is_not_a_positive_int_is_refused(chunk_size):
 def reserved_rows(name: str, spec, length: int) -> int:
     """How many rows each built-in reserves for keys (and again for values)."""
     chunk = kvimpl.chunked.DEFAULT_CHUNK_SIZE
+    block = kvimpl.paged.DEFAULT_BLOCK_SIZE
     return {
         "concat": length,  # exactly what it holds
         "preallocated": spec.max_length,  # its whole buffer, from the start
         "chunked": math.ceil(length / chunk) * chunk,  # whole chunks: under one of waste
+        "paged": math.ceil(length / block) * block,  # whole blocks, none shared here
     }[name]
 
 
-@pytest.mark.parametrize("name", ["chunked", "concat", "preallocated"])
+@pytest.mark.parametrize("name", ["chunked", "concat", "preallocated", "paged"])
 @given(data=st.data())
 def test_builtin_nbytes_is_exactly_what_it_reserves(name, data):
     spec = data.draw(kvst.cache_specs(), label="spec")
@@ -74,10 +76,12 @@ TEACHING_EXAMPLE = ModelConfig(vocab_size=50, num_layers=2, num_heads=4, num_kv_
 
 
 @pytest.mark.parametrize(
-    ("name", "expected"), [("concat", 51_200), ("preallocated", 51_200), ("chunked", 57_344)]
+    ("name", "expected"),
+    [("concat", 51_200), ("preallocated", 51_200), ("chunked", 57_344), ("paged", 57_344)],
 )
 def test_builtins_report_the_teaching_example_exactly(name, expected):
-    """Concat and a 100-row buffer take 51,200 bytes; 16-row chunks round 100 rows up to 112."""
+    """Concat and a 100-row buffer take 51,200 bytes; 16-row chunks or blocks round 100 rows
+    up to 112."""
     model = ReferenceTransformer(TEACHING_EXAMPLE, dtype=torch.float32)
     spec = model.cache_spec(1, max_length=100)
     formula = TEACHING_EXAMPLE.num_layers * min_nbytes(spec, length=100)

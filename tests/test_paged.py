@@ -53,6 +53,11 @@ def test_the_default_pool_is_a_registered_instance_not_the_class():
     assert kvimpl.paged.pool.blocks_free > 10_000, "the suite's pool must never run out"
 
 
+def test_the_class_named_as_a_factory_says_to_name_an_instance():
+    with pytest.raises(TypeError, match=r"not a cache factory.*kvimpl\.paged:pool"):
+        kvimpl.load_factory("kvimpl.paged:PagedPool")(spec_of())
+
+
 @pytest.mark.parametrize(("size", "blocks"), [(0, 1), (1, 0), (1.5, 1), (True, 1), (4, -2)])
 def test_a_pool_of_no_blocks_or_empty_blocks_is_refused(size, blocks):
     with pytest.raises(ValueError, match="must be a positive int"):
