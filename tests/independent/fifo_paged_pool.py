@@ -197,12 +197,15 @@ class FifoPagedCache:
         taken = self.pool.take(needed * self.spec.batch, self.spec)
         for row, table in enumerate(self._tables):
             table.extend(taken[row * needed : (row + 1) * needed])
-        for offset in range(new):
-            block, slot = divmod(self._count + offset, size)
+        written = 0
+        while written < new:  # one run of rows per block touched
+            block, slot = divmod(self._count + written, size)
+            rows = min(size - slot, new - written)
             for row, table in enumerate(self._tables):
                 k_block, v_block = self.pool.rows(table[block])
-                k_block[:, slot] = key[row, :, offset]
-                v_block[:, slot] = value[row, :, offset]
+                k_block[:, slot : slot + rows] = key[row, :, written : written + rows]
+                v_block[:, slot : slot + rows] = value[row, :, written : written + rows]
+            written += rows
         self._count += new
 
     def _gather(self) -> tuple[Tensor, Tensor]:
