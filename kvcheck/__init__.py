@@ -20,19 +20,24 @@ smallest input it found for each failure. New properties reach you with a new re
 kit, with no change on your side.
 
 ``CacheTests`` inherits one class per area (``CoreTests``, ``ResetTests``,
-``IsolationTests``, ``RejectionTests``, ``MemoryTests``, ``StatefulTests``, and for the
-optional capabilities ``TruncateTests`` and ``ReorderTests``); subclass one of
-them instead to run only that area. The contract a cache must keep is in ``kvref.protocol``
-and ``docs/contract.md``.
+``IsolationTests``, ``RejectionTests``, ``MemoryTests``, ``StatefulTests``,
+``RequestsTests``, and for the optional capabilities ``AttendTests``, ``ForkTests``,
+``PoolTests`` (a factory that is a ``kvref.BlockPool``), ``TruncateTests`` and
+``ReorderTests``); subclass one of them instead to run only that area. The contract a
+cache must keep is in ``kvref.protocol`` and ``docs/contract.md``.
 """
 
 __all__ = [
+    "AttendTests",
     "CacheTests",
     "CoreTests",
+    "ForkTests",
     "IsolationTests",
     "MemoryTests",
+    "PoolTests",
     "RejectionTests",
     "ReorderTests",
+    "RequestsTests",
     "ResetTests",
     "Sizes",
     "StatefulTests",

@@ -24,9 +24,7 @@ from hypothesis import example, given, settings
 from kvcheck import profiles as kvprofiles
 from kvcheck import properties as kvprop
 from kvcheck import sizes as kvsizes
-from kvcheck import stateful as kvstateful
 from kvcheck.properties import Property
-from kvref import capabilities
 
 
 def property_test(prop: Property):
@@ -67,12 +65,9 @@ NOT_OFFERED = "not offered"
 
 def skip_unless_offered(prop: Property, factory) -> None:
     """Skip, as "not offered", a property of a capability the cache does not have (a cache
-    offers one by having the method)."""
-    if not prop.requires:
-        return
-    if missing := set(prop.requires) - capabilities(factory(kvstateful.probe_spec())):
-        methods = " or ".join(f"{name}()" for name in sorted(missing))
-        pytest.skip(f"{NOT_OFFERED}: the cache has no {methods} method")
+    offers one by having the method), or the factory (a BlockPool)."""
+    if prop.requires and (reason := prop.not_offered(factory)):
+        pytest.skip(f"{NOT_OFFERED}: {reason}")
 
 
 def search(
@@ -166,6 +161,31 @@ class StatefulTests(KitTests):
     test_any_sequence_of_prefill_decode_reset_and_bad_calls = property_test(kvprop.STATEFUL)
 
 
+class RequestsTests(KitTests):
+    """Requests interleaved on one factory, as a serving engine's scheduler runs them."""
+
+    test_interleaved_requests_each_match_the_model = property_test(kvprop.REQUESTS)
+
+
+class AttendTests(KitTests):
+    """``attend(query, key, value)``, for caches that compute attention: run when offered."""
+
+    test_attend_equals_the_reference_attention = property_test(kvprop.ATTEND)
+
+
+class ForkTests(KitTests):
+    """``fork()``, for parallel sampling and shared prompts: run when offered."""
+
+    test_forks_are_independent_histories = property_test(kvprop.FORK)
+
+
+class PoolTests(KitTests):
+    """A factory that is a ``kvref.BlockPool`` (a paged pool): run when it is one."""
+
+    test_pool_books_match_the_live_caches = property_test(kvprop.POOL)
+    test_exhausted_pool_refuses_and_changes_nothing = property_test(kvprop.EXHAUSTED_POOL)
+
+
 class TruncateTests(KitTests):
     """``truncate(length)``, for speculative decoding and regenerate: run when offered."""
 
@@ -188,6 +208,10 @@ class CacheTests(
     RejectionTests,
     MemoryTests,
     StatefulTests,
+    RequestsTests,
+    AttendTests,
+    ForkTests,
+    PoolTests,
     TruncateTests,
     ReorderTests,
 ):

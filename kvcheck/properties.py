@@ -27,10 +27,13 @@ from hypothesis.errors import InvalidArgument
 from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
 from kvcheck import failures
+from kvcheck import requests as kvreq
 from kvcheck import strategies as kvst
+from kvcheck.attend import attend_plans, check_attend
+from kvcheck.exhaustion import check_exhausted_pool, exhaustion_plans
 from kvcheck.harness import Step, build, may_refuse, record, run, warm
-from kvcheck.stateful import run_machine
-from kvref import CacheFactory, min_nbytes
+from kvcheck.stateful import probe_spec, run_machine
+from kvref import BlockPool, CacheFactory, capabilities, min_nbytes
 
 
 def check_logits_match_uncached(factory: CacheFactory, scenario: kvst.Scenario) -> None:
@@ -305,6 +308,23 @@ def check_bad_reorder(factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.B
     check_refused(factory, plan, case, "reorder", lambda cache: case.make(plan.spec))
 
 
+def check_requests(factory: CacheFactory, plan: kvreq.RequestPlan) -> None:
+    """Requests served side by side from one factory (a tight pool of its kind when it is a
+    BlockPool) each get the uncached model's logits for their own history."""
+    kvreq.serve(kvreq.tight_pool(factory, plan), plan)
+
+
+def check_fork(factory: CacheFactory, plan: kvreq.RequestPlan) -> None:
+    """Forks and their parents diverge as independent histories, each matching the model."""
+    kvreq.serve(factory, plan)
+
+
+def check_pool(factory: CacheFactory, plan: kvreq.RequestPlan) -> None:
+    """A tight pool's books hold after every event of the requests, and every block is back
+    when they have all finished."""
+    kvreq.serve(kvreq.tight_pool(factory, plan), plan, audit=True)
+
+
 def check_stateful(factory: CacheFactory, _drawn: None = None) -> None:
     """Any interleaving of prefill, decode, reset, fresh caches and bad calls on sets of
     caches from one factory keeps lengths and logits right (a Hypothesis state machine)."""
@@ -321,13 +341,34 @@ class Property:
     strategy: st.SearchStrategy | None  # None: the check draws for itself (a state machine)
     severity: str  # what a plain AssertionError escaping the check means
     cases: tuple = ()  # a table: one test per case
-    requires: tuple[str, ...] = ()  # the optional capabilities it tests ("truncate", ...)
+    # The optional capabilities it tests: a cache's ("truncate", ...) or the factory's
+    # ("block pool").
+    requires: tuple[str, ...] = ()
     # The share of the profile's examples each test searches: below 1 for a table of many
     # cases that mostly share one path (the model's own guards).
     budget: float = 1.0
     pinned: tuple = ()  # inputs tried first on every run (@example): past regressions
     # Inputs run as plain tests by name, not as @example, so that a search still shrinks.
     edges: dict[str, Any] = field(default_factory=dict)
+
+    def not_offered(self, factory: CacheFactory) -> str | None:
+        """Why ``factory`` cannot be tested for this property (the capabilities it lacks),
+        or None when it offers them all."""
+        missing = [
+            name
+            for name in self.requires
+            if name in FACTORY_CAPABILITIES and not isinstance(factory, FACTORY_CAPABILITIES[name])
+        ]
+        cache_level = set(self.requires) - set(FACTORY_CAPABILITIES)
+        if cache_level and (lacks := cache_level - capabilities(factory(probe_spec()))):
+            methods = " or ".join(f"{name}()" for name in sorted(lacks))
+            missing.insert(0, f"the cache has no {methods} method")
+        if "block pool" in missing:
+            missing[missing.index("block pool")] = (
+                "the factory is not a kvref.BlockPool (block_size, blocks_in_use, "
+                "blocks_free, with_blocks)"
+            )
+        return "; ".join(missing) or None
 
     def check_all_cases(self, factory: CacheFactory, drawn: Any) -> None:
         """The check on ``drawn`` for every case of the table (or once, without a table)."""
@@ -336,6 +377,9 @@ class Property:
         for case in self.cases:
             self.check(factory, drawn, case)
 
+
+# Capabilities of the factory itself, not of its caches.
+FACTORY_CAPABILITIES = {"block pool": BlockPool}
 
 SCENARIOS = kvst.scenarios()
 LOGITS = Property(
@@ -463,6 +507,54 @@ EDITS = Property(
     pinned=kvst.PINNED_MIXED_EDITS,
     budget=0.5,  # truncate and reorder each have their own full search
 )
+ATTEND = Property(
+    "attend",
+    "attend returns the reference attention over the rows given: masks, grouped heads, "
+    "chunks, large scores",
+    check_attend,
+    attend_plans(),
+    failures.WRONG_RESULTS,
+    requires=("attend",),
+)
+FORK = Property(
+    "fork",
+    "after fork(), parent and child are independent histories, each matching the model",
+    check_fork,
+    kvreq.request_plans(forks=3, truncates=True, poison=False),
+    failures.WRONG_RESULTS,
+    requires=("fork",),
+    pinned=kvreq.PINNED_FORKS,
+)
+REQUESTS = Property(
+    "requests",
+    "requests interleaved on one factory (started, forked, finished, started again) each "
+    "match the model on their own history",
+    check_requests,
+    kvreq.request_plans(),
+    failures.WRONG_RESULTS,
+    pinned=kvreq.PINNED,
+    # It runs on every cache under test (a quarter of the profile's examples, after the
+    # pinned plans); on a pool, "pool" searches the same plans in full.
+    budget=0.25,
+)
+POOL = Property(
+    "pool",
+    "a pool's books: blocks in use are the live caches' distinct blocks, tables fit the "
+    "rows, nbytes covers them, all back at the end",
+    check_pool,
+    kvreq.request_plans(),
+    failures.DATA_LOSS,
+    requires=("block pool",),
+    pinned=kvreq.PINNED,
+)
+EXHAUSTED_POOL = Property(
+    "exhausted pool",
+    "an exhausted pool refuses append, attend and a fork's write with ValueError, changing nothing",
+    check_exhausted_pool,
+    exhaustion_plans(),
+    failures.REFUSAL_CHANGED_STATE,
+    requires=("block pool",),
+)
 STATEFUL = Property(
     "stateful",
     "any interleaving of prefill, decode, reset, fresh caches and bad calls stays right",
@@ -485,6 +577,11 @@ ALL = (
     CONTENTS,
     RESET,
     STATEFUL,
+    REQUESTS,
+    ATTEND,
+    EXHAUSTED_POOL,
+    FORK,
+    POOL,
     TRUNCATE,
     BAD_TRUNCATE,
     REORDER,

@@ -8,6 +8,7 @@ import torch
 from kvcheck import CacheTests
 from kvcheck import badinput as kvbad
 from tests.independent.deque_window_cache import DequeWindowCache
+from tests.independent.fifo_paged_pool import FifoPagedPool
 from tests.independent.list_cache import ListCache
 from tests.independent.paged_cache import PagedCache
 from tests.independent.pooled_ring_cache import RingCache
@@ -47,6 +48,14 @@ class TestDequeWindowCache(CacheTests):
     """Windows, truncate and reorder, written without reading the built-in window cache."""
 
     factory = DequeWindowCache
+
+
+class TestFifoPagedPool(CacheTests):
+    """A paged pool (fork, attend, truncate, block tables) in another style than the
+    built-in: a FIFO free list, a tensor pair per block, copy-on-write at fork time."""
+
+    factory = FifoPagedPool()
+    cache_name = "FifoPagedPool"
 
 
 BY_NAME = {case.name: case for case in kvbad.BAD_APPENDS}

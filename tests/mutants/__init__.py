@@ -1,7 +1,9 @@
 """A catalogue of broken caches and broken models that the suite must catch.
 
 ``MUTANTS`` lists them all. A cache mutant is a factory with one bug, run on the reference
-model; a model mutant is a patch of the reference model with one bug, run on ``ConcatCache``.
+model (those of ``tests/mutants/paged.py`` are broken paged pools and a broken chunked
+``attend``); a model mutant is a patch of the reference model with one bug, run on
+``ConcatCache``.
 ``tests/test_mutants.py`` checks that some property catches each one, and
 ``python -m tests.mutants.report`` prints which property does and the shrunk counterexample.
 """
@@ -16,6 +18,7 @@ from kvimpl import ConcatCache
 from kvref import CacheFactory
 from tests.mutants.caches import CACHE_MUTANTS
 from tests.mutants.model import MODEL_MUTANTS
+from tests.mutants.paged import PAGED_MUTANTS
 from tests.mutants.sizes import SIZE_MUTANTS
 
 
@@ -42,5 +45,6 @@ class Mutant:
 MUTANTS = (
     *(Mutant(factory) for factory in CACHE_MUTANTS),
     *(Mutant(factory) for factory in SIZE_MUTANTS),
+    *(Mutant(factory) for factory in PAGED_MUTANTS),
     *(Mutant(ConcatCache, patch) for patch in MODEL_MUTANTS),
 )

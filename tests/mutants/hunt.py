@@ -68,6 +68,8 @@ def hunt(
             for prop in properties:
                 if prop.strategy is None:  # a state machine: it draws for itself
                     continue
+                if prop.requires and prop.not_offered(mutant.factory):
+                    continue  # as in a run of the kit: "not offered", neither pass nor catch
                 catch = search(
                     mutant.factory, prop, max_examples=budget, shrink=shrink, pinned=pinned
                 )

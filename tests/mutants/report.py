@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from hypothesis import settings
 
+from kvcheck import requests as kvreq
+from kvcheck.attend import AttendPlan
+from kvcheck.exhaustion import ExhaustionPlan
 from kvcheck.properties import ALL as PROPERTIES
 from kvcheck.strategies import (
     CachePlan,
@@ -43,6 +46,7 @@ def row(mutant: kvmut.Mutant) -> str:
             for prop in PROPERTIES
             if prop.name != catch.property
             and prop.strategy is not None
+            and not (prop.requires and prop.not_offered(mutant.factory))
             and search(mutant.factory, prop, max_examples=EXAMPLES_PER_PROPERTY) is not None
         ]
     caught_by = f"{catch.property} (model guard)" if catch.by_model_guard else catch.property
@@ -54,6 +58,13 @@ def row(mutant: kvmut.Mutant) -> str:
 
 def size(example: object) -> tuple[str, str, str]:
     """Tokens (with the plan), layers and batch of a counterexample."""
+    if isinstance(example, kvreq.RequestPlan):
+        fed = sum(event.size for event in example.events if isinstance(event, kvreq.Feed))
+        events = "; ".join(event.describe() for event in example.events)
+        batches = {event.batch for event in example.events if isinstance(event, kvreq.Start)}
+        return f"{fed} ({events})", str(example.config.num_layers), "/".join(map(str, batches))
+    if isinstance(example, AttendPlan | ExhaustionPlan):
+        return example.describe(), "1 cache", str(example.spec.batch)
     if isinstance(example, EditPlan):
         steps = ", ".join(describe_step(step) for step in example.steps)
         plan = f"{example.max_length} (prompt {example.prompt}; {steps})"

@@ -1,0 +1,103 @@
+"""``attend(query, key, value)`` against ``kvref.attention``: no model, one cache, many calls.
+
+A plan warms a cache with appends and attend calls in any order, each of T rows, and every
+attend must return what the reference attention computes over every row given since the
+reset (the reference masks by absolute position, so a cache that keeps only a window gives
+the same answer): causal and window masks, grouped-query heads (H a multiple of H_kv), a
+chunk of several queries on a warm cache. Some plans scale queries and keys up until the
+scores pass exp's overflow (709 in float64, 88 in float32): a softmax that forgets to
+subtract its running maximum returns inf or nan there, where the reference does not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+
+from kvcheck import asserts as kvassert
+from kvcheck import failures
+from kvcheck import strategies as kvst
+from kvref import CacheFactory, CacheSpec, attention
+
+# Queries and keys times this make scores of some hundreds, past exp's overflow in each
+# dtype, while the dot products keep enough precision for the dtype's tolerance.
+LARGE = {torch.float64: 30.0, torch.float32: 8.0}
+
+
+@dataclass(frozen=True)
+class AttendPlan:
+    """A cache spec, the query heads, and calls: ("append" or "attend", T new rows)."""
+
+    spec: CacheSpec
+    heads: int  # a multiple of spec.kv_heads
+    calls: tuple[tuple[str, int], ...]
+    large: bool  # queries and keys scaled by LARGE[dtype]
+    seed: int
+
+    def describe(self) -> str:
+        calls = ", ".join(f"{kind} {rows}" for kind, rows in self.calls)
+        scale = f", queries and keys x{LARGE[self.spec.dtype]:g}" if self.large else ""
+        return f"calls [{calls}] with {self.heads} query heads{scale}; built for {self.spec}"
+
+
+@st.composite
+def attend_plans(draw) -> AttendPlan:
+    spec = draw(kvst.cache_specs(min_length=2), label="spec")
+    group = draw(st.integers(1, 3), label="query heads per kv head")
+    sizes = draw(kvst.chunk_plans(spec.max_length, min_chunks=1, max_chunks=5), label="calls")
+    # The last call attends, so that every plan attends at least once on a warm cache.
+    kinds = draw(
+        st.lists(st.sampled_from(("attend", "append")), min_size=len(sizes), max_size=len(sizes)),
+        label="kinds",
+    )
+    calls = tuple(zip([*kinds[:-1], "attend"], sizes, strict=True))
+    return AttendPlan(
+        spec=spec,
+        heads=spec.kv_heads * group,
+        calls=calls,
+        large=draw(st.booleans(), label="large scores"),
+        seed=draw(st.integers(0, 2**16), label="seed"),
+    )
+
+
+def check_attend(factory: CacheFactory, plan: AttendPlan) -> None:
+    """Every attend returns the reference attention over the rows given since the reset."""
+    spec = plan.spec
+    cache = factory(spec)
+    scale = LARGE[spec.dtype] if plan.large else 1.0
+    keys = values = kvst.random_rows(spec, 0, seed=0)
+    for index, (kind, rows) in enumerate(plan.calls):
+        seed = plan.seed + 10 * index
+        key = kvst.random_rows(spec, rows, seed=seed) * scale
+        value = kvst.random_rows(spec, rows, seed=seed + 1)
+        start = keys.shape[2]
+        keys, values = torch.cat((keys, key), dim=2), torch.cat((values, value), dim=2)
+        where = (
+            f"call #{index} ({kind} of {rows} rows at absolute positions {start}.."
+            f"{start + rows - 1}) of {plan.describe()}"
+        )
+        if kind == "append":
+            cache.append(key.clone(), value.clone())
+        else:
+            shape = (spec.batch, plan.heads, rows, spec.head_dim)
+            generator = torch.Generator().manual_seed(seed + 2)
+            query = torch.randn(shape, generator=generator, dtype=torch.float64).to(spec.dtype)
+            query = query * scale
+            got = cache.attend(query.clone(), key.clone(), value.clone())
+            positions = torch.arange(start + rows)
+            expected = attention(query, keys, values, positions[start:], positions, spec.window)
+            if not isinstance(got, torch.Tensor):
+                raise failures.WrongResults(
+                    f"attend returned a {type(got).__name__}, not a tensor\n  at {where}"
+                )
+            kvassert.assert_close_at(
+                got,
+                expected,
+                what="attend's output and the reference attention",
+                where=where,
+                position_axis=2,
+                first_position=start,
+            )
+        kvassert.assert_length(cache, start + rows, who="the cache", where=where)

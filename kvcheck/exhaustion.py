@@ -1,0 +1,194 @@
+"""An exhausted pool refuses, and its refusal changes nothing.
+
+On a tight pool (``with_blocks``) a cache A is warmed (and, for a fork-write, forked into F
+while blocks are left); a filler cache then takes blocks until ``blocks_free`` is 0, 1 or 2.
+A call that needs more blocks than are left under any correct pool (more rows than the
+room in the target's last block and in that many blocks more) must then be refused with a
+``ValueError``: ``append`` or ``attend`` on A, or a write to the fork F (which
+copy-on-write pools must also copy first). Afterwards nothing may have changed: lengths,
+block tables, the pool's counts, and, once the filler is dropped and its blocks are back,
+the rows A and F return, bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from hypothesis import strategies as st
+
+from kvcheck import asserts as kvassert
+from kvcheck import failures
+from kvcheck import strategies as kvst
+from kvcheck.requests import young_objects_only
+from kvref import BlockTables, CacheFactory, CacheSpec
+
+# Words a refusal for want of blocks may use; any one names the problem.
+WORDS = (
+    "block", "pool", "free", "exhaust", "full", "capacity", "memory", "room", "space",
+    "available", "out of", "left", "need", "enough",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ExhaustionPlan:
+    """A cache A warmed by ``chunks``; the call tried on a full pool and its extra rows."""
+
+    spec: CacheSpec  # A's spec (no window: every row stays in its block)
+    chunks: tuple[int, ...]
+    call: Literal["append", "attend", "fork-write"]
+    extra: int  # rows beyond the room left in the target's last block and `left` blocks
+    left: int  # blocks the filler leaves free: fewer than the call needs
+
+    def describe(self) -> str:
+        target = "a fork F of A" if self.call == "fork-write" else "A"
+        return (
+            f"cache A warmed by appends of {list(self.chunks)} rows, the pool filled up, "
+            f"with {self.left} blocks left free, then {self.call} on {target} of the rows "
+            f"left in its last block + {self.left} blocks' worth + {self.extra}; built for "
+            f"{self.spec}"
+        )
+
+
+@st.composite
+def exhaustion_plans(draw) -> ExhaustionPlan:
+    spec = draw(kvst.cache_specs(), label="spec")
+    chunks = draw(kvst.chunk_plans(2 * kvst.EDGE + 1, min_chunks=1, max_chunks=3), label="warm")
+    call = draw(st.sampled_from(("append", "attend", "fork-write")), label="call")
+    extra = draw(st.integers(1, 3), label="extra rows")
+    left = draw(st.integers(0, 2), label="blocks left")
+    room = sum(chunks) + (left + 2) * 2 * kvst.EDGE + 8  # blocks of up to 32 rows
+    spec = dataclasses.replace(spec, window=None, max_length=room)
+    return ExhaustionPlan(spec, tuple(chunks), call, extra, left)
+
+
+class _Given:
+    """A cache and the rows it was given, to read it back after the refusal."""
+
+    def __init__(self, cache, spec: CacheSpec) -> None:
+        self.cache = cache
+        self.keys = self.values = kvst.random_rows(spec, 0, seed=0)
+
+    def append(self, key, value):
+        returned = self.cache.append(key.clone(), value.clone())
+        self.keys = torch.cat((self.keys, key), dim=2)
+        self.values = torch.cat((self.values, value), dim=2)
+        return returned
+
+
+def _state(pool, caches: dict[str, _Given]) -> dict:
+    state = {"blocks_in_use": pool.blocks_in_use, "blocks_free": pool.blocks_free}
+    for name, given in caches.items():
+        state[f"{name}.length"] = given.cache.length
+        if isinstance(given.cache, BlockTables):
+            state[f"{name}.block_tables"] = given.cache.block_tables
+    return state
+
+
+def fill(pool, spec: CacheSpec, left: int, where: str):
+    """A cache of batch 1 that takes a block per append until the pool has ``left`` free."""
+    size = pool.block_size
+    filler_spec = dataclasses.replace(spec, batch=1, max_length=pool.blocks_free * size + 1)
+    filler = pool(filler_spec)
+    while pool.blocks_free > left:
+        free = pool.blocks_free
+        rows = kvst.random_rows(filler_spec, size, seed=free)
+        error = kvassert.raised_by(lambda: filler.append(rows, rows.clone()))  # noqa: B023
+        if error is not None:
+            raise failures.RefusesValidInput(
+                f"the pool: blocks_free is {free}, yet an append that needs one block was "
+                f"refused with {type(error).__name__}: {error}\n  at {where}"
+            ) from error
+    return filler
+
+
+def check_exhausted_pool(factory: CacheFactory, plan: ExhaustionPlan) -> None:
+    """On a pool with fewer free blocks than a call needs, the call is refused and changes
+    nothing."""
+    spec, size = plan.spec, factory.block_size
+    probe = factory(spec)
+    offered = {
+        "append",
+        *(name for name in ("attend", "fork") if callable(getattr(probe, name, None))),
+    }
+    del probe
+    call = plan.call if plan.call.split("-")[0] in offered else "append"
+    held = math.ceil(sum(plan.chunks) / size) * spec.batch
+    # Room for A, a full copy of A (a pool may copy at fork), and a filler of two blocks per
+    # batch row at least, so that dropping the filler leaves room to read A and F back.
+    pool = factory.with_blocks(2 * held + 2 * spec.batch + 1 + plan.left)
+    caches = {"A": _Given(pool(spec), spec)}
+    for step, rows in enumerate(plan.chunks):
+        keys = kvst.random_rows(spec, rows, seed=step)
+        caches["A"].append(keys, kvst.random_rows(spec, rows, seed=50 + step))
+    if call == "fork-write":
+        fork = _Given(caches["A"].cache.fork(), spec)
+        fork.keys, fork.values = caches["A"].keys, caches["A"].values
+        caches["F"] = fork
+    where = plan.describe()
+    free_before_filler = pool.blocks_free
+    filler = fill(pool, spec, plan.left, where)
+    target = caches["F" if call == "fork-write" else "A"]
+    length = target.cache.length
+    # Past the room in the last block, more blocks than are left: at least left + 1 per
+    # batch row.
+    rows = (-length) % size + plan.left * size + plan.extra
+    key = kvst.random_rows(spec, rows, seed=99)
+    before = _state(pool, caches)
+    if call == "attend":
+        query = kvst.random_rows(spec, rows, seed=98)
+        attempt = lambda: target.cache.attend(query, key.clone(), key.clone() * 2)  # noqa: E731
+    else:
+        attempt = lambda: target.cache.append(key.clone(), key.clone() * 2)  # noqa: E731
+    error = kvassert.raised_by(attempt)
+    what = f"{call} of {rows} rows on a cache holding {length} in blocks of {size}"
+    if error is None:
+        raise failures.DataLoss(
+            f"the pool: {what} needs more blocks than the pool had free (blocks_free "
+            f"{plan.left}), and the call was not refused: blocks_free is wrong or the pool "
+            f"overcommits\n"
+            f"  at {where}"
+        )
+    if not isinstance(error, ValueError):
+        raise failures.UnclearError(
+            f"the pool: {what} on an exhausted pool refused with {type(error).__name__}, not "
+            f"ValueError: {error}\n  at {where}"
+        ) from error
+    after = _state(pool, caches)
+    for item, was in before.items():
+        if after[item] != was:
+            raise failures.RefusalChangedState(
+                f"the pool: {item} is {after[item]} after a refused {what}, was {was}\n  at {where}"
+            )
+    if not any(word in str(error).lower() for word in WORDS):
+        raise failures.UnclearError(
+            f"the pool: {what} on an exhausted pool refused with {str(error)!r}, a message "
+            f"that names neither the pool nor its blocks (a word such as {WORDS[:6]})\n"
+            f"  at {where}"
+        )
+    del filler  # its blocks go back: room to read A (and F) back
+    with young_objects_only():
+        gc.collect()
+    if pool.blocks_free != free_before_filler:
+        raise failures.DataLoss(
+            f"the pool: blocks_free is {pool.blocks_free} after the filler cache was dropped "
+            f"and collected, but was {free_before_filler} before it took its blocks: a "
+            f"dropped cache must give its blocks back\n  at {where}"
+        )
+    for name, given in caches.items():
+        row = kvst.random_rows(spec, 1, seed=77)
+        returned = given.append(row, -row)
+        for part, got, want in zip(
+            ("keys", "values"), returned, (given.keys, given.values), strict=True
+        ):
+            bad = kvassert.differing_rows(got, want) if got.shape == want.shape else ["all"]
+            if bad:
+                raise failures.RefusalChangedState(
+                    f"cache {name}: after a refused {what}, reading it back returned {part} "
+                    f"shaped {tuple(got.shape)} unlike the rows given, at rows {bad[:8]} "
+                    f"(expected {tuple(want.shape)})\n  at {where}"
+                )
