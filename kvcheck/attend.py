@@ -44,7 +44,11 @@ class AttendPlan:
 
 @st.composite
 def attend_plans(draw) -> AttendPlan:
-    spec = draw(kvst.cache_specs(min_length=2), label="spec")
+    # float64 and float32 only. In half precision there is no one right answer to hold an
+    # attend to: a correct kernel that rounds its scores to bfloat16 lands up to ~120
+    # roundings from one that accumulates in float32 (head_dim 256, scores in the
+    # hundreds). The logits property holds a half-precision attend to the model's budget.
+    spec = draw(kvst.cache_specs(dtypes=kvst.DTYPES, min_length=2), label="spec")
     group = draw(st.integers(1, 3), label="query heads per kv head")
     sizes = draw(kvst.chunk_plans(spec.max_length, min_chunks=1, max_chunks=5), label="calls")
     # The last call attends, so that every plan attends at least once on a warm cache.

@@ -39,13 +39,16 @@ class BlockwiseAttention:
 
     def __init__(self, query: Tensor, kv_heads: int, first_position: int, window: int | None):
         batch, heads, new_tokens, head_dim = query.shape
-        self.shape = query.shape
+        self.shape, self.dtype = query.shape, query.dtype
         self.first = first_position
         self.last = first_position + new_tokens - 1
         self.window = window
         group = heads // kv_heads
+        # Half precision is accumulated in float32 and rounded once in result(), as
+        # attention kernels do: a running sum in bfloat16 loses a bit per block.
+        self.wide = torch.promote_types(query.dtype, torch.float32)
         # Scaled once here rather than every piece's scores.
-        scaled = query * (1.0 / math.sqrt(head_dim))
+        scaled = query.to(self.wide) * (1.0 / math.sqrt(head_dim))
         self.query = scaled.reshape(batch, kv_heads, group * new_tokens, head_dim)
         positions = torch.arange(first_position, self.last + 1, device=query.device)
         self.query_positions = positions.repeat(group)  # row i of a group is token i % T
@@ -64,6 +67,7 @@ class BlockwiseAttention:
         """Merge one piece, keys and values of positions ``start`` .. ``start + rows - 1``."""
         # In place where the tensor is this call's own: a decode step merges many pieces of
         # tiny tensors, so the cost is in the number of operations, not their size.
+        keys, values = keys.to(self.wide), values.to(self.wide)  # no copy unless half
         scores = self.query @ keys.transpose(-2, -1)
         allowed = self._allowed(start, keys.shape[-2])
         if allowed is not None:
@@ -89,7 +93,7 @@ class BlockwiseAttention:
         """The attention output, shaped and typed like the query."""
         if self.out is None:
             raise ValueError("attention over no keys: every query sees at least its own key")
-        return (self.out / self.sum).reshape(self.shape)
+        return (self.out / self.sum).reshape(self.shape).to(self.dtype)
 
     def _allowed(self, start: int, rows: int) -> Tensor | None:
         """(group x T, rows) booleans, or None when every query sees the whole piece."""

@@ -166,6 +166,7 @@ class AttendBlockOffByOne(_MutantPool):
 
 class _NoRunningMax(BlockwiseAttention):
     def add(self, keys: Tensor, values: Tensor, start: int) -> None:
+        keys, values = keys.to(self.wide), values.to(self.wide)
         scores = self.query @ keys.transpose(-2, -1)
         allowed = self._allowed(start, keys.shape[-2])
         if allowed is not None:
