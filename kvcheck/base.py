@@ -47,14 +47,26 @@ def property_test(prop: Property):
         def test(self, cache_factory, case):
             skip_unless_offered(prop, cache_factory)
             sizes = kvsizes.declared_by(cache_factory, type(self))
-            search(prop, lambda drawn: prop.check(cache_factory, drawn, case), self.pinned, sizes)
+            search(
+                prop,
+                lambda drawn: prop.check(cache_factory, drawn, case),
+                self.pinned,
+                sizes,
+                self.examples_scale,
+            )
 
     else:
 
         def test(self, cache_factory):
             skip_unless_offered(prop, cache_factory)
             sizes = kvsizes.declared_by(cache_factory, type(self))
-            search(prop, lambda drawn: prop.check(cache_factory, drawn), self.pinned, sizes)
+            search(
+                prop,
+                lambda drawn: prop.check(cache_factory, drawn),
+                self.pinned,
+                sizes,
+                self.examples_scale,
+            )
 
     test.__doc__ = prop.title
     return pytest.mark.kv_property(prop.name)(test)
@@ -75,9 +87,11 @@ def search(
     check,
     pinned: dict[str, tuple] | None = None,
     sizes: kvsizes.Sizes = kvsizes.NONE,
+    examples_scale: float = 1.0,
 ) -> None:
     """Search ``prop.strategy`` for an input that fails ``check``, pinned inputs first: the
-    kit's, then the test class's own (``pinned[prop.name]``); the draws aim at ``sizes``."""
+    kit's, then the test class's own (``pinned[prop.name]``); the draws aim at ``sizes``;
+    ``examples_scale`` times the profile's examples (and the property's budget)."""
 
     def falsify(drawn):
         check(drawn)
@@ -87,7 +101,7 @@ def search(
     for drawn in (*prop.pinned, *(pinned or {}).get(prop.name, ())):
         test = example(drawn=drawn)(test)
     kit = kvprofiles.current()
-    examples = max(1, math.ceil(kit.max_examples * prop.budget))
+    examples = max(1, math.ceil(kit.max_examples * prop.budget * examples_scale))
     with kvprofiles.torch_threads(), kvsizes.aiming_at(sizes):
         given(drawn=prop.strategy)(settings(kit, max_examples=examples)(test))()
 
@@ -115,6 +129,9 @@ class KitTests:
     # The sizes your cache is built around (kvcheck.Sizes: page, head_dims, kv_heads,
     # max_batch), for the draws to hit on purpose; the factory's own `kv_sizes` otherwise.
     sizes: ClassVar[kvsizes.Sizes | None] = None
+    # Examples per property, as a multiple of the profile's (--kv-profile): more for a
+    # nightly job on one cache, fewer for caches that only guard against false alarms.
+    examples_scale: ClassVar[float] = 1.0
 
 
 class CoreTests(KitTests):
