@@ -87,10 +87,11 @@ def check_attend(factory: CacheFactory, plan: AttendPlan) -> None:
         else:
             shape = (spec.batch, plan.heads, rows, spec.head_dim)
             generator = torch.Generator().manual_seed(seed + 2)
-            query = torch.randn(shape, generator=generator, dtype=torch.float64).to(spec.dtype)
+            query = torch.randn(shape, generator=generator, dtype=torch.float64)
+            query = query.to(device=spec.device, dtype=spec.dtype)
             query = query * scale
             got = cache.attend(query.clone(), key.clone(), value.clone())
-            positions = torch.arange(start + rows)
+            positions = torch.arange(start + rows, device=spec.device)
             expected = attention(query, keys, values, positions[start:], positions, spec.window)
             if not isinstance(got, torch.Tensor):
                 raise failures.WrongResults(

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from kvcheck import asserts as kvassert
+from kvcheck import devices as kvdevices
 from kvcheck import failures
 from kvcheck import strategies as kvst
 from kvcheck.harness import may_refuse
@@ -235,7 +236,7 @@ def request_plans(
         _finish(draw, state, request, poison)
     return RequestPlan(
         config=draw(kvst.model_configs(max_layers=2), label="config"),
-        dtype=draw(st.sampled_from(kvst.DTYPES), label="dtype"),
+        dtype=draw(kvst.dtypes_on_device(kvst.DTYPES), label="dtype"),
         events=tuple(state.events),
         token_seed=draw(st.integers(0, 2**16), label="token seed"),
         margin=draw(st.sampled_from((0, 0, 1, 3)), label="spare blocks"),
@@ -393,7 +394,8 @@ def start(model, factory, event: Start, reusable: dict, where: str) -> Served:
     else:
         caches = reusable.pop(event.reuse).caches
     kvassert.fail_if_not_empty(caches, where)
-    return Served(f"r{event.request}", caches, torch.empty(event.batch, 0, dtype=torch.long))
+    history = torch.empty(event.batch, 0, dtype=torch.long, device=kvdevices.current())
+    return Served(f"r{event.request}", caches, history)
 
 
 def feed(model, request: Served, new: Tensor, plan: RequestPlan, index: int) -> None:
@@ -503,7 +505,8 @@ def finish(request: Served, event: Finish, reusable: dict, plan: RequestPlan) ->
     if event.poison:
         c = plan.config
         shape = (request.history.shape[0], c.num_kv_heads, event.poison_rows, c.head_dim)
-        bad = torch.full(shape, kvst.POISON_VALUES[event.poison], dtype=plan.dtype)
+        poison = kvst.poison_value(event.poison, plan.dtype)
+        bad = torch.full(shape, poison, dtype=plan.dtype, device=kvdevices.current())
         for cache in request.caches:
             cache.append(bad, bad.clone())
     if event.how == "reset":
