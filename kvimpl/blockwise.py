@@ -123,32 +123,3 @@ def attend_blocks(
             keys, values = read(index)
             attention.add(keys[:, :, :rows], values[:, :, :rows], start)
     return attention.result()
-
-
-def check_query(spec: CacheSpec, query: object, key: Tensor) -> None:
-    """Refuse an ``attend`` query that is not (batch, heads, T, head_dim) with heads a
-    multiple of kv_heads, T and dtype and device those of ``key``. Call it after
-    ``check_append`` has accepted ``key`` and before changing anything."""
-    if not isinstance(query, Tensor):
-        raise TypeError(f"attend: query must be a torch.Tensor, got {type(query).__name__}")
-    if query.ndim != 4:
-        raise ValueError(
-            f"attend: query must have rank 4 (batch, heads, T, head_dim), got shape "
-            f"{tuple(query.shape)}"
-        )
-    batch, heads, new_tokens, head_dim = query.shape
-    if (batch, new_tokens, head_dim) != (key.shape[0], key.shape[2], key.shape[3]):
-        raise ValueError(
-            f"attend: query shape {tuple(query.shape)} does not match key shape "
-            f"{tuple(key.shape)} in batch, T or head_dim"
-        )
-    if heads == 0 or heads % spec.kv_heads:
-        raise ValueError(
-            f"attend: query has {heads} heads, not a positive multiple of the cache's "
-            f"{spec.kv_heads} kv heads"
-        )
-    if query.dtype != key.dtype or query.device != key.device:
-        raise ValueError(
-            f"attend: query is {query.dtype} on {query.device}, key is {key.dtype} on "
-            f"{key.device}; they must agree"
-        )

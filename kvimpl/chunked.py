@@ -14,8 +14,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvimpl.blockwise import attend_blocks, check_query
-from kvref.protocol import CacheSpec, check_append, check_reorder, check_truncate
+from kvimpl.blockwise import attend_blocks
+from kvref.protocol import CacheSpec, check_append, check_attend, check_reorder, check_truncate
 
 DEFAULT_CHUNK_SIZE = 16
 
@@ -45,8 +45,7 @@ class ChunkedCache:
         return self._joined(0), self._joined(1)
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        new_tokens = check_append(self.spec, self._length, key, value)
-        check_query(self.spec, query, key)
+        new_tokens = check_attend(self.spec, self._length, query, key, value)
         first = self._length
         self._store(key, value, new_tokens)
         return attend_blocks(

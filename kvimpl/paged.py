@@ -59,8 +59,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kvimpl.blockwise import attend_blocks, check_query
-from kvref.protocol import CacheSpec, check_append, check_reorder, check_truncate
+from kvimpl.blockwise import attend_blocks
+from kvref.protocol import CacheSpec, check_append, check_attend, check_reorder, check_truncate
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_NUM_BLOCKS = 2**20  # only what is used is allocated; the suite never comes near it
@@ -286,8 +286,7 @@ class PagedCache:
         return self._joined()
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        new_tokens = check_append(self.spec, self._length, key, value)
-        check_query(self.spec, query, key)
+        new_tokens = check_attend(self.spec, self._length, query, key, value)
         first = self._length
         self._write(key, value, new_tokens, doing="attend")
         self._length += new_tokens

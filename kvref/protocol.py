@@ -20,9 +20,9 @@ suite checks it. In short:
 - Optional capabilities (``truncate``, ``reorder``, ``fork``, ``attend``) are offered by
   having the method.
 
-``check_append`` (and ``check_truncate``, ``check_reorder`` for the optional capabilities) is
-offered to implementers so that a cache can reject bad input with clear messages in one call;
-using them is optional, keeping the rules is not.
+``check_append`` (and ``check_truncate``, ``check_reorder``, ``check_attend`` for the optional
+capabilities) is offered to implementers so that a cache can reject bad input with clear
+messages in one call; using them is optional, keeping the rules is not.
 """
 
 from __future__ import annotations
@@ -150,6 +150,45 @@ def check_append(
         raise ValueError(
             f"append: overflow: holding {length} tokens, {new_tokens} more would exceed "
             f"the capacity of {capacity}"
+        )
+    return new_tokens
+
+
+def check_attend(
+    spec: CacheSpec,
+    length: int,
+    query: object,
+    key: object,
+    value: object,
+    *,
+    capacity: int | None = None,
+) -> int:
+    """Validate one ``attend(query, key, value)``: ``key`` and ``value`` as ``check_append``
+    does, and ``query`` shaped (batch, heads, T, head_dim) with heads a positive multiple of
+    kv_heads, of the key's dtype and device. Returns T; only reads, like ``check_append``."""
+    new_tokens = check_append(spec, length, key, value, capacity=capacity)
+    if not isinstance(query, Tensor):
+        raise TypeError(f"attend: query must be a torch.Tensor, got {type(query).__name__}")
+    if query.ndim != 4:
+        raise ValueError(
+            f"attend: query must have rank 4 (batch, heads, T, head_dim), got shape "
+            f"{tuple(query.shape)}"
+        )
+    batch, heads, new_tokens, head_dim = query.shape
+    if (batch, new_tokens, head_dim) != (key.shape[0], key.shape[2], key.shape[3]):
+        raise ValueError(
+            f"attend: query shape {tuple(query.shape)} does not match key shape "
+            f"{tuple(key.shape)} in batch, T or head_dim"
+        )
+    if heads == 0 or heads % spec.kv_heads:
+        raise ValueError(
+            f"attend: query has {heads} heads, not a positive multiple of the cache's "
+            f"{spec.kv_heads} kv heads"
+        )
+    if query.dtype != key.dtype or query.device != key.device:
+        raise ValueError(
+            f"attend: query is {query.dtype} on {query.device}, key is {key.dtype} on "
+            f"{key.device}; they must agree"
         )
     return new_tokens
 

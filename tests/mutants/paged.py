@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from kvimpl import ChunkedCache
-from kvimpl.blockwise import BlockwiseAttention, check_query
+from kvimpl.blockwise import BlockwiseAttention
 from kvimpl.paged import PagedCache, PagedPool
-from kvref import check_append
+from kvref import check_attend
 
 
 class _MutantCache(PagedCache):
@@ -33,8 +33,7 @@ class _MutantCache(PagedCache):
     def _attend(self, query, key, value, blocks=None, merge=BlockwiseAttention) -> Tensor:
         """``attend`` as the built-in's, with ``blocks(length, size)`` blocks read and
         ``merge`` merging them: what the attend mutants change."""
-        new_tokens = check_append(self.spec, self._length, key, value)
-        check_query(self.spec, query, key)
+        new_tokens = check_attend(self.spec, self._length, query, key, value)
         first = self._length
         self._write(key, value, new_tokens, doing="attend")
         self._length += new_tokens
@@ -253,8 +252,7 @@ class ChunkPositionsOffByOne(ChunkedCache):
     """
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        new_tokens = check_append(self.spec, self._length, key, value)
-        check_query(self.spec, query, key)
+        new_tokens = check_attend(self.spec, self._length, query, key, value)
         first = self._length
         self._store(key, value, new_tokens)
         size = self.chunk_size
