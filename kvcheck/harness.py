@@ -18,6 +18,7 @@ from torch import Tensor
 from kvcheck.asserts import fail_if_not_empty, needs_reference
 from kvcheck.strategies import CachePlan, Scenario, Session, poison_value, random_rows
 from kvref import CacheFactory, CacheSpec, LayerCache, ModelConfig
+from kvref.protocol import rows_needed
 
 
 class Recorder:
@@ -77,9 +78,7 @@ class Recorder:
     def fewest_rows(self) -> int:
         """The fewest rows the last append may return: all without a window, else the last
         W - 1 before the new ones and the new ones."""
-        if self.window is None:
-            return self.given_length
-        return min(self.given_length, self.window - 1 + self.new_tokens)
+        return rows_needed(self.window, self.given_length, self.new_tokens)
 
     def reset(self) -> None:
         self.cache.reset()

@@ -29,6 +29,7 @@ from kvref.protocol import (
     LayerCache,
     check_reorder,
     check_truncate,
+    rows_needed,
 )
 
 
@@ -229,7 +230,7 @@ class Attention(nn.Module):
         a window at least the last W - 1 before the new ones and the new ones."""
         c = self.config
         new_tokens = end - start
-        fewest = end if self.window is None else min(end, self.window - 1 + new_tokens)
+        fewest = rows_needed(self.window, end, new_tokens)
         ok = (
             keys.ndim == 4
             and values.shape == keys.shape

@@ -55,11 +55,18 @@ class CacheSpec:
 
     def rows_needed(self, length: int, new_tokens: int = 0) -> int:
         """The fewest rows a cache holding ``length`` tokens may keep (0 new tokens) or return
-        after an append of ``new_tokens`` of them: all of them without a window, else the
-        last W - 1 before the new ones (every new query's whole window) and the new ones."""
-        if self.window is None:
-            return length
-        return min(length, self.window - 1 + new_tokens)
+        after an append of ``new_tokens`` of them (``rows_needed``)."""
+        return rows_needed(self.window, length, new_tokens)
+
+
+def rows_needed(window: int | None, length: int, new_tokens: int = 0) -> int:
+    """The fewest rows a layer with ``window`` holding ``length`` tokens may keep (0 new
+    tokens) or return after an append of ``new_tokens`` of them: all of them without a
+    window, else the last W - 1 before the new ones (every new query's whole window) and
+    the new ones."""
+    if window is None:
+        return length
+    return min(length, window - 1 + new_tokens)
 
 
 @runtime_checkable
