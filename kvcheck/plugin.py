@@ -99,6 +99,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kv_property(name): the kit property a test checks")
     config.addinivalue_line("markers", "kv_cache(label, name): the cache a test runs on")
+    config.addinivalue_line("markers", "kv_path(path): the path of the model through the cache")
     config.addinivalue_line(
         "markers", "kv_device: a test that runs on --kv-device (skipped where it is unavailable)"
     )

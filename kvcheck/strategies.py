@@ -17,7 +17,6 @@ past 1,024 tokens, dozens of resets), aimed at the sizes a cache declares.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Literal
@@ -108,6 +107,12 @@ class Scenario:
         return f"{describe_config(self.config)}, batch {self.batch}, " + (
             f"{str(self.dtype).removeprefix('torch.')}, max_length {self.max_length}"
         )
+
+    def summary(self) -> tuple[str, str, str]:
+        """Tokens (chunks per session), layers and batch: a row of the mutant table."""
+        plans = "; ".join(f"{s.start} {'+'.join(map(str, s.chunks))}" for s in self.sessions)
+        tokens = sum(session.length for session in self.sessions)
+        return f"{tokens} ({plans})", str(self.config.num_layers), str(self.batch)
 
 
 def describe_config(c: ModelConfig) -> str:
@@ -395,6 +400,10 @@ class CachePlan:
             f"tokens), then {self.new_tokens} more; built for {self.spec}"
         )
 
+    def summary(self) -> tuple[str, str, str]:
+        appends = "+".join(map(str, self.chunks)) or "none"
+        return f"{self.warm_length} (appends {appends})", "1 cache", str(self.spec.batch)
+
 
 @st.composite
 def cache_plans(draw, room: int = 1, min_chunks: int = 0, max_new: int = 3) -> CachePlan:
@@ -404,64 +413,6 @@ def cache_plans(draw, room: int = 1, min_chunks: int = 0, max_new: int = 3) -> C
     chunks = draw(chunk_plans(spec.max_length - room, min_chunks=min_chunks), label="warm-up")
     new_tokens = draw(st.integers(1, max_new), label="new tokens")
     return CachePlan(spec, tuple(chunks), new_tokens)
-
-
-@dataclass(frozen=True)
-class IsolationPlan:
-    """Two caches from one factory, A and B, given the chunks of their plans in turns (A, B,
-    A, B, ...), then one more row each, to read both back."""
-
-    spec: CacheSpec
-    chunks: tuple[tuple[int, ...], tuple[int, ...]]
-
-    def describe(self) -> str:
-        a, b = (list(plan) for plan in self.chunks)
-        return f"caches A and B from one factory, appends A {a} and B {b} in turns; {self.spec}"
-
-
-@st.composite
-def isolation_plans(draw) -> IsolationPlan:
-    spec = draw(cache_specs(min_length=2), label="spec")
-    # Room for one more row in each, to read both back at the end.
-    a = draw(chunk_plans(spec.max_length - 1), label="plan A")
-    b = draw(chunk_plans(spec.max_length - 1), label="plan B")
-    return IsolationPlan(spec, (tuple(a), tuple(b)))
-
-
-@dataclass(frozen=True)
-class StaleRowsPlan:
-    """A cache given rows full of ``poison``, then reset (or replaced by a fresh cache from
-    the same factory), then given clean rows; all of it ``rounds`` times over (a long-lived
-    cache object, reset dozens of times)."""
-
-    spec: CacheSpec
-    poisoned: tuple[int, ...]
-    how: Literal["reset", "fresh cache"]
-    poison: str
-    clean: tuple[int, ...]
-    rounds: int = 1
-
-    def describe(self) -> str:
-        rounds = f"; {self.rounds} rounds of it" if self.rounds > 1 else ""
-        return (
-            f"appends of {list(self.poisoned)} rows of {self.poison}, a {self.how}, then "
-            f"appends of {list(self.clean)} clean rows{rounds}; {self.spec}"
-        )
-
-
-@st.composite
-def stale_rows_plans(draw) -> StaleRowsPlan:
-    spec = draw(cache_specs(), label="spec")
-    return StaleRowsPlan(
-        spec,
-        poisoned=tuple(draw(chunk_plans(spec.max_length, min_chunks=1), label="poisoned")),
-        how=draw(st.sampled_from(("reset", "fresh cache")), label="how"),
-        poison=draw(st.sampled_from(sorted(POISON_VALUES)), label="poison"),
-        clean=tuple(draw(chunk_plans(spec.max_length, min_chunks=1), label="clean")),
-        rounds=draw(st.integers(9, kvsizes.LONG_LIVED), label="rounds")
-        if kvsizes.large(draw, "long-lived cache", kvsizes.LONG_ONE_IN)
-        else 1,
-    )
 
 
 @dataclass(frozen=True)
@@ -483,6 +434,10 @@ class ModelPlan:
             f"layer picked: {self.layer}"
         )
 
+    def summary(self) -> tuple[str, str, str]:
+        chunks = "+".join(map(str, self.chunks))
+        return f"{sum(self.chunks)} ({chunks})", str(self.config.num_layers), str(self.batch)
+
 
 @st.composite
 def model_plans(draw) -> ModelPlan:
@@ -495,133 +450,6 @@ def model_plans(draw) -> ModelPlan:
         ),
         chunks=tuple(draw(chunk_plans(EDGE + 1, min_chunks=1, max_chunks=3), label="chunks")),
         layer=draw(st.integers(0, config.num_layers - 1), label="layer"),
-        token_seed=draw(st.integers(0, 2**16), label="token seed"),
-    )
-
-
-@dataclass(frozen=True)
-class Rollback:
-    """Draft ``drafted`` tokens, then keep the first ``kept`` of them and forget the rest
-    (speculative decoding: the target model accepted ``kept``)."""
-
-    drafted: int
-    kept: int
-
-    def describe(self) -> str:
-        return f"draft {self.drafted}, keep {self.kept}"
-
-
-@dataclass(frozen=True)
-class Rewind:
-    """Forget the last ``back`` tokens, or all of them when fewer are held (edit and
-    regenerate); a window cache may refuse once it has dropped positions the next query
-    needs."""
-
-    back: int
-
-    def describe(self) -> str:
-        return f"rewind {self.back} tokens"
-
-    def target(self, held: int) -> int:
-        return max(held - self.back, 0)
-
-
-@dataclass(frozen=True)
-class RewindTo:
-    """Forget every token at position >= ``position`` (none when fewer are held): back to
-    the start of a long history, past what a window cache keeps."""
-
-    position: int
-
-    def describe(self) -> str:
-        return f"rewind to {self.position}"
-
-    def target(self, held: int) -> int:
-        return min(self.position, held)
-
-
-@dataclass(frozen=True)
-class Reorder:
-    """Batch row b becomes the old row ``indices[b]`` (beam search); never the identity."""
-
-    indices: tuple[int, ...]
-
-    def describe(self) -> str:
-        return f"reorder {list(self.indices)}"
-
-
-@dataclass(frozen=True)
-class EditPlan:
-    """A model, a batch and a prompt, then steps that append, roll back, rewind or reorder the
-    caches; after each, the caches must behave exactly as if they had only been given the
-    history that remains (the uncached model on it is the oracle)."""
-
-    config: ModelConfig
-    batch: int
-    dtype: torch.dtype
-    prompt: int
-    steps: tuple[
-        int | Rollback | Rewind | RewindTo | Reorder, ...
-    ]  # an int is a chunk of new tokens
-    token_seed: int
-
-    @property
-    def max_length(self) -> int:
-        total = self.prompt
-        for step in self.steps:
-            total += step if isinstance(step, int) else getattr(step, "drafted", 0)
-        return total
-
-    def describe(self) -> str:
-        steps = [describe_step(step) for step in self.steps]
-        return (
-            f"prompt {self.prompt}, then {steps}\n  model: {describe_config(self.config)}, "
-            f"batch {self.batch}, {str(self.dtype).removeprefix('torch.')}"
-        )
-
-
-def describe_step(step: int | Rollback | Rewind | RewindTo | Reorder) -> str:
-    return f"chunk of {step}" if isinstance(step, int) else step.describe()
-
-
-def reorders(batch: int) -> st.SearchStrategy[Reorder]:
-    """Indices for ``batch`` rows with repeats allowed, never the identity."""
-    identity = tuple(range(batch))
-    indices = st.lists(st.integers(0, batch - 1), min_size=batch, max_size=batch).map(tuple)
-    return indices.filter(lambda drawn: drawn != identity).map(Reorder)
-
-
-EDIT_TOKENS = 128  # what an edit plan's model attends over, mostly: its attention budget
-
-
-@st.composite
-def edit_plans(draw, *, rollbacks: bool = True, reorder: bool = False) -> EditPlan:
-    """Plans of chunks and rollbacks (and rewinds), or with ``reorder`` of chunks and
-    reorders (batch 2 to 4)."""
-    config = draw(model_configs(max_layers=3, tokens=EDIT_TOKENS), label="config")
-    # Small windows fill up within a few steps, so that rewinds meet dropped positions.
-    window = draw(st.one_of(st.integers(1, 6), windows), label="edit window")
-    config = dataclasses.replace(config, window=window)
-    room = attention_room(config, EDIT_TOKENS)
-    batch = draw(kvsizes.batches(low=2 if reorder else 1, room=room), label="batch")
-    kinds = [chunk_sizes, st.integers(1, 4)]  # mostly decode-sized chunks: windows fill up
-    if rollbacks:
-        drafts = st.integers(1, 8).flatmap(
-            lambda k: st.builds(Rollback, st.just(k), st.integers(0, k))
-        )
-        # Rewinds of nothing, of a few tokens, across a window's edge, and of everything.
-        backs = st.one_of(st.integers(0, 4), st.integers(5, 2 * EDGE + 1), st.just(MAX_SESSION))
-        kinds += [drafts, drafts, st.builds(Rewind, backs), st.builds(RewindTo, st.integers(0, 8))]
-    if reorder:
-        kinds += [reorders(batch), reorders(batch)]
-    steps = draw(st.lists(st.one_of(kinds), min_size=2, max_size=10), label="steps")
-    return EditPlan(
-        config=config,
-        batch=batch,
-        dtype=draw(dtypes_on_device(DTYPES), label="dtype"),
-        # Small prompts often: a ring sized by a small prompt wraps within a few steps.
-        prompt=draw(st.one_of(st.integers(1, 4), chunk_sizes), label="prompt"),
-        steps=tuple(steps),
         token_seed=draw(st.integers(0, 2**16), label="token seed"),
     )
 
@@ -641,55 +469,4 @@ PINNED = (
     Scenario(_tiny, 1, torch.float64, (Session((EDGE,), 3, "fresh"),)),
     # WrapsPast48: one token past 48.
     Scenario(_tiny, 1, torch.float64, (Session((1, 47, 1), 4, "fresh"),)),
-)
-
-
-_one_layer = ModelConfig(
-    vocab_size=5, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2, ffn_dim=8
-)
-# - A rewind to position 1 after the ring of a window-2 cache dropped position 0, which the
-#   next query needs: a cache that takes it instead of refusing (WindowTruncateUnchecked).
-# - A rewind of everything after a window-1 ring dropped position 0: truncate(0) needs no
-#   position, so a cache must not refuse it (RefusesTruncateZero).
-PINNED_EDITS = (
-    EditPlan(
-        ModelConfig(
-            vocab_size=11, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2, seed=3, window=2
-        ),
-        batch=1,
-        dtype=torch.float64,
-        prompt=1,
-        steps=(1, 1, RewindTo(1), 1),
-        token_seed=1,
-    ),
-    EditPlan(
-        dataclasses.replace(_one_layer, window=1),
-        batch=1,
-        dtype=torch.float64,
-        prompt=1,
-        steps=(1, Rewind(MAX_SESSION)),
-        token_seed=0,
-    ),
-)
-# - A reorder after a rollback left a wrapped ring's rows away from slot 0: a ring that
-#   reorders slots from 0 instead of its held rows (ReorderFromSlotZero).
-# - A reorder, then a truncate (of nothing), then a token: a reorder kept pending until the
-#   next append must survive the truncate (TruncateDropsPendingReorder).
-PINNED_MIXED_EDITS = (
-    EditPlan(
-        dataclasses.replace(_one_layer, window=1),
-        batch=2,
-        dtype=torch.float64,
-        prompt=1,
-        steps=(1, 1, 1, 1, 1, 2, Rollback(1, 0), Reorder((0, 0)), 1),
-        token_seed=0,
-    ),
-    EditPlan(
-        _one_layer,
-        batch=3,
-        dtype=torch.float64,
-        prompt=1,
-        steps=(Reorder((0, 0, 0)), Rewind(0), 1),
-        token_seed=0,
-    ),
 )

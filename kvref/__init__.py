@@ -17,6 +17,7 @@ from kvref.protocol import (
     check_attend,
     check_reorder,
     check_truncate,
+    may_refuse_truncate,
     min_nbytes,
 )
 
@@ -39,5 +40,6 @@ __all__ = [
     "check_attend",
     "check_reorder",
     "check_truncate",
+    "may_refuse_truncate",
     "min_nbytes",
 ]

@@ -24,7 +24,7 @@ import kvimpl
 from kvcheck import asserts as kvassert
 from kvcheck import devices as kvdevices
 from kvcheck import strategies as kvst
-from kvcheck.harness import run
+from kvcheck.properties.core import run
 from tests.independent.deque_window_cache import DequeWindowCache
 from tests.independent.list_cache import ListCache
 from tests.independent.paged_cache import PagedCache

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 import kvimpl
 from kvcheck import CacheTests
-from kvcheck import properties as kvprop
 from kvcheck import strategies as kvst
+from kvcheck.properties import core
 from kvimpl import ChunkedCache
 from kvref import ModelConfig, ReferenceTransformer, min_nbytes
 
@@ -32,8 +32,8 @@ class TestSelectedCaches(CacheTests):
 @given(scenario=kvst.scenarios(max_sessions=2))
 def test_chunked_cache_at_any_chunk_size(chunk_size, scenario):
     factory = functools.partial(ChunkedCache, chunk_size=chunk_size)
-    kvprop.check_lengths(factory, scenario)
-    kvprop.check_logits_match_uncached(factory, scenario)
+    core.check_lengths(factory, scenario)
+    core.check_logits_match_uncached(factory, scenario)
 
 
 @pytest.mark.parametrize("chunk_size", [0, -1, 1.5, True])

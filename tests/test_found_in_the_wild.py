@@ -22,9 +22,9 @@ from transformers.cache_utils import (
 from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
 from kvcheck import failures
-from kvcheck import properties as kvprop
 from kvcheck import strategies as kvst
 from kvcheck.harness import warm
+from kvcheck.properties import rejection
 from kvimpl.hf import HFDynamicLayer, HFStaticLayer
 from kvref import CacheSpec, ModelConfig
 
@@ -42,7 +42,7 @@ def test_static_layer_counts_the_tokens_of_a_refused_update():
     with pytest.raises(
         failures.RefusalChangedState, match=r"length is 2 after a refused call, was 1"
     ):
-        kvprop.check_bad_append(HFStaticLayer, plan((1,)), CASES["value not a tensor"])
+        rejection.check_bad_append(HFStaticLayer, plan((1,)), CASES["value not a tensor"])
 
 
 def test_static_layer_counts_the_tokens_of_a_refused_overflow():
@@ -90,7 +90,7 @@ def test_dynamic_layer_half_applies_an_update_whose_value_fails():
     with pytest.raises(
         failures.RefusalChangedState, match=r"length is 2 after a refused call, was 1"
     ):
-        kvprop.check_bad_append(HFDynamicLayer, plan((1,)), CASES["value not a tensor"])
+        rejection.check_bad_append(HFDynamicLayer, plan((1,)), CASES["value not a tensor"])
 
 
 def test_dynamic_layer_silently_promotes_a_wrong_dtype():
@@ -99,7 +99,7 @@ def test_dynamic_layer_silently_promotes_a_wrong_dtype():
     StaticLayer refuses them (transformers 5.24.0)."""
     float32_plan = plan((1,), dtype=torch.float32)
     with pytest.raises(failures.AcceptsBadInput, match=r"wrong dtype: accepted without an error"):
-        kvprop.check_bad_append(HFDynamicLayer, float32_plan, CASES["wrong dtype"])
+        rejection.check_bad_append(HFDynamicLayer, float32_plan, CASES["wrong dtype"])
 
 
 def test_dynamic_layer_accepts_keys_and_values_of_different_lengths():
@@ -108,7 +108,7 @@ def test_dynamic_layer_accepts_keys_and_values_of_different_lengths():
     (transformers 5.24.0)."""
     case = CASES["value with one token more than key"]
     with pytest.raises(failures.AcceptsBadInput, match=r"accepted without an error"):
-        kvprop.check_bad_append(HFDynamicLayer, plan((1,)), case)
+        rejection.check_bad_append(HFDynamicLayer, plan((1,)), case)
 
 
 def test_static_layer_seq_length_is_a_live_tensor():

@@ -14,19 +14,15 @@ import torch
 
 import kvimpl
 from kvcheck import strategies as kvst
-from kvcheck.properties import ALL, LOGITS
+from kvcheck.properties.core import LOGITS
 from tests import mutants as kvmut
 from tests.mutants import sizes as kvsizes_mutants
 from tests.mutants.caches import StoresFloat16AsBfloat16
-from tests.mutants.hunt import hunt, search
+from tests.mutants.hunt import HUNT_ORDER, hunt, search
 
 # Built on the kit's device (--kv-device): skipped where this machine lacks it.
 pytestmark = pytest.mark.kv_device
 
-# The hunt's order: logits first (it catches anything that changes what the model computes),
-# then the capability properties (the core ones never call truncate or reorder, so a mutant
-# of those would otherwise pay for every core search first), then the rest in ALL's order.
-HUNT_ORDER = sorted(ALL, key=lambda prop: (prop is not LOGITS, not prop.requires))
 # A first pass of a few examples through every property catches most mutants cheaply; only
 # the rest pay for the full search of each property in turn.
 QUICK_EXAMPLES = 3

@@ -143,7 +143,7 @@ def test_a_dtype_the_device_lacks_is_never_drawn(monkeypatch):
 
     from kvcheck import devices
     from kvcheck import strategies as kvst
-    from kvcheck.stateful import probe_spec
+    from kvcheck.kit import probe_spec
 
     # As on MPS, which has no float64.
     monkeypatch.setattr(devices, "supports", lambda dtype, device: dtype != torch.float64)

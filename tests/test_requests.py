@@ -1,10 +1,10 @@
-"""The request plans the kit draws (kvcheck.requests): well formed, and the tight pool sized
-from them never too small for a correct pool."""
+"""The request plans the kit draws (kvcheck.properties.requests): well formed, and the tight
+pool sized from them never too small for a correct pool."""
 
 import torch
 from hypothesis import given, settings
 
-from kvcheck import requests as kvreq
+from kvcheck.properties import requests as kvreq
 from kvref import ModelConfig
 
 ONE_LAYER = ModelConfig(vocab_size=7, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2)

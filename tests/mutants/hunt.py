@@ -23,9 +23,16 @@ from hypothesis import Phase, find, settings
 from hypothesis.errors import NoSuchExample
 
 from kvcheck import sizes as kvsizes
-from kvcheck.properties import Property
+from kvcheck.kit import Property
+from kvcheck.properties import ALL
+from kvcheck.properties.core import LOGITS
 from kvref import CacheContractError, CacheFactory
 from tests.mutants import Mutant
+
+# The hunt's order: logits first (it catches anything that changes what the model computes),
+# then the capability properties (the core ones never call truncate or reorder, so a mutant
+# of those would otherwise pay for every core search first), then the rest in ALL's order.
+HUNT_ORDER = sorted(ALL, key=lambda prop: (prop is not LOGITS, not prop.requires))
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Print the README's table of mutants: ``python -m tests.mutants.report``.
 
-For each mutant: the first property (in ``kvcheck.properties.ALL``'s order) that catches it,
+For each mutant: the first property (in the hunt's order, ``tests.mutants.hunt.HUNT_ORDER``)
+that catches it,
 the counterexample Hypothesis shrinks that failure to, and which of the other properties
 catch it too. The search is derandomized, so the table is the same on every run.
 """
@@ -9,19 +10,8 @@ from __future__ import annotations
 
 from hypothesis import settings
 
-from kvcheck import requests as kvreq
-from kvcheck.attend import AttendPlan
-from kvcheck.exhaustion import ExhaustionPlan
-from kvcheck.properties import ALL as PROPERTIES
-from kvcheck.strategies import (
-    CachePlan,
-    EditPlan,
-    IsolationPlan,
-    ModelPlan,
-    StaleRowsPlan,
-    describe_step,
-)
 from tests import mutants as kvmut
+from tests.mutants.hunt import HUNT_ORDER as PROPERTIES
 from tests.mutants.hunt import hunt, search
 
 EXAMPLES_PER_PROPERTY = 20  # as tests/test_mutants.py
@@ -50,46 +40,10 @@ def row(mutant: kvmut.Mutant) -> str:
             and search(mutant.factory, prop, max_examples=EXAMPLES_PER_PROPERTY) is not None
         ]
     caught_by = f"{catch.property} (model guard)" if catch.by_model_guard else catch.property
-    sizes = " | ".join(size(catch.example))
+    sizes = " | ".join(catch.example.summary())  # tokens (the plan), layers, batch
     return (
         f"| `{mutant.name}` | {mutant.bug} | {caught_by} | {sizes} | {', '.join(others) or '-'} |"
     )
-
-
-def size(example: object) -> tuple[str, str, str]:
-    """Tokens (with the plan), layers and batch of a counterexample."""
-    if isinstance(example, kvreq.RequestPlan):
-        fed = sum(event.size for event in example.events if isinstance(event, kvreq.Feed))
-        events = "; ".join(event.describe() for event in example.events)
-        batches = {event.batch for event in example.events if isinstance(event, kvreq.Start)}
-        return f"{fed} ({events})", str(example.config.num_layers), "/".join(map(str, batches))
-    if isinstance(example, AttendPlan | ExhaustionPlan):
-        return example.describe(), "1 cache", str(example.spec.batch)
-    if isinstance(example, EditPlan):
-        steps = ", ".join(describe_step(step) for step in example.steps)
-        plan = f"{example.max_length} (prompt {example.prompt}; {steps})"
-        return plan, str(example.config.num_layers), str(example.batch)
-    if isinstance(example, IsolationPlan | StaleRowsPlan):
-        return (
-            example.describe(),
-            "2 caches" if isinstance(example, IsolationPlan) else "1 cache",
-            str(example.spec.batch),
-        )
-    if isinstance(example, CachePlan):
-        appends = "+".join(map(str, example.chunks)) or "none"
-        return f"{sum(example.chunks)} (appends {appends})", "1 cache", str(example.spec.batch)
-    if isinstance(example, ModelPlan):
-        chunks = "+".join(map(str, example.chunks))
-        return (
-            f"{sum(example.chunks)} ({chunks})",
-            str(example.config.num_layers),
-            str(example.batch),
-        )
-    plans = "; ".join(
-        f"{session.start} {'+'.join(map(str, session.chunks))}" for session in example.sessions
-    )
-    tokens = sum(session.length for session in example.sessions)
-    return f"{tokens} ({plans})", str(example.config.num_layers), str(example.batch)
 
 
 def main() -> None:

@@ -1,13 +1,15 @@
-"""An exhausted pool refuses, and its refusal changes nothing.
+"""Pool: a factory that is a ``kvref.BlockPool`` keeps its books, and refuses when empty.
 
-On a tight pool (``with_blocks``) a cache A is warmed (and, for a fork-write, forked into F
-while blocks are left); a filler cache then takes blocks until ``blocks_free`` is 0, 1 or 2.
-A call that needs more blocks than are left under any correct pool (more rows than the
-room in the target's last block and in that many blocks more) must then be refused with a
-``ValueError``: ``append`` or ``attend`` on A, or a write to the fork F (which
-copy-on-write pools must also copy first). Afterwards nothing may have changed: lengths,
-block tables, the pool's counts, and, once the filler is dropped and its blocks are back,
-the rows A and F return, bit for bit.
+- ``pool``: the request plans of ``kvcheck.properties.requests`` on a tight pool, its books
+  audited after every event (``kvcheck.pool_books``), every block back at the end;
+- ``exhausted pool``: on a tight pool (``with_blocks``) a cache A is warmed (and, for a
+  fork-write, forked into F while blocks are left); a filler cache then takes blocks until
+  ``blocks_free`` is 0, 1 or 2. A call that needs more blocks than are left under any
+  correct pool (more rows than the room in the target's last block and in that many blocks
+  more) must then be refused with a ``ValueError``: ``append`` or ``attend`` on A, or a
+  write to the fork F (which copy-on-write pools must also copy first). Afterwards nothing
+  may have changed: lengths, block tables, the pool's counts, and, once the filler is
+  dropped and its blocks are back, the rows A and F return, bit for bit.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from hypothesis import strategies as st
 from kvcheck import asserts as kvassert
 from kvcheck import failures
 from kvcheck import strategies as kvst
-from kvcheck.requests import young_objects_only
+from kvcheck.kit import KitTests, Property, offered, property_test
+from kvcheck.properties.requests import PINNED, request_plans, serve
+from kvcheck.session import young_objects_only
 from kvref import BlockTables, CacheFactory, CacheSpec
 
 # Words a refusal for want of blocks may use; any one names the problem.
@@ -52,6 +56,9 @@ class ExhaustionPlan:
             f"left in its last block + {self.left} blocks' worth + {self.extra}; built for "
             f"{self.spec}"
         )
+
+    def summary(self) -> tuple[str, str, str]:
+        return self.describe(), "1 cache", str(self.spec.batch)
 
 
 @st.composite
@@ -110,13 +117,7 @@ def check_exhausted_pool(factory: CacheFactory, plan: ExhaustionPlan) -> None:
     """On a pool with fewer free blocks than a call needs, the call is refused and changes
     nothing."""
     spec, size = plan.spec, factory.block_size
-    probe = factory(spec)
-    offered = {
-        "append",
-        *(name for name in ("attend", "fork") if callable(getattr(probe, name, None))),
-    }
-    del probe
-    call = plan.call if plan.call.split("-")[0] in offered else "append"
+    call = plan.call if plan.call.split("-")[0] in offered(factory) else "append"
     held = math.ceil(sum(plan.chunks) / size) * spec.batch
     # Room for A, a full copy of A (a pool may copy at fork), and a filler of two blocks per
     # batch row at least, so that dropping the filler leaves room to read A and F back.
@@ -192,3 +193,30 @@ def check_exhausted_pool(factory: CacheFactory, plan: ExhaustionPlan) -> None:
                     f"shaped {tuple(got.shape)} unlike the rows given, at rows {bad[:8]} "
                     f"(expected {tuple(want.shape)})\n  at {where}"
                 )
+
+
+POOL = Property(
+    "pool",
+    "a pool's books: blocks in use are the live caches' distinct blocks, tables fit the "
+    "rows, nbytes covers them, all back at the end",
+    serve,
+    request_plans(),
+    failures.DATA_LOSS,
+    requires=("block pool",),
+    pinned=PINNED,
+)
+EXHAUSTED_POOL = Property(
+    "exhausted pool",
+    "an exhausted pool refuses append, attend and a fork's write with ValueError, changing nothing",
+    check_exhausted_pool,
+    exhaustion_plans(),
+    failures.REFUSAL_CHANGED_STATE,
+    requires=("block pool",),
+)
+
+
+class PoolTests(KitTests):
+    """A factory that is a ``kvref.BlockPool`` (a paged pool): run when it is one."""
+
+    test_pool_books_match_the_live_caches = property_test(POOL)
+    test_exhausted_pool_refuses_and_changes_nothing = property_test(EXHAUSTED_POOL)

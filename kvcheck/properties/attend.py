@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from kvcheck import asserts as kvassert
 from kvcheck import failures
 from kvcheck import strategies as kvst
+from kvcheck.kit import KitTests, Property, property_test
 from kvref import CacheFactory, CacheSpec, attention
 
 # Queries and keys times this make scores of some hundreds, past exp's overflow in each
@@ -41,13 +42,17 @@ class AttendPlan:
         scale = f", queries and keys x{LARGE[self.spec.dtype]:g}" if self.large else ""
         return f"calls [{calls}] with {self.heads} query heads{scale}; built for {self.spec}"
 
+    def summary(self) -> tuple[str, str, str]:
+        return self.describe(), "1 cache", str(self.spec.batch)
+
 
 @st.composite
 def attend_plans(draw) -> AttendPlan:
     # float64 and float32 only. In half precision there is no one right answer to hold an
     # attend to: a correct kernel that rounds its scores to bfloat16 lands up to ~120
     # roundings from one that accumulates in float32 (head_dim 256, scores in the
-    # hundreds). The logits property holds a half-precision attend to the model's budget.
+    # hundreds). The logits and reset properties hold a half-precision attend to the
+    # model's error budget on their attend path.
     spec = draw(kvst.cache_specs(dtypes=kvst.DTYPES, min_length=2), label="spec")
     group = draw(st.integers(1, 3), label="query heads per kv head")
     sizes = draw(kvst.chunk_plans(spec.max_length, min_chunks=1, max_chunks=5), label="calls")
@@ -106,3 +111,20 @@ def check_attend(factory: CacheFactory, plan: AttendPlan) -> None:
                 first_position=start,
             )
         kvassert.assert_length(cache, start + rows, who="the cache", where=where)
+
+
+ATTEND = Property(
+    "attend",
+    "attend returns the reference attention over the rows given: masks, grouped heads, "
+    "chunks, large scores",
+    check_attend,
+    attend_plans(),
+    failures.WRONG_RESULTS,
+    requires=("attend",),
+)
+
+
+class AttendTests(KitTests):
+    """``attend(query, key, value)``, for caches that compute attention: run when offered."""
+
+    test_attend_equals_the_reference_attention = property_test(ATTEND)

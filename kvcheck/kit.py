@@ -1,0 +1,221 @@
+"""What every property of the kit is made of, and how a test class runs one.
+
+A ``Property`` is a check, the strategy that draws its input and what its failure means.
+An area module (``kvcheck/properties/<area>.py``) declares its properties and binds each to
+a test in its area's class (``property_test``); ``kvcheck.properties`` collects them into
+the registry. ``KitTests`` is what every area class shares: the cache under test and the
+class attributes a user sets.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from kvcheck import devices as kvdevices
+from kvcheck import profiles as kvprofiles
+from kvcheck import sizes as kvsizes
+from kvcheck import strategies as kvst
+from kvcheck.harness import PATHS
+from kvcheck.session import young_objects_only
+from kvref import BlockPool, CacheFactory, CacheSpec, capabilities
+
+NOT_OFFERED = "not offered"
+# Capabilities of the factory itself, not of its caches.
+FACTORY_CAPABILITIES = {"block pool": BlockPool}
+PATH_KEY = pytest.StashKey[dict]()  # item -> {"offers attend": bool}, for the verdict
+
+
+def probe_spec() -> CacheSpec:
+    """The spec a factory is asked for once, to see which optional capabilities its caches
+    offer: on the kit's device, in its first dtype there."""
+    dtype = kvdevices.usable(kvst.DTYPES)[0]
+    return CacheSpec(1, 1, 2, max_length=8, dtype=dtype, device=kvdevices.current())
+
+
+def offered(factory: CacheFactory) -> set[str]:
+    """The optional capabilities of ``factory``'s caches, and the factory's own."""
+    names = set(capabilities(factory(probe_spec())))
+    names.update(name for name, kind in FACTORY_CAPABILITIES.items() if isinstance(factory, kind))
+    return names
+
+
+@dataclass(frozen=True)
+class Property:
+    """One property of the contract, as the suite checks it."""
+
+    name: str  # the verdict's row and the hunt's name: short, lower case
+    title: str  # what holds, in one line
+    check: Callable[..., None]  # check(factory, drawn[, case][, path=...])
+    strategy: st.SearchStrategy | None  # None: the check draws for itself (a state machine)
+    severity: str  # what a plain AssertionError escaping the check means
+    cases: tuple = ()  # a table: one test per case
+    # The optional capabilities it tests: a cache's ("truncate", ...) or the factory's
+    # ("block pool").
+    requires: tuple[str, ...] = ()
+    # Run once per path the model may take through a cache (append; attend where offered):
+    # the check takes ``path=``.
+    paths: bool = False
+    # The share of the profile's examples each test searches: below 1 for a table of many
+    # cases that mostly share one path (the model's own guards).
+    examples_share: float = 1.0
+    pinned: tuple = ()  # inputs tried first on every run (@example): past regressions
+    # Inputs run as plain tests by name, not as @example, so that a search still shrinks.
+    edges: dict[str, Any] = field(default_factory=dict)
+
+    def not_offered(self, factory: CacheFactory, path: str = "append") -> str | None:
+        """Why ``factory`` cannot be tested for this property on ``path`` (the capabilities
+        it lacks), or None when it offers them all."""
+        needed = (*self.requires, *(("attend",) if path == "attend" else ()))
+        if not needed:
+            return None
+        lacks = [name for name in needed if name not in offered(factory)]
+        methods = [f"{name}()" for name in lacks if name not in FACTORY_CAPABILITIES]
+        reasons = [f"the cache has no {' or '.join(methods)} method"] if methods else []
+        if "block pool" in lacks:
+            reasons.append(
+                "the factory is not a kvref.BlockPool (block_size, blocks_in_use, "
+                "blocks_free, with_blocks)"
+            )
+        return "; ".join(reasons) or None
+
+    def run(self, factory: CacheFactory, drawn: Any, case: Any = None, path: str = "append"):
+        """The check on one input (of ``case``, on ``path``)."""
+        args = (factory,) if self.strategy is None and drawn is None else (factory, drawn)
+        if self.cases:
+            args = (*args, case)
+        with young_objects_only():  # caches dropped in a plan are collected cheaply
+            if self.paths:
+                return self.check(*args, path=path)
+            return self.check(*args)
+
+    def check_all_cases(self, factory: CacheFactory, drawn: Any) -> None:
+        """The check on ``drawn`` for every case of the table and every path ``factory``
+        offers."""
+        paths = [path for path in PATHS if self.paths and not self.not_offered(factory, path)]
+        for path in paths or ["append"]:
+            for case in self.cases or [None]:
+                self.run(factory, drawn, case, path)
+
+
+def property_test(prop: Property):
+    """A test method that searches ``prop`` with Hypothesis on the cache under test, once
+    per case of its table and per path of the model through the cache.
+
+    The search is built when the test runs, with the kit's settings for this run
+    (``kvcheck.profiles``): a Hypothesis profile loaded for the host process does not change
+    it, and the kit changes none."""
+
+    def body(self, cache_factory, request, case, path):
+        skip_unless_offered(prop, cache_factory, path)
+        if prop.paths:
+            request.node.stash[PATH_KEY] = {"offers attend": "attend" in offered(cache_factory)}
+        sizes = kvsizes.declared_by(cache_factory, type(self))
+        if prop.strategy is None:  # a state machine: it draws for itself
+            paths = {"path": path} if prop.paths else {}
+            with kvprofiles.torch_threads(), kvsizes.aiming_at(sizes), young_objects_only():
+                prop.check(cache_factory, examples_scale=self.examples_scale, **paths)
+            return
+        search(
+            prop,
+            lambda drawn: prop.run(cache_factory, drawn, case, path),
+            self.pinned,
+            sizes,
+            self.examples_scale,
+        )
+
+    # pytest parametrizes only arguments without defaults: one signature per shape.
+    if prop.cases and prop.paths:
+
+        def test(self, cache_factory, request, case, path):
+            body(self, cache_factory, request, case, path)
+
+    elif prop.cases:
+
+        def test(self, cache_factory, request, case):
+            body(self, cache_factory, request, case, "append")
+
+    elif prop.paths:
+
+        def test(self, cache_factory, request, path):
+            body(self, cache_factory, request, None, path)
+
+    else:
+
+        def test(self, cache_factory, request):
+            body(self, cache_factory, request, None, "append")
+
+    if prop.paths:
+        params = [pytest.param(path, marks=pytest.mark.kv_path(path), id=path) for path in PATHS]
+        test = pytest.mark.parametrize("path", params)(test)
+    if prop.cases:
+        test = pytest.mark.parametrize("case", prop.cases, ids=str)(test)
+    test.__doc__ = prop.title
+    return pytest.mark.kv_property(prop.name)(test)
+
+
+def skip_unless_offered(prop: Property, factory, path: str = "append") -> None:
+    """Skip, as "not offered", a property (or the attend path) of a capability the cache
+    does not have (a cache offers one by having the method), or the factory (a BlockPool)."""
+    if reason := prop.not_offered(factory, path):
+        pytest.skip(f"{NOT_OFFERED}: {reason}")
+
+
+def search(
+    prop: Property,
+    check,
+    pinned: dict[str, tuple] | None = None,
+    sizes: kvsizes.Sizes = kvsizes.NONE,
+    examples_scale: float = 1.0,
+) -> None:
+    """Search ``prop.strategy`` for an input that fails ``check``, pinned inputs first: the
+    kit's, then the test class's own (``pinned[prop.name]``); the draws aim at ``sizes``;
+    ``examples_scale`` times the profile's examples (and the property's share)."""
+
+    def falsify(drawn):
+        check(drawn)
+
+    falsify.__name__ = falsify.__qualname__ = prop.name.replace(" ", "_")
+    test = falsify
+    for drawn in (*prop.pinned, *(pinned or {}).get(prop.name, ())):
+        test = example(drawn=drawn)(test)
+    kit = kvprofiles.current()
+    examples = max(1, math.ceil(kit.max_examples * prop.examples_share * examples_scale))
+    with kvprofiles.torch_threads(), kvsizes.aiming_at(sizes):
+        given(drawn=prop.strategy)(settings(kit, max_examples=examples)(test))()
+
+
+def edge_test(prop: Property):
+    """A plain test of ``prop`` on each of its hand-picked edge inputs, on each path."""
+
+    @pytest.mark.parametrize("edge", prop.edges.values(), ids=list(prop.edges))
+    def test(self, cache_factory, edge):
+        with kvprofiles.torch_threads():
+            for path in PATHS if prop.paths else ("append",):
+                if not prop.not_offered(cache_factory, path):
+                    prop.run(cache_factory, edge, path=path)
+
+    test.__doc__ = f"{prop.title} (hand-picked edges)"
+    return pytest.mark.kv_property(prop.name)(test)
+
+
+class KitTests:
+    """What every class of the kit shares: the cache under test."""
+
+    factory = None  # a CacheFactory (a class taking a CacheSpec qualifies); None: --kv-impl
+    cache_name: str | None = None  # the name in test ids; default: the factory's __name__
+    # Your own regressions, tried first on every run: property name -> inputs, e.g. the
+    # `drawn=` of a falsifying example pasted from a failure.
+    pinned: ClassVar[dict[str, tuple]] = {}
+    # The sizes your cache is built around (kvcheck.Sizes: page, head_dims, kv_heads,
+    # max_batch), for the draws to hit on purpose; the factory's own `kv_sizes` otherwise.
+    sizes: ClassVar[kvsizes.Sizes | None] = None
+    # Examples per property, as a multiple of the profile's (--kv-profile): more for a
+    # nightly job on one cache, fewer for caches that only guard against false alarms.
+    examples_scale: ClassVar[float] = 1.0

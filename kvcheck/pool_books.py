@@ -1,0 +1,90 @@
+"""A block pool's books against the caches alive on it, audited after every event.
+
+Where the factory is a ``kvref.BlockPool``, the engine runs a plan on a pool of its own
+(``with_blocks``), so that every block in use belongs to a cache of the plan:
+
+- ``blocks_in_use + blocks_free`` is the pool's room, always;
+- ``blocks_in_use`` is the number of distinct block ids in the live caches' tables (where
+  they show them, ``kvref.BlockTables``; else it lies within what the rows need);
+- each batch row's table has ceil(rows / block_size) entries (a window may drop some);
+- each cache's ``nbytes`` covers what it holds;
+- once every request has finished, every block is back.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvcheck import failures
+from kvref import BlockPool, BlockTables, CacheFactory, min_nbytes
+
+
+def fresh_pool(factory: CacheFactory, blocks: int) -> CacheFactory:
+    """A pool of the factory's kind with room for ``blocks``, when it is a BlockPool; else
+    the factory itself."""
+    return factory.with_blocks(blocks) if isinstance(factory, BlockPool) else factory
+
+
+def audit(pool: BlockPool, engine, *, where: str) -> None:
+    """The books of ``pool`` against the live requests of ``engine``."""
+    in_use, free, size = pool.blocks_in_use, pool.blocks_free, pool.block_size
+    capacity = sum(engine.pool_before)
+    if in_use + free != capacity:
+        raise failures.DataLoss(
+            f"the pool: blocks_in_use {in_use} + blocks_free {free} = {in_use + free}, but "
+            f"the pool has room for {capacity} blocks\n  {where}"
+        )
+    ids: set[int] = set()
+    tables_shown = True
+    most, least = 0, 0
+    for request in engine.live.values():
+        for layer, recorder in enumerate(request.caches or ()):
+            cache = recorder.cache
+            length = cache.length
+            who = f"{request.name}'s layer {layer}"
+            spec = getattr(cache, "spec", None)
+            window = getattr(spec, "window", None)
+            kept = length if window is None else min(length, window - 1)
+            most += request.batch * math.ceil(length / size)
+            least = max(least, math.ceil(kept / size))
+            if spec is not None and cache.nbytes < min_nbytes(spec, length):
+                raise failures.WrongResults(
+                    f"{who}: nbytes is {cache.nbytes} holding {length} tokens, which take at "
+                    f"least {min_nbytes(spec, length)} bytes (each cache counts every block "
+                    f"it reads, shared ones included)\n  {where}"
+                )
+            if not isinstance(cache, BlockTables):
+                tables_shown = False
+                continue
+            for row, table in enumerate(cache.block_tables):
+                fewest, needed = math.ceil(kept / size), math.ceil(length / size)
+                if not fewest <= len(table) <= needed:
+                    count = f"{fewest}" if fewest == needed else f"{fewest} to {needed}"
+                    raise failures.DataLoss(
+                        f"{who}: batch row {row}'s block table has {len(table)} entries "
+                        f"{table} holding {length} tokens in blocks of {size}: it needs "
+                        f"{count}\n  {where}"
+                    )
+                ids.update(table)
+    in_use -= engine.pool_before[0]
+    if tables_shown and in_use != len(ids):
+        raise failures.DataLoss(
+            f"the pool: blocks_in_use is {in_use}, but the live caches' block tables "
+            f"reference {len(ids)} distinct blocks\n  {where}"
+        )
+    if not least <= in_use <= most:
+        raise failures.DataLoss(
+            f"the pool: blocks_in_use is {in_use}; the live caches need at least {least} and "
+            f"at most {most} blocks\n  {where}"
+        )
+
+
+def all_back(pool: BlockPool, before: tuple[int, int], *, where: str) -> None:
+    """Every request finished (reset or dropped, and collected): the counts are as before."""
+    in_use, free = pool.blocks_in_use, pool.blocks_free
+    if (in_use, free) != before:
+        raise failures.DataLoss(
+            f"the pool: every request finished (reset or dropped and collected), yet "
+            f"blocks_in_use is {in_use} and blocks_free {free}, where {before[0]} and "
+            f"{before[1]} were before the requests started: blocks leaked\n  {where}"
+        )

@@ -1,0 +1,223 @@
+"""Core: cached decoding computes what the uncached model computes, step by step.
+
+A ``Scenario`` (``kvcheck.strategies``) is a model, a batch, a dtype and sessions, each a
+prompt and decode chunks on fresh or reset caches. ``run`` feeds them through the session
+engine and yields each step beside the uncached model's answer over the whole session:
+
+- ``logits``: every new position's cached logits equal the uncached model's (on both paths
+  of the model through a cache: append, and attend where the cache offers it);
+- ``lengths``: lengths grow by the chunk and append returns exactly the rows given;
+- ``contents``: each layer holds the uncached pass's rotated keys and its values.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from kvcheck import asserts as kvassert
+from kvcheck import failures
+from kvcheck import strategies as kvst
+from kvcheck.kit import KitTests, Property, edge_test, property_test
+from kvcheck.session import Engine, Request, first_wrong_layer
+from kvref import CacheFactory
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step:
+    """One model call on the caches, with the uncached model's answer for the same positions.
+
+    ``request`` holds the live recorders: a Step describes them as they are right after its
+    call, and only until the generator that yielded it moves on.
+    """
+
+    scenario: kvst.Scenario
+    session_index: int
+    step_index: int
+    start: int  # absolute position of the first new token
+    end: int  # one past the last
+    logits: Tensor
+    expected_logits: Tensor
+    request: Request
+    lengths_before: list[int]
+    oracle_kv: list[tuple[Tensor, Tensor]]  # each layer's rotated K, V over the whole session
+    # In half precision, the float64 model's uncached pass over the session (logits, K and V),
+    # which the error budget measures both runs against, made when first asked for; else None.
+    reference: Callable[[], tuple[Tensor, list[tuple[Tensor, Tensor]]]] | None = None
+
+    @property
+    def caches(self):
+        return self.request.caches
+
+    @property
+    def new_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def reference_logits(self) -> Tensor | None:
+        """The float64 model's logits at this step's positions (half precision only)."""
+        return None if self.reference is None else self.reference()[0][:, self.start : self.end]
+
+    def uncached_rows(self, layer: int, which: int, first: int) -> tuple[Tensor, Tensor | None]:
+        """Layer ``layer``'s rotated keys (``which`` 0) or values (1) from the uncached pass,
+        at positions ``first`` to the step's last; and the float64 model's in half precision
+        (else None), for the error budget."""
+        rows = slice(first, self.end)
+        if self.reference is None:
+            return self.oracle_kv[layer][which][:, :, rows], None
+        reference = self.reference()[1][layer][which]
+        return self.oracle_kv[layer][which][:, :, rows], reference[:, :, rows]
+
+    def where(self) -> str:
+        scenario, session = self.scenario, self.scenario.sessions[self.session_index]
+        size = session.chunks[self.step_index]
+        kind = "prefill" if self.step_index == 0 else "decode"
+        return (
+            f"session #{self.session_index} (of {len(scenario.sessions)}), step "
+            f"#{self.step_index} (of {len(session.chunks)}): {kind} of {size} tokens at absolute "
+            f"positions {self.start}..{self.start + size - 1}, {self.request.caches[0].path} "
+            f"path\n  session plan: {session.describe()}\n  model: {scenario.describe()}"
+        )
+
+
+def run(factory: CacheFactory, scenario: kvst.Scenario, path: str = "append") -> Iterator[Step]:
+    """Run every session of ``scenario`` on caches from ``factory``, yielding each step."""
+    model = scenario.model()
+    engine = Engine(factory, model, max_length=scenario.max_length, path=path)
+    request: Request | None = None
+    for session_index, session in enumerate(scenario.sessions):
+        name = f"session #{session_index}"
+        if session.start == "fresh":
+            if request is not None:
+                engine.drop(request)
+            request = engine.start(name, scenario.batch)
+        else:
+            engine.reset(request)
+            request = engine.start(name, scenario.batch, reuse=request)
+        tokens = scenario.tokens(session)
+        expected_logits, oracle_kv = model.forward_with_kv(tokens)
+        reference = (
+            functools.cache(functools.partial(scenario.reference().forward_with_kv, tokens))
+            if kvassert.needs_reference(scenario.dtype)
+            else None
+        )
+        start = 0
+        for step_index, size in enumerate(session.chunks):
+            lengths_before = [cache.length for cache in request.caches]
+            fed = engine.feed(request, tokens[:, start : start + size], compare=False)
+            step = Step(
+                scenario=scenario,
+                session_index=session_index,
+                step_index=step_index,
+                start=start,
+                end=start + size,
+                logits=fed.logits,
+                expected_logits=expected_logits[:, start : start + size],
+                request=request,
+                lengths_before=lengths_before,
+                oracle_kv=oracle_kv,
+                reference=reference,
+            )
+            yield step
+            engine.check(f"step #{step_index} of {name}")
+            start += size
+        if session.poison:
+            engine.poison(request, session.poison, session.poison_rows)
+    engine.finish(blocks_back=False)  # the caller's loop may still hold the last step
+
+
+def check_logits_match_uncached(
+    factory: CacheFactory, scenario: kvst.Scenario, *, path: str = "append"
+) -> None:
+    """Every new position's cached logits equal the uncached model's."""
+    for step in run(factory, scenario, path):
+        try:
+            kvassert.assert_close_at(
+                step.logits,
+                step.expected_logits,
+                what="cached and uncached logits",
+                where=step.where(),
+                position_axis=1,
+                first_position=step.start,
+                reference=step.reference_logits,
+            )
+        except failures.WrongResults as error:
+            error.add_note(first_wrong_layer(step.scenario.model(), step.request, step.start))
+            raise
+
+
+def check_lengths(factory: CacheFactory, scenario: kvst.Scenario) -> None:
+    """Lengths grow by the chunk, layers agree, and append returns exactly the rows given
+    since the reset: no stale or unwritten rows, none moved, none changed."""
+    for step in run(factory, scenario):
+        where = step.where()
+        for layer, cache in enumerate(step.caches):
+            expected = step.lengths_before[layer] + step.new_tokens
+            kvassert.assert_length(cache, expected, who=f"layer {layer}", where=where)
+            kvassert.assert_returned_rows(cache, who=f"layer {layer}", where=where)
+
+
+def check_contents(factory: CacheFactory, scenario: kvst.Scenario) -> None:
+    """What each layer holds equals the uncached pass's rotated keys and its values."""
+    for step in run(factory, scenario):
+        for layer, cache in enumerate(step.caches):
+            for which, (name, got) in enumerate(
+                zip(("keys", "values"), cache.returned, strict=True)
+            ):
+                first = step.end - got.shape[2]  # with a window, a recent run of the rows
+                want, reference = step.uncached_rows(layer, which, first)
+                kvassert.assert_close_at(
+                    got,
+                    want,
+                    what=f"layer {layer}'s cached {name} and the uncached pass's (rotated) {name}",
+                    where=step.where(),
+                    position_axis=2,
+                    first_position=first,
+                    failure=failures.DataLoss,
+                    reference=reference,
+                )
+
+
+SCENARIOS = kvst.scenarios()
+LOGITS = Property(
+    "logits",
+    "cached logits equal uncached logits at every new position of every step",
+    check_logits_match_uncached,
+    SCENARIOS,
+    failures.WRONG_RESULTS,
+    paths=True,
+    pinned=kvst.PINNED,
+    edges=kvst.EDGES,
+)
+LENGTHS = Property(
+    "lengths",
+    "lengths grow by each chunk; append returns exactly the rows given, bit for bit",
+    check_lengths,
+    SCENARIOS,
+    failures.DATA_LOSS,
+    pinned=kvst.PINNED,
+    edges=kvst.EDGES,
+)
+CONTENTS = Property(
+    "contents",
+    "each layer holds the uncached pass's rotated keys and its values",
+    check_contents,
+    SCENARIOS,
+    failures.DATA_LOSS,
+    pinned=kvst.PINNED,
+    edges=kvst.EDGES,
+)
+
+
+class CoreTests(KitTests):
+    """Cached decoding computes what the uncached model computes, step by step."""
+
+    test_logits_match_uncached = property_test(LOGITS)
+    test_logits_at_edges = edge_test(LOGITS)
+    test_length_invariants = property_test(LENGTHS)
+    test_lengths_at_edges = edge_test(LENGTHS)
+    test_contents_equal_uncached_keys_and_values = property_test(CONTENTS)
+    test_contents_at_edges = edge_test(CONTENTS)

@@ -1,0 +1,80 @@
+"""Isolation: caches from one factory share no rows.
+
+Two caches A and B from one factory are given distinct rows in turns; after every call each
+returns (on the attend path, attends over) only its own rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import strategies as st
+
+from kvcheck import asserts as kvassert
+from kvcheck import failures
+from kvcheck import strategies as kvst
+from kvcheck.harness import assert_served, give, recorded
+from kvcheck.kit import KitTests, Property, property_test
+from kvcheck.properties.reset import full_precision
+from kvcheck.strategies import cache_specs, chunk_plans
+from kvref import CacheFactory, CacheSpec
+
+
+@dataclass(frozen=True)
+class IsolationPlan:
+    """Two caches from one factory, A and B, given the chunks of their plans in turns (A, B,
+    A, B, ...), then one more row each, to read both back."""
+
+    spec: CacheSpec
+    chunks: tuple[tuple[int, ...], tuple[int, ...]]
+
+    def describe(self) -> str:
+        a, b = (list(plan) for plan in self.chunks)
+        return f"caches A and B from one factory, appends A {a} and B {b} in turns; {self.spec}"
+
+    def summary(self) -> tuple[str, str, str]:
+        return self.describe(), "2 caches", str(self.spec.batch)
+
+
+@st.composite
+def isolation_plans(draw) -> IsolationPlan:
+    spec = draw(cache_specs(min_length=2), label="spec")
+    # Room for one more row in each, to read both back at the end.
+    a = draw(chunk_plans(spec.max_length - 1), label="plan A")
+    b = draw(chunk_plans(spec.max_length - 1), label="plan B")
+    return IsolationPlan(spec, (tuple(a), tuple(b)))
+
+
+def check_isolation(factory: CacheFactory, plan: IsolationPlan, *, path: str = "append") -> None:
+    """Two caches from one factory, given distinct rows in turns, each return only their own."""
+    spec = full_precision(plan.spec, path)
+    caches = {"A": recorded(factory, spec, path), "B": recorded(factory, spec, path)}
+    # Each plan's appends in turns, then one more row for each cache, once both plans are
+    # done, to read both back after every append of the other.
+    steps = max(map(len, plan.chunks))
+    turns = [[*chunks, *[0] * (steps - len(chunks)), 1] for chunks in plan.chunks]
+    for step in range(steps + 1):
+        for which, ((name, cache), sizes) in enumerate(zip(caches.items(), turns, strict=True)):
+            if not sizes[step]:
+                continue
+            new = kvst.random_rows(spec, sizes[step], seed=1000 * which + step)
+            give(cache, new, new * 3, seed=step)
+            where = f"{cache.path} #{step} of cache {name}: {plan.describe()}"
+            kvassert.assert_length(cache, cache.given_length, who=f"cache {name}", where=where)
+            assert_served(cache, who=f"cache {name}", where=where)
+
+
+ISOLATION = Property(
+    "isolation",
+    "two caches from one factory never return each other's rows",
+    check_isolation,
+    isolation_plans(),
+    failures.DATA_LOSS,
+    paths=True,
+)
+
+
+class IsolationTests(KitTests):
+    """Caches from one factory share no rows."""
+
+    test_caches_from_one_factory_share_no_storage = property_test(ISOLATION)

@@ -1,0 +1,106 @@
+"""Rejection: bad input is refused as the contract says, and changes nothing.
+
+The tables of bad input are in ``kvcheck.badinput``; each case is tried on a cache warmed
+by a drawn plan (``CachePlan``: from empty to nearly full). A refusal must come with a
+``ValueError`` (or ``TypeError`` for a non-tensor) that names the problem, and leave the
+cache as it was: same length, and a read-back append returns the rows held before.
+"""
+
+from __future__ import annotations
+
+from kvcheck import asserts as kvassert
+from kvcheck import badinput as kvbad
+from kvcheck import failures
+from kvcheck import strategies as kvst
+from kvcheck.harness import warm
+from kvcheck.kit import KitTests, Property, property_test
+from kvref import CacheFactory
+
+
+def check_refused(factory: CacheFactory, plan: kvst.CachePlan, case, method: str, make) -> None:
+    """``method`` of a cache warmed by ``plan``, called with ``make(cache)``'s bad arguments,
+    refuses them as the contract says (unless ``case`` may be accepted) and changes nothing."""
+    cache = warm(factory, plan)
+    bad = make(cache)
+    where = plan.describe()
+    # Straight to the cache, past the recorder: the recorder copies tensors and records
+    # rows, and a bad call must record nothing.
+    error = kvassert.raised_by(lambda: getattr(cache.cache, method)(*bad))
+    refused = kvassert.assert_refused(error, case, where=where)
+    # Whatever the error, a refusal must change nothing: that comes before its wording.
+    kvassert.assert_unchanged(cache, plan.spec, who="the cache", where=where)
+    if refused:
+        kvassert.assert_clear_error(error, case, bad, where=where)
+
+
+def check_bad_append(factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.BadInput) -> None:
+    """``case`` applied to a warm cache is refused as the contract says and changes nothing."""
+    good = kvst.random_rows(plan.spec, plan.new_tokens, seed=7)
+    check_refused(factory, plan, case, "append", lambda cache: case.make(good, good.clone()))
+
+
+def check_overflow(factory: CacheFactory, plan: kvst.CachePlan) -> None:
+    """Past max_length a cache may refuse or grow, but never drop, wrap or overwrite."""
+    cache = warm(factory, plan)
+    rows = plan.spec.max_length - cache.given_length + plan.new_tokens
+    new = kvst.random_rows(plan.spec, rows, seed=rows)
+    where = f"{rows} tokens appended to {plan.describe()}, {plan.new_tokens} past max_length"
+    bad = (new, new * 2)
+    error = kvassert.raised_by(lambda: cache.append(*bad))
+    case = kvbad.overflow(plan.spec.max_length, rows)
+    if kvassert.assert_refused(error, case, where=where):
+        kvassert.assert_unchanged(cache, plan.spec, who="the cache", where=where)
+        kvassert.assert_clear_error(error, case, bad, where=where)
+    else:  # it grew: it must hold everything, exactly
+        kvassert.assert_length(cache, cache.given_length, who="the cache", where=where)
+        kvassert.assert_returned_rows(cache, who="the cache", where=where)
+
+
+def check_bad_model_call(factory: CacheFactory, plan: kvst.ModelPlan, case: kvbad.BadInput):
+    """``case`` is refused before any cache changes."""
+    state = kvbad.build_model_state(factory, plan)
+    tokens, caches = bad = case.make(state)
+    where = state.describe()
+    error = kvassert.raised_by(lambda: state.model(tokens, caches=caches))
+    kvassert.assert_refused(error, case, where=where)
+    for layer, cache in enumerate([*state.caches, state.spare]):
+        who = "the spare cache" if cache is state.spare else f"layer {layer}"
+        kvassert.assert_unchanged(cache, state.spec, who=who, where=where)
+    kvassert.assert_clear_error(error, case, bad, where=where)
+
+
+BAD_APPEND = Property(
+    "bad append",
+    "a bad append is refused with a ValueError naming the problem, changing nothing",
+    check_bad_append,
+    kvst.cache_plans(room=3),
+    failures.ACCEPTS_BAD_INPUT,
+    cases=tuple(kvbad.BAD_APPENDS),
+    # Each of the many cases has its own search; what varies within one is only the warm
+    # cache it is tried on, and the thorough profile still gives it hundreds.
+    examples_share=0.4,
+)
+OVERFLOW = Property(
+    "overflow",
+    "past max_length an append is refused (changing nothing) or held exactly",
+    check_overflow,
+    kvst.cache_plans(room=1),  # after a refusal, room for one row to read the cache back
+    failures.DATA_LOSS,
+)
+BAD_MODEL_CALL = Property(
+    "bad model call",
+    "a bad model call is refused before any cache changes",
+    check_bad_model_call,
+    kvst.model_plans(),
+    failures.ACCEPTS_BAD_INPUT,
+    cases=tuple(kvbad.BAD_CALLS),
+    examples_share=0.25,
+)
+
+
+class RejectionTests(KitTests):
+    """Bad input is refused as the contract says, and changes nothing."""
+
+    test_bad_append_is_refused_and_changes_nothing = property_test(BAD_APPEND)
+    test_append_past_max_length_is_refused_or_held_exactly = property_test(OVERFLOW)
+    test_bad_model_call_is_refused_before_any_cache_changes = property_test(BAD_MODEL_CALL)

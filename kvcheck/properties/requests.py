@@ -1,0 +1,489 @@
+"""Requests served side by side from one factory, as a serving engine's scheduler runs them.
+
+A ``RequestPlan`` is an interleaving of events on one model: requests start (on fresh caches,
+or on the reset caches of a finished one), are fed their prompt and decode steps in chunks
+of their own, fork (parallel samples that then diverge; a shared prompt that a later request
+reuses), are truncated and reordered (where offered), and finish, by ``reset()`` or by being
+dropped (``del``, then a garbage collection, so that a pool gets their blocks back), some
+after leaving rows of nan, inf or huge values behind. Every step of every request must give
+the uncached model's logits for that request's own history (the session engine checks it).
+
+Where the factory is a ``kvref.BlockPool``, a plan runs on a tight pool of the same kind
+(``with_blocks``), sized to what the plan needs at its busiest moment plus a small margin, so
+that blocks are freed and taken again all the time, and the pool's books are audited after
+every event (``kvcheck.pool_books``).
+
+- ``requests``: on every factory (forks where offered, else a fresh prefill of the history);
+- ``fork``: plans that fork often, with truncates, where ``fork()`` is offered.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from hypothesis import strategies as st
+from torch import Tensor
+
+from kvcheck import failures
+from kvcheck import strategies as kvst
+from kvcheck.harness import PATHS
+from kvcheck.kit import KitTests, Property, property_test
+from kvcheck.session import Engine, Request
+from kvref import BlockPool, CacheContractError, CacheFactory, ModelConfig
+
+MAX_LENGTH = 48  # per request; prompts are drawn around the 16-row boundaries below it
+MAX_LIVE = 4  # requests alive at once
+
+
+@dataclass(frozen=True)
+class Start:
+    """Request ``request`` starts on fresh caches, or on the reset caches of ``reuse``."""
+
+    request: int
+    batch: int
+    reuse: int | None = None
+
+    def describe(self) -> str:
+        caches = "fresh caches" if self.reuse is None else f"the reset caches of r{self.reuse}"
+        return f"r{self.request} starts (batch {self.batch}, {caches})"
+
+
+@dataclass(frozen=True)
+class Feed:
+    """``size`` new tokens of request ``request``: its prompt, a chunk of it, or decoding."""
+
+    request: int
+    size: int
+
+    def describe(self) -> str:
+        return f"r{self.request} is fed {self.size} token{'s' * (self.size > 1)}"
+
+
+@dataclass(frozen=True)
+class Fork:
+    """Request ``child`` is a fork of ``parent`` (its caches' ``fork()``; where fork is not
+    offered, fresh caches fed the parent's history)."""
+
+    parent: int
+    child: int
+
+    def describe(self) -> str:
+        return f"r{self.child} = fork of r{self.parent}"
+
+
+@dataclass(frozen=True)
+class Truncate:
+    """Request ``request`` forgets its last ``back`` tokens, or all when it holds fewer
+    (where truncate is offered)."""
+
+    request: int
+    back: int
+
+    def describe(self) -> str:
+        return f"r{self.request} forgets its last {self.back} tokens"
+
+
+@dataclass(frozen=True)
+class Reorder:
+    """Request ``request``'s batch row b becomes its old row ``indices[b]`` (beam search;
+    where reorder is offered)."""
+
+    request: int
+    indices: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"r{self.request} reorders its rows as {list(self.indices)}"
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Request ``request`` ends: its caches are reset (kept for a later request) or dropped;
+    with ``poison``, after ``poison_rows`` rows of nan, inf, -inf or huge values."""
+
+    request: int
+    how: Literal["reset", "drop"]
+    poison: str | None = None
+    poison_rows: int = 0
+
+    def describe(self) -> str:
+        poisoned = f" after {self.poison_rows} {self.poison} rows" if self.poison else ""
+        return f"r{self.request} finishes: {self.how}{poisoned}"
+
+
+Event = Start | Feed | Fork | Truncate | Reorder | Finish
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    config: ModelConfig
+    dtype: torch.dtype
+    events: tuple[Event, ...]
+    token_seed: int
+    margin: int = 0  # blocks a tight pool has beyond the plan's busiest moment
+    path: str = "append"  # the model's path through a cache that offers attend
+
+    @property
+    def max_length(self) -> int:
+        return MAX_LENGTH
+
+    def tokens(self, index: int, batch: int) -> Tensor:
+        """The tokens of event ``index`` (a Feed), from a seed of their own."""
+        size = self.events[index].size
+        return kvst.random_tokens(self.config, batch, size, seed=self.token_seed * 1000 + index)
+
+    def describe(self, done: int | None = None) -> str:
+        """The model, then the events (those up to ``done`` when given)."""
+        events = self.events if done is None else self.events[: done + 1]
+        lines = [f"#{index} {event.describe()}" for index, event in enumerate(events)]
+        left = 0 if done is None else len(self.events) - done - 1
+        more = f" ({left} of {len(self.events)} events not yet run)" if left else ""
+        return (
+            f"model: {kvst.describe_config(self.config)}, "
+            f"{str(self.dtype).removeprefix('torch.')}, {self.path} path\n  interleaving so "
+            f"far{more}: " + "; ".join(lines)
+        )
+
+    def summary(self) -> tuple[str, str, str]:
+        fed = sum(event.size for event in self.events if isinstance(event, Feed))
+        events = "; ".join(event.describe() for event in self.events)
+        batches = {event.batch for event in self.events if isinstance(event, Start)}
+        return f"{fed} ({events})", str(self.config.num_layers), "/".join(map(str, batches))
+
+    def blocks_needed(self, block_size: int) -> int:
+        """The most blocks of ``block_size`` rows the plan's live caches hold at once when
+        nothing is shared: ceil(length / block_size) per batch row of each layer's cache."""
+        batch: dict[int, int] = {}
+        length: dict[int, int] = {}
+        busiest = 0
+        for event in self.events:
+            if isinstance(event, Start):
+                batch[event.request], length[event.request] = event.batch, 0
+            elif isinstance(event, Feed):
+                length[event.request] += event.size
+            elif isinstance(event, Fork):
+                batch[event.child] = batch[event.parent]
+                length[event.child] = length[event.parent]
+            elif isinstance(event, Truncate | Reorder):
+                pass  # the count after either is no higher (a refused truncate keeps all)
+            else:
+                length[event.request] += event.poison_rows
+            held = sum(batch[r] * math.ceil(length[r] / block_size) for r in length)
+            busiest = max(busiest, held * self.config.num_layers)
+            if isinstance(event, Finish):
+                del length[event.request]
+        return busiest
+
+
+@dataclass
+class _Drawing:
+    """What the strategy knows while it draws: each live request's batch and length."""
+
+    live: dict[int, list[int]] = field(default_factory=dict)  # request -> [batch, length]
+    reusable: dict[int, int] = field(default_factory=dict)  # reset request -> batch
+    events: list[Event] = field(default_factory=list)
+    next_request: int = 0
+
+    def room(self, request: int) -> int:
+        return MAX_LENGTH - self.live[request][1]
+
+
+@st.composite
+def request_plans(
+    draw,
+    *,
+    forks: int = 1,
+    truncates: bool = False,
+    reorders: bool = True,
+    poison: bool = True,
+    max_events: int = 10,
+) -> RequestPlan:
+    """Interleavings of requests on one model: starts, prompts, decode steps, forks (and
+    truncates), finishes by reset or drop, and at the end every request finished. ``forks``
+    weighs the fork events (0: none); with ``forks`` above 1 every plan forks at least once."""
+    state = _Drawing()
+    for _ in range(draw(st.integers(2, max_events), label="events")):
+        if not state.live:
+            _start(draw, state)
+            continue
+        kinds = ["feed", "feed", "finish"]
+        if len(state.live) < MAX_LIVE:
+            kinds.append("start")
+            # Parallel samples, and the order that breaks engines: a request finishes,
+            # another starts into its freed blocks, then its fork decodes.
+            kinds += ["fork", "samples", "handoff"] * forks
+        if truncates:
+            kinds.append("truncate")
+        if reorders:
+            kinds.append("reorder")
+        kind = draw(st.sampled_from(kinds), label="event")
+        if kind == "start":
+            _start(draw, state)
+            continue
+        request = draw(st.sampled_from(sorted(state.live)), label="request")
+        if kind == "feed":
+            _feed(draw, state, request)
+        elif kind == "finish":
+            _finish(draw, state, request, poison)
+        elif kind == "truncate":
+            back = draw(st.integers(0, state.live[request][1]), label="back")
+            # The length drawn on stays the most the caches may hold (a window cache may
+            # refuse), so that no later feed can overflow MAX_LENGTH.
+            state.events.append(Truncate(request, back))
+        elif kind == "reorder":
+            batch = state.live[request][0]
+            rows = st.lists(st.integers(0, batch - 1), min_size=batch, max_size=batch)
+            state.events.append(Reorder(request, tuple(draw(rows, label="indices"))))
+        elif kind == "fork":
+            child = _fork(state, request)
+            if draw(st.booleans(), label="feed the fork"):
+                _feed(draw, state, child, decode=True)
+        elif kind == "samples":
+            for _ in range(draw(st.integers(1, MAX_LIVE - len(state.live)), label="samples")):
+                _feed(draw, state, _fork(state, request), decode=True)
+        else:
+            _handoff(draw, state, request, poison)
+    if forks > 1 and not any(isinstance(event, Fork) for event in state.events):
+        if len(state.live) == MAX_LIVE:
+            _finish(draw, state, max(state.live), poison)
+        if not state.live:
+            _start(draw, state)
+        _handoff(draw, state, min(state.live), poison)
+    for request in sorted(state.live):
+        _finish(draw, state, request, poison)
+    return RequestPlan(
+        config=draw(kvst.model_configs(max_layers=2), label="config"),
+        dtype=draw(kvst.dtypes_on_device(kvst.DTYPES), label="dtype"),
+        events=tuple(state.events),
+        token_seed=draw(st.integers(0, 2**16), label="token seed"),
+        margin=draw(st.sampled_from((0, 0, 1, 3)), label="spare blocks"),
+        path=draw(st.sampled_from(PATHS), label="path"),
+    )
+
+
+def _handoff(draw, state: _Drawing, request: int, poison: bool) -> None:
+    """Fork ``request``, finish it, start another request (into its freed blocks), then
+    decode the fork: a refcount or table bug hands the fork the newcomer's rows."""
+    child = _fork(state, request)
+    _finish(draw, state, request, poison)
+    _start(draw, state)
+    _feed(draw, state, child, decode=True)
+
+
+def _start(draw, state: _Drawing) -> None:
+    request, state.next_request = state.next_request, state.next_request + 1
+    reuse = None
+    if state.reusable and draw(st.booleans(), label="reuse reset caches"):
+        reuse = draw(st.sampled_from(sorted(state.reusable)), label="reused")
+        batch = state.reusable.pop(reuse)
+    else:
+        batch = draw(st.integers(1, 3), label="batch")
+    state.events.append(Start(request, batch, reuse))
+    state.live[request] = [batch, 0]
+    _feed(draw, state, request)
+
+
+def _feed(draw, state: _Drawing, request: int, *, decode: bool = False) -> None:
+    if not state.live[request][1] and not decode:
+        sizes = kvst.prompt_sizes
+    else:
+        sizes = st.one_of(st.just(1), st.integers(2, 4), kvst.chunk_sizes)
+    size = min(draw(sizes, label="tokens"), state.room(request))
+    if size:
+        state.events.append(Feed(request, size))
+        state.live[request][1] += size
+
+
+def _fork(state: _Drawing, parent: int) -> int:
+    child, state.next_request = state.next_request, state.next_request + 1
+    state.events.append(Fork(parent, child))
+    state.live[child] = list(state.live[parent])
+    return child
+
+
+def _finish(draw, state: _Drawing, request: int, poison: bool) -> None:
+    how = draw(st.sampled_from(("drop", "reset")), label="finish by")
+    kind, rows = None, min(draw(st.integers(1, 3), label="poison rows"), state.room(request))
+    if poison and rows and draw(st.booleans(), label="poisoned"):
+        kind = draw(st.sampled_from(sorted(kvst.POISON_VALUES)), label="poison")
+    state.events.append(Finish(request, how, kind, rows if kind else 0))
+    batch, _ = state.live.pop(request)
+    if how == "reset":
+        state.reusable[request] = batch
+
+
+def serve(factory: CacheFactory, plan: RequestPlan) -> None:
+    """Run ``plan`` on caches from ``factory`` (a tight pool of its kind, audited after every
+    event, when it is a BlockPool); every step of every request must give the uncached
+    model's logits for its own history."""
+    blocks = (
+        plan.blocks_needed(factory.block_size) + plan.margin
+        if isinstance(factory, BlockPool)
+        else 0
+    )
+    model = kvst.build_model(plan.config, plan.dtype)
+    done = [0]
+    engine = Engine(
+        factory,
+        model,
+        max_length=MAX_LENGTH,
+        path=plan.path,
+        blocks=blocks,
+        describe=lambda: plan.describe(done[0]),
+    )
+    finished: dict[int, Request] = {}
+    for index, event in enumerate(plan.events):
+        done[0] = index
+        at = f", event #{index} ({event.describe()})"
+        try:
+            run_event(engine, event, index, finished, plan, at)
+        except ValueError as error:
+            if isinstance(error, CacheContractError) or engine.pool is None:
+                raise
+            pool = engine.pool
+            raise failures.RefusesValidInput(
+                f"the pool refused a step the plan needs: {type(error).__name__}: {error}; "
+                f"blocks_in_use {pool.blocks_in_use}, blocks_free {pool.blocks_free}, "
+                f"while the caches alive need at most {blocks - plan.margin} blocks of "
+                f"{pool.block_size} rows even unshared: blocks were not given back, or more "
+                f"were taken than the rows need\n  at {engine.where(at.removeprefix(', '))}"
+            ) from error
+        engine.check(f"event #{index} ({event.describe()})")
+    finished.clear()
+    engine.finish()
+
+
+def run_event(engine: Engine, event: Event, index: int, finished: dict, plan, at: str) -> None:
+    """One event of the plan. Only ``engine.live`` and ``finished`` (reset, waiting to be
+    reused) hold caches, so that a dropped request's caches are collectable."""
+    live = engine.live
+    if isinstance(event, Start):
+        reuse = None if event.reuse is None else finished.pop(event.reuse)
+        engine.start(f"r{event.request}", event.batch, reuse=reuse)
+    elif isinstance(event, Feed):
+        request = live[f"r{event.request}"]
+        engine.feed(request, plan.tokens(index, request.batch), at=at)
+    elif isinstance(event, Fork):
+        engine.fork(live[f"r{event.parent}"], f"r{event.child}", at=at)
+    elif isinstance(event, Truncate):
+        request = live[f"r{event.request}"]
+        if "truncate" in request.offered:
+            engine.truncate(request, max(request.held - event.back, 0), at=at)
+    elif isinstance(event, Reorder):
+        request = live[f"r{event.request}"]
+        if "reorder" in request.offered:
+            engine.reorder(request, torch.tensor(event.indices), at=at)
+    else:
+        request = live[f"r{event.request}"]
+        if event.poison:
+            engine.poison(request, event.poison, event.poison_rows)
+        if event.how == "reset":
+            engine.reset(request)
+            finished[event.request] = request
+        else:
+            engine.drop(request)
+
+
+def check_requests(factory: CacheFactory, plan: RequestPlan) -> None:
+    """Requests served side by side from one factory (a tight pool of its kind when it is a
+    BlockPool) each get the uncached model's logits for their own history."""
+    serve(factory, plan)
+
+
+# Pinned plans, tried first on every run: the orders where serving engines broke.
+_tiny = ModelConfig(vocab_size=11, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, seed=3)
+PINNED_FORKS = (
+    # Parent and fork both write into the partly filled block they share (copy-on-write).
+    RequestPlan(
+        _tiny,
+        torch.float64,
+        (
+            Start(0, 2),
+            Feed(0, 5),
+            Fork(0, 1),
+            Feed(1, 3),
+            Feed(0, 3),
+            Feed(1, 1),
+            Finish(0, "drop"),
+            Finish(1, "drop"),
+        ),
+        token_seed=1,
+    ),
+    # A request finishes, another is served into its freed blocks, then its fork decodes
+    # (reference counts of shared blocks).
+    RequestPlan(
+        _tiny,
+        torch.float64,
+        (
+            Start(0, 1),
+            Feed(0, 17),
+            Fork(0, 1),
+            Finish(0, "drop"),
+            Start(2, 1),
+            Feed(2, 20),
+            Feed(1, 1),
+            Finish(1, "drop"),
+            Finish(2, "drop"),
+        ),
+        token_seed=2,
+    ),
+)
+PINNED = (
+    *PINNED_FORKS,
+    # A request's reset caches serve a new request while another holds their old blocks
+    # (block tables cleared on reset).
+    RequestPlan(
+        _tiny,
+        torch.float64,
+        (
+            Start(0, 1),
+            Feed(0, 20),
+            Finish(0, "reset"),
+            Start(1, 1),
+            Feed(1, 20),
+            Start(2, 1, reuse=0),
+            Feed(2, 5),
+            Feed(1, 1),
+            Finish(1, "drop"),
+            Finish(2, "drop"),
+        ),
+        token_seed=3,
+    ),
+)
+
+
+REQUESTS = Property(
+    "requests",
+    "requests interleaved on one factory (started, forked, reordered, finished, started "
+    "again) each match the model on their own history",
+    check_requests,
+    request_plans(),
+    failures.WRONG_RESULTS,
+    pinned=PINNED,
+    # It runs on every cache under test (a quarter of the profile's examples, after the
+    # pinned plans); on a pool, "pool" searches the same plans in full.
+    examples_share=0.25,
+)
+FORK = Property(
+    "fork",
+    "after fork(), parent and child are independent histories, each matching the model",
+    check_requests,
+    request_plans(forks=3, truncates=True, poison=False),
+    failures.WRONG_RESULTS,
+    requires=("fork",),
+    pinned=PINNED_FORKS,
+)
+
+
+class RequestsTests(KitTests):
+    """Requests interleaved on one factory, as a serving engine's scheduler runs them."""
+
+    test_interleaved_requests_each_match_the_model = property_test(REQUESTS)
+
+
+class ForkTests(KitTests):
+    """``fork()``, for parallel sampling and shared prompts: run when offered."""
+
+    test_forks_are_independent_histories = property_test(FORK)

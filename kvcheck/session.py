@@ -1,0 +1,344 @@
+"""The session engine: every property that runs the model drives its caches through it.
+
+An ``Engine`` holds one reference model, the factory under test and the requests alive on
+it. A ``Request`` is one history (token ids, one row per batch row) and one recorded cache
+per layer. Events are the calls an engine makes: ``start`` (fresh caches, or the reset ones
+of a finished request), ``feed``, ``truncate``, ``reorder``, ``fork``, ``reset``, ``drop``
+and ``poison``. After each, the engine checks what the contract says holds whatever the
+plan: every layer's length is the history's, and
+
+- ``feed`` compares each new position's logits with the uncached model over the request's
+  whole history (the oracle), and on the append path what ``append`` returned with the rows
+  given; on failure it names the first layer whose cache went wrong (``first_wrong_layer``);
+- a truncate a window layer refuses is allowed only where the contract allows it
+  (``kvref.may_refuse_truncate``); then the history stays;
+- the rows every live cache last returned are read again after the others were called,
+  since a returned view lives until that cache's own next call (``check_views``);
+- where the factory is a ``kvref.BlockPool``, its books are audited (``kvcheck.pool_books``).
+
+A property builds its plan out of these events; nothing else calls a cache in a session.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from kvcheck import asserts as kvassert
+from kvcheck import devices as kvdevices
+from kvcheck import failures, pool_books
+from kvcheck import strategies as kvst
+from kvcheck.harness import Recorder, record
+from kvref import (
+    BlockPool,
+    CacheContractError,
+    CacheFactory,
+    ReferenceTransformer,
+    attention,
+    capabilities,
+    may_refuse_truncate,
+)
+
+
+@dataclass
+class Request:
+    """One history on one set of caches (one recorder per layer)."""
+
+    name: str
+    caches: list[Recorder] | None
+    history: Tensor  # (batch, tokens fed since the caches' reset)
+    steps: int = 0
+    offered: frozenset[str] = field(default_factory=frozenset)  # its caches' capabilities
+
+    @property
+    def held(self) -> int:
+        return self.history.shape[1]
+
+    @property
+    def batch(self) -> int:
+        return self.history.shape[0]
+
+
+@dataclass(frozen=True)
+class Fed:
+    """What one ``feed`` gave: the cached logits at positions ``start``..``end - 1``."""
+
+    logits: Tensor
+    start: int
+    end: int
+
+
+class Engine:
+    """One model and the requests alive on caches from one factory."""
+
+    def __init__(
+        self,
+        factory: CacheFactory,
+        model: ReferenceTransformer,
+        *,
+        max_length: int,
+        path: str = "append",
+        blocks: int = 4096,
+        describe: Callable[[], str] = lambda: "",
+    ) -> None:
+        # On a pool of its own, so that the books can be audited against this engine's caches.
+        self.factory = pool_books.fresh_pool(factory, blocks)
+        self.model = model
+        self.max_length = max_length
+        self.path = path
+        self.describe = describe  # the plan so far, for every message
+        self.live: dict[str, Request] = {}
+        self.pool = self.factory if isinstance(self.factory, BlockPool) else None
+        # With nothing alive yet, whatever the pool holds is someone else's: the books
+        # compare what this engine's caches hold against what was there before.
+        self.pool_before = self._pool_counts()
+
+    # --- the oracle -------------------------------------------------------------------
+    @functools.cached_property
+    def reference(self) -> ReferenceTransformer | None:
+        """The float64 model, where results in the model's dtype are held to a budget."""
+        if not kvassert.needs_reference(self.model.dtype):
+            return None
+        return kvst.build_model(self.model.config, torch.float64)
+
+    def where(self, text: str) -> str:
+        plan = self.describe()
+        return f"{text}\n  {plan}" if plan else text
+
+    # --- events ---------------------------------------------------------------------------
+    def start(self, name: str, batch: int, reuse: Request | None = None) -> Request:
+        """A request on fresh caches from the factory, or on the reset caches of ``reuse``."""
+        if reuse is None:
+            built = self.model.new_caches(self.factory, batch=batch, max_length=self.max_length)
+            caches = record(built, self.model.config, self.path)
+        else:
+            caches, reuse.caches = reuse.caches, None
+            self.live.pop(reuse.name, None)
+        kvassert.fail_if_not_empty(caches, self.where(f"{name} starts"))
+        history = torch.empty(batch, 0, dtype=torch.long, device=kvdevices.current())
+        offered = frozenset(capabilities(caches[0].cache))
+        request = Request(name, caches, history, offered=offered)
+        self.live[name] = request
+        return request
+
+    def feed(
+        self,
+        request: Request,
+        new: Tensor,
+        *,
+        compare: bool = True,
+        expected: Tensor | None = None,
+        reference: Callable[[], Tensor] | None = None,
+        at: str = "",
+    ) -> Fed:
+        """Feed ``new`` tokens to ``request``. With ``compare``, each new position's logits
+        must equal the uncached model's over the request's whole history (``expected``, when
+        the caller has it already; in half precision within the budget against the float64
+        model's, ``reference()``), and on the append path every layer must return exactly the
+        rows given."""
+        start, end = request.held, request.held + new.shape[1]
+        kind = "prefill" if start == 0 else "decode"
+        where = self.where(
+            f"{request.name}, its step #{request.steps}: {kind} of {new.shape[1]} token"
+            f"{'s' * (new.shape[1] > 1)} at absolute positions {start}..{end - 1}{at}"
+        )
+        try:
+            logits = self.model(new, caches=request.caches)
+        except Exception as error:
+            error.add_note(f"  at {where}")
+            raise
+        request.history = torch.cat((request.history, new), dim=1)
+        request.steps += 1
+        if compare:
+            self._compare(request, logits, start, where, expected, reference)
+            for layer, cache in enumerate(request.caches):
+                who = f"{request.name}'s layer {layer}"
+                kvassert.assert_length(cache, end, who=who, where=where)
+                if cache.path == "append":
+                    kvassert.assert_returned_rows(cache, who=who, where=where)
+        return Fed(logits, start, end)
+
+    def _compare(self, request, logits, start, where, expected, reference) -> None:
+        if expected is None:
+            expected = self.model(request.history)[:, start:]
+        if reference is None and self.reference is not None:
+            history = request.history
+            reference = lambda: self.reference(history)[:, start:]  # noqa: E731
+        try:
+            kvassert.assert_close_at(
+                logits,
+                expected,
+                what="cached and uncached logits",
+                where=where,
+                position_axis=1,
+                first_position=start,
+                reference=None if reference is None else reference(),
+            )
+        except failures.WrongResults as error:
+            error.add_note(first_wrong_layer(self.model, request, start))
+            raise
+
+    def truncate(self, request: Request, target: int, *, at: str = "") -> bool:
+        """Forget every position from ``target`` on; True when done, False when a window
+        layer refused as the contract allows (the history then stays). Any other refusal
+        is a crash on valid input."""
+        held = request.held
+        error = kvassert.raised_by(lambda: self.model.truncate(request.caches, target))
+        if error is None:
+            request.history = request.history[:, :target]
+            self._check_lengths(request, f"truncate to {target}{at}")
+            return True
+        windows = map(self.model.config.layer_window, range(self.model.config.num_layers))
+        allowed = isinstance(error, ValueError) and not isinstance(error, CacheContractError)
+        if allowed and may_refuse_truncate(windows, held, target):
+            self._check_lengths(request, f"a refused truncate to {target}{at}")
+            return False
+        raise failures.RefusesValidInput(
+            f"{request.name}: truncate from {held} tokens to {target} refused with "
+            f"{type(error).__name__}: {error}; no layer may refuse it: every position the next "
+            f"query needs is among those a window cache must keep\n  at "
+            f"{self.where(f'{request.name} truncates{at}')}"
+        ) from error
+
+    def reorder(self, request: Request, indices: Tensor, *, at: str = "") -> None:
+        """Batch row b becomes the old row ``indices[b]`` in every layer."""
+        indices = indices.to(self.model.device)
+        self.model.reorder(request.caches, indices)
+        request.history = request.history[indices]
+        self._check_lengths(request, f"reorder by {indices.tolist()}{at}")
+
+    def fork(self, parent: Request, name: str, *, at: str = "") -> Request:
+        """A new request with the parent's history: every layer's ``fork()``; where the
+        caches offer none, fresh caches fed the parent's history as one prompt (an engine
+        without prefix sharing)."""
+        if "fork" not in parent.offered:
+            child = self.start(name, parent.batch)
+            if parent.held:
+                self.feed(child, parent.history, at=f" (a fork of {parent.name}){at}")
+            return child
+        caches = [cache.fork() for cache in parent.caches]
+        child = Request(name, caches, parent.history.clone(), offered=parent.offered)
+        self.live[name] = child
+        self._check_lengths(child, f"{name} = fork of {parent.name}{at}")
+        return child
+
+    def poison(self, request: Request, kind: str, rows: int) -> None:
+        """Leave ``rows`` rows of nan, inf, -inf or huge values behind in every layer (what
+        the next reset must shed); the history is over."""
+        c, dtype = self.model.config, self.model.dtype
+        shape = (request.batch, c.num_kv_heads, rows, c.head_dim)
+        bad = torch.full(
+            shape, kvst.poison_value(kind, dtype), dtype=dtype, device=self.model.device
+        )
+        for cache in request.caches:
+            cache.append(bad, bad.clone())
+
+    def reset(self, request: Request) -> None:
+        """Empty every layer of ``request``, kept for a later ``start(reuse=...)``."""
+        for cache in request.caches:
+            cache.reset()
+        request.history = request.history[:, :0]
+        request.steps = 0
+
+    def drop(self, request: Request) -> None:
+        """The request ends and its caches go: the last reference, then a collection, so
+        that a pool gets their blocks back."""
+        self.live.pop(request.name, None)
+        request.caches = None
+        if self.pool is not None:
+            gc.collect()
+
+    # --- what holds after every event -----------------------------------------------------
+    def _check_lengths(self, request: Request, what: str) -> None:
+        where = self.where(f"{request.name}, after {what}")
+        for layer, cache in enumerate(request.caches):
+            who = f"{request.name}'s layer {layer}"
+            kvassert.assert_length(cache, request.held, who=who, where=where)
+
+    def check(self, event: str) -> None:
+        """After an event: the views every live cache returned still hold their rows, and
+        the pool's books are right."""
+        where = self.where(f"after {event}")
+        for request in self.live.values():
+            for layer, cache in enumerate(request.caches or ()):
+                changed = cache.views_changed()
+                if changed:
+                    raise failures.DataLoss(
+                        f"{request.name}'s layer {layer}: the rows its last append returned "
+                        f"changed at rows {changed[:8]} before its own next call (other caches "
+                        f"of the factory were called since): a returned view must stay valid "
+                        f"until that cache's next call\n  at {where}"
+                    )
+        if self.pool is not None:
+            pool_books.audit(self.pool, self, where=where)
+
+    def _pool_counts(self) -> tuple[int, int] | None:
+        return None if self.pool is None else (self.pool.blocks_in_use, self.pool.blocks_free)
+
+    def finish(self, *, blocks_back: bool = True) -> None:
+        """Every request dropped: a pool must then have every block back (``blocks_back``;
+        off where the caller may still hold a recorder, as a check looping over steps)."""
+        for request in list(self.live.values()):
+            self.drop(request)
+        if self.pool is not None and blocks_back:
+            gc.collect()
+            pool_books.all_back(self.pool, self.pool_before, where=self.where("at the end"))
+
+
+@contextmanager
+def young_objects_only() -> Iterator[None]:
+    """Collections inside look only at objects made inside: a full collection of a test
+    process's heap takes some 200 ms, and a plan drops caches many times."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def first_wrong_layer(model: ReferenceTransformer, request: Request, start: int) -> str:
+    """Which layer's cache went wrong first (later layers inherit its error): the first whose
+    returned rows differ from the uncached pass's keys and values, or, on the attend path,
+    whose attention differs from the reference attention over the rows it was given."""
+    _, uncached = model.forward_with_kv(request.history)
+    for layer, cache in enumerate(request.caches):
+        if cache.path == "attend" and cache.attended is not None:
+            query, got = cache.attended
+            keys, values = (rows[:, :, : request.held] for rows in uncached[layer])
+            positions = torch.arange(request.held, device=query.device)
+            want = attention(query, keys, values, positions[start:], positions, cache.window)
+            if got.shape != want.shape or not torch.isclose(got, want, **_loose(want)).all():
+                gap = (got.double() - want.double()).abs().nan_to_num(float("inf")).max().item()
+                return (
+                    f"  diagnosis: layer {layer} is the first whose attend() differs from the "
+                    f"reference attention over the uncached pass's keys and values (max |diff| "
+                    f"{gap:.3g}); the model used the attend path"
+                )
+            continue
+        for which, (name, got) in enumerate(zip(("keys", "values"), cache.returned, strict=True)):
+            want = uncached[layer][which][:, :, request.held - got.shape[2] : request.held]
+            if got.shape != want.shape:
+                return (
+                    f"  diagnosis: layer {layer}'s cache returned {name} shaped "
+                    f"{tuple(got.shape)}, not {tuple(want.shape)}"
+                )
+            if not torch.isclose(got, want, **_loose(want)).all():
+                return (
+                    f"  diagnosis: layer {layer} is the first whose cache returned {name} "
+                    f"unlike the uncached pass's"
+                )
+    return (
+        "  diagnosis: every layer's cache returned the uncached pass's keys and values, so the "
+        "model used them wrongly (mask, positions) or the cache changed them after returning"
+    )
+
+
+def _loose(tensor: Tensor) -> dict[str, float]:
+    # A diagnosis, not a verdict: half precision at a few roundings.
+    return kvassert.TOLERANCES.get(tensor.dtype, {"rtol": 2e-2, "atol": 2e-2})
