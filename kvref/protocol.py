@@ -69,7 +69,6 @@ def rows_needed(window: int | None, length: int, new_tokens: int = 0) -> int:
     return min(length, window - 1 + new_tokens)
 
 
-
 def may_refuse_truncate(windows: Iterable[int | None], held: int, target: int) -> bool:
     """Whether a model whose layers have ``windows``, holding ``held`` tokens, may see a
     truncate to ``target`` refused: a window layer must keep only the last W - 1 positions,
@@ -77,9 +76,9 @@ def may_refuse_truncate(windows: Iterable[int | None], held: int, target: int) -
     # Some position the next query needs (target - W + 1 .. target - 1) lies before the
     # first one every cache must keep (held - W + 1).
     return any(
-        max(0, target - w + 1) < min(target, max(0, held - w + 1))
-        for w in set(windows) - {None}
+        max(0, target - w + 1) < min(target, max(0, held - w + 1)) for w in set(windows) - {None}
     )
+
 
 @runtime_checkable
 class LayerCache(Protocol):
