@@ -61,6 +61,10 @@ class Request:
         return self.history.shape[1]
 
     @property
+    def path(self) -> str:
+        return self.caches[0].path if self.caches else "append"
+
+    @property
     def batch(self) -> int:
         return self.history.shape[0]
 
@@ -101,10 +105,9 @@ class Engine:
 
     # --- the oracle -------------------------------------------------------------------
     @functools.cached_property
-    def reference(self) -> ReferenceTransformer | None:
-        """The float64 model, where results in the model's dtype are held to a budget."""
-        if not kvassert.needs_reference(self.model.dtype):
-            return None
+    def truth(self) -> ReferenceTransformer:
+        """The float64 model: what a half-precision run, or a full-precision run on the
+        attend path, is measured against."""
         return kvst.build_model(self.model.config, torch.float64)
 
     def where(self, text: str) -> str:
@@ -167,19 +170,11 @@ class Engine:
     def _compare(self, request, logits, start, where, expected, reference) -> None:
         if expected is None:
             expected = self.model(request.history)[:, start:]
-        if reference is None and self.reference is not None:
+        if reference is None:
             history = request.history
-            reference = lambda: self.reference(history)[:, start:]  # noqa: E731
+            reference = lambda: self.truth(history)[:, start:]  # noqa: E731
         try:
-            kvassert.assert_close_at(
-                logits,
-                expected,
-                what="cached and uncached logits",
-                where=where,
-                position_axis=1,
-                first_position=start,
-                reference=None if reference is None else reference(),
-            )
+            assert_logits(logits, expected, reference, where=where, start=start, path=request.path)
         except failures.WrongResults as error:
             error.add_note(first_wrong_layer(self.model, request, start))
             raise
@@ -289,6 +284,62 @@ class Engine:
         if self.pool is not None and blocks_back:
             gc.collect()
             pool_books.all_back(self.pool, self.pool_before, where=self.where("at the end"))
+
+
+# On the attend path a cache computes attention in another order than the model does, so its
+# logits differ from the uncached model's by rounding, which an ill-conditioned model (a
+# residual of width 2, say, normalized by RMSNorm) can amplify past a fixed tolerance at a
+# position. There they are held to what the uncached run in the same dtype does: no further
+# from the float64 model than this many times its distance, plus the tolerance. On the
+# append path the cached model computes exactly what the uncached one does, bit for bit.
+ATTEND_PATH_FACTOR = 2.0
+
+
+def assert_logits(
+    logits: Tensor,
+    expected: Tensor,
+    reference: Callable[[], Tensor],
+    *,
+    where: str,
+    start: int,
+    path: str,
+) -> None:
+    """Cached ``logits`` against the uncached model's ``expected``: at the dtype's tolerance
+    (in half precision, its error budget against the float64 model's logits, ``reference()``);
+    on the attend path, a gap past the tolerance is allowed where the uncached run is itself
+    as far from the float64 model (``ATTEND_PATH_FACTOR``)."""
+    __tracebackhide__ = True
+    half = kvassert.needs_reference(expected.dtype)
+    try:
+        kvassert.assert_close_at(
+            logits,
+            expected,
+            what="cached and uncached logits",
+            where=where,
+            position_axis=1,
+            first_position=start,
+            reference=reference() if half else None,
+        )
+    except failures.WrongResults as error:
+        if half or path != "attend" or logits.shape != expected.shape:
+            raise
+        truth = reference()
+        cached = kvassert.position_errors(logits, truth, 1)
+        uncached = kvassert.position_errors(expected, truth, 1)
+        tolerance = kvassert.TOLERANCES[expected.dtype]
+        scale = truth.double().abs().movedim(1, 0).flatten(1).amax(dim=1)
+        allowed = ATTEND_PATH_FACTOR * uncached + tolerance["atol"] + tolerance["rtol"] * scale
+        if (cached <= allowed).all():  # a nan is never allowed
+            return
+        worst = int((cached - allowed).argmax())
+        error.add_note(
+            f"  on the attend path the gap is also beyond {ATTEND_PATH_FACTOR:g} x the uncached "
+            f"run's own distance from the float64 model + the tolerance: at absolute position "
+            f"{start + worst}, |cached - float64| {cached[worst].item():.3g} against "
+            f"{allowed[worst].item():.3g} allowed (the uncached run is {uncached[worst].item():.3g}"
+            f" from float64)"
+        )
+        raise
 
 
 @contextmanager

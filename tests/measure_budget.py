@@ -2,14 +2,16 @@
 and on a cache that stores float16 as bfloat16: the numbers behind the README's "Half
 precision" section.
 
-    python -m tests.measure_budget [--seeds 10] [--examples 20] [--device cpu]
+    python -m tests.measure_budget [--seeds 10] [--examples 20] [--device cpu] [--path attend]
 
 For every built-in and independent cache, and every seed, the logits property's scenarios
 are drawn in bfloat16 and float16; at each new position of each step it records how far
 the cached logits are from the float64 model, against how far the uncached run in the same
 dtype is: their ratio, and the excess in roundings (the unit roundoff times the largest
 |float64 logit| there, at least 1). A correct cache must stay inside the budget at every
-position; the narrow-storage mutant must leave it in most scenarios.
+position; the narrow-storage mutant must leave it in most scenarios. With ``--path attend``
+the same on the attend path (the model calling the cache's own ``attend``), for every
+correct cache that offers one.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ import kvimpl
 from kvcheck import asserts as kvassert
 from kvcheck import devices as kvdevices
 from kvcheck import strategies as kvst
+from kvcheck.kit import offered
 from kvcheck.properties.core import run
 from tests.independent.deque_window_cache import DequeWindowCache
+from tests.independent.fifo_paged_pool import FifoPagedPool
 from tests.independent.list_cache import ListCache
 from tests.independent.paged_cache import PagedCache
 from tests.independent.pooled_ring_cache import RingCache
@@ -38,10 +42,11 @@ CORRECT = {
     **kvimpl.CACHES,
     **{cache.__name__: cache for cache in (DequeWindowCache, ListCache, PagedCache, RingCache)},
     **{cache.__name__: cache for cache in (SlotCache, StackedCache, ViewCache)},
+    "FifoPagedPool": FifoPagedPool(),
 }
 
 
-def measure(factory, dtypes, seeds: int, examples: int) -> list[dict]:
+def measure(factory, dtypes, seeds: int, examples: int, path: str = "append") -> list[dict]:
     """One row per position: dtype, scenario, the ratio, the excess in roundings, and
     whether the budget holds there."""
     rows: list[dict] = []
@@ -49,7 +54,7 @@ def measure(factory, dtypes, seeds: int, examples: int) -> list[dict]:
 
     def record(scenario: kvst.Scenario) -> None:
         drawn[0] += 1
-        for step in run(factory, scenario):
+        for step in run(factory, scenario, path):
             ref = step.reference_logits
             bad, cached, _ = kvassert.over_budget(step.logits, step.expected_logits, ref, 1)
             uncached = kvassert.position_errors(step.expected_logits, ref, 1)
@@ -91,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--examples", type=int, default=20)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--path", choices=("append", "attend"), default="append")
     args = parser.parse_args(argv)
     kvdevices.choose(args.device)
     torch.set_num_threads(1)
@@ -98,7 +104,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{dtype}: budget {budget.describe(dtype)}")
     by_dtype = defaultdict(list)
     for name, factory in CORRECT.items():
-        rows = measure(factory, kvst.HALF_DTYPES, args.seeds, args.examples)
+        if args.path == "attend" and "attend" not in offered(factory):
+            continue
+        rows = measure(factory, kvst.HALF_DTYPES, args.seeds, args.examples, args.path)
         over = sum(row["over"] for row in rows)
         print(f"{name}: {len(rows)} positions, {over} over the budget")
         for row in rows:
@@ -107,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"correct caches, {dtype}, {len(rows)} positions:")
         print(f"  cached / uncached error: {quantiles([row['ratio'] for row in rows])}")
         print(f"  excess, in roundings:    {quantiles([row['excess'] for row in rows])}")
+    if args.path == "attend":
+        return
     rows = measure(StoresFloat16AsBfloat16, (torch.float16,), args.seeds, args.examples)
     scenarios = {row["scenario"] for row in rows}
     caught = {row["scenario"] for row in rows if row["over"]}

@@ -22,7 +22,7 @@ from kvcheck import asserts as kvassert
 from kvcheck import failures
 from kvcheck import strategies as kvst
 from kvcheck.kit import KitTests, Property, edge_test, property_test
-from kvcheck.session import Engine, Request, first_wrong_layer
+from kvcheck.session import Engine, Request, assert_logits, first_wrong_layer
 from kvref import CacheFactory
 
 
@@ -133,16 +133,17 @@ def check_logits_match_uncached(
     factory: CacheFactory, scenario: kvst.Scenario, *, path: str = "append"
 ) -> None:
     """Every new position's cached logits equal the uncached model's."""
+    truth = functools.cache(lambda session: scenario.reference()(scenario.tokens(session)))
     for step in run(factory, scenario, path):
+        session = scenario.sessions[step.session_index]
         try:
-            kvassert.assert_close_at(
+            assert_logits(
                 step.logits,
                 step.expected_logits,
-                what="cached and uncached logits",
+                lambda: truth(session)[:, step.start : step.end],  # noqa: B023
                 where=step.where(),
-                position_axis=1,
-                first_position=step.start,
-                reference=step.reference_logits,
+                start=step.start,
+                path=path,
             )
         except failures.WrongResults as error:
             error.add_note(first_wrong_layer(step.scenario.model(), step.request, step.start))
