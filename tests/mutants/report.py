@@ -83,8 +83,9 @@ test ends). Each docstring's first paragraph names the bug: it is the table's se
 
 `tests/test_mutants.py` (part of the default `pytest -n auto`) searches the kit's properties
 (`kvcheck.properties.ALL`, collected from the area modules) with Hypothesis, without
-shrinking and without the example database, until one fails: first a quick pass of 3 examples through every property, then 20
-examples of each, logits first, then the capability properties, then the rest (`HUNT_ORDER`).
+shrinking and without the example database, until one fails: first a quick pass of 3 examples
+through every property, then 20 examples of each, logits first, then the capability
+properties, then the rest (`HUNT_ORDER`).
 The stateful machine draws for itself and is not hunted. A property of a capability the mutant
 does not offer is skipped, as in a run of the kit. The built-ins go through the same search
 (`test_hunt_spares_correct_caches`), so a search that flagged everything would fail.
