@@ -215,4 +215,19 @@ def assert_served(cache: Recorder, *, who: str, where: str) -> None:
     )
 
 
+def assert_views_kept(caches: dict[str, Recorder], *, where: str) -> None:
+    """The views each cache's last append returned still hold what they held then: a view
+    lives until that cache's own next call, whatever other caches were called since."""
+    __tracebackhide__ = True
+    from kvcheck.failures import DataLoss
+
+    for who, cache in caches.items():
+        if changed := cache.views_changed():
+            raise DataLoss(
+                f"{who}: the rows its last append returned changed at rows {changed[:8]} "
+                f"before its own next call (other caches of the factory were called since): "
+                f"a returned view must stay valid until that cache's next call\n  at {where}"
+            )
+
+
 build = recorded  # the older name, for kvcheck.badinput

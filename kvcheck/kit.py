@@ -29,7 +29,6 @@ from kvref import BlockPool, CacheFactory, CacheSpec, capabilities
 NOT_OFFERED = "not offered"
 # Capabilities of the factory itself, not of its caches.
 FACTORY_CAPABILITIES = {"block pool": BlockPool}
-PATH_KEY = pytest.StashKey[dict]()  # item -> {"offers attend": bool}, for the verdict
 
 
 def probe_spec() -> CacheSpec:
@@ -112,10 +111,8 @@ def property_test(prop: Property):
     (``kvcheck.profiles``): a Hypothesis profile loaded for the host process does not change
     it, and the kit changes none."""
 
-    def body(self, cache_factory, request, case, path):
+    def body(self, cache_factory, case, path):
         skip_unless_offered(prop, cache_factory, path)
-        if prop.paths:
-            request.node.stash[PATH_KEY] = {"offers attend": "attend" in offered(cache_factory)}
         sizes = kvsizes.declared_by(cache_factory, type(self))
         if prop.strategy is None:  # a state machine: it draws for itself
             paths = {"path": path} if prop.paths else {}
@@ -133,23 +130,23 @@ def property_test(prop: Property):
     # pytest parametrizes only arguments without defaults: one signature per shape.
     if prop.cases and prop.paths:
 
-        def test(self, cache_factory, request, case, path):
-            body(self, cache_factory, request, case, path)
+        def test(self, cache_factory, case, path):
+            body(self, cache_factory, case, path)
 
     elif prop.cases:
 
-        def test(self, cache_factory, request, case):
-            body(self, cache_factory, request, case, "append")
+        def test(self, cache_factory, case):
+            body(self, cache_factory, case, "append")
 
     elif prop.paths:
 
-        def test(self, cache_factory, request, path):
-            body(self, cache_factory, request, None, path)
+        def test(self, cache_factory, path):
+            body(self, cache_factory, None, path)
 
     else:
 
-        def test(self, cache_factory, request):
-            body(self, cache_factory, request, None, "append")
+        def test(self, cache_factory):
+            body(self, cache_factory, None, "append")
 
     if prop.paths:
         params = [pytest.param(path, marks=pytest.mark.kv_path(path), id=path) for path in PATHS]

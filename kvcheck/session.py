@@ -34,7 +34,7 @@ from kvcheck import asserts as kvassert
 from kvcheck import devices as kvdevices
 from kvcheck import failures, pool_books
 from kvcheck import strategies as kvst
-from kvcheck.harness import Recorder, record
+from kvcheck.harness import Recorder, assert_views_kept, record
 from kvref import (
     BlockPool,
     CacheContractError,
@@ -226,11 +226,7 @@ class Engine:
     def poison(self, request: Request, kind: str, rows: int) -> None:
         """Leave ``rows`` rows of nan, inf, -inf or huge values behind in every layer (what
         the next reset must shed); the history is over."""
-        c, dtype = self.model.config, self.model.dtype
-        shape = (request.batch, c.num_kv_heads, rows, c.head_dim)
-        bad = torch.full(
-            shape, kvst.poison_value(kind, dtype), dtype=dtype, device=self.model.device
-        )
+        bad = kvst.poison_rows(self.model.cache_spec(request.batch, self.max_length), rows, kind)
         for cache in request.caches:
             cache.append(bad, bad.clone())
 
@@ -260,16 +256,14 @@ class Engine:
         """After an event: the views every live cache returned still hold their rows, and
         the pool's books are right."""
         where = self.where(f"after {event}")
-        for request in self.live.values():
-            for layer, cache in enumerate(request.caches or ()):
-                changed = cache.views_changed()
-                if changed:
-                    raise failures.DataLoss(
-                        f"{request.name}'s layer {layer}: the rows its last append returned "
-                        f"changed at rows {changed[:8]} before its own next call (other caches "
-                        f"of the factory were called since): a returned view must stay valid "
-                        f"until that cache's next call\n  at {where}"
-                    )
+        assert_views_kept(
+            {
+                f"{request.name}'s layer {layer}": cache
+                for request in self.live.values()
+                for layer, cache in enumerate(request.caches or ())
+            },
+            where=where,
+        )
         if self.pool is not None:
             pool_books.audit(self.pool, self, where=where)
 
@@ -384,6 +378,12 @@ def first_wrong_layer(model: ReferenceTransformer, request: Request, start: int)
                     f"  diagnosis: layer {layer} is the first whose cache returned {name} "
                     f"unlike the uncached pass's"
                 )
+    if request.path == "attend":
+        return (
+            "  diagnosis: every layer's attend() is within a few roundings of the reference "
+            "attention over the uncached pass's keys and values; small differences added up "
+            "through the layers (in half precision: an attend that accumulates below float32?)"
+        )
     return (
         "  diagnosis: every layer's cache returned the uncached pass's keys and values, so the "
         "model used them wrongly (mask, positions) or the cache changed them after returning"

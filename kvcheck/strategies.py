@@ -381,6 +381,13 @@ def random_rows(spec: CacheSpec, rows: int, seed: int) -> torch.Tensor:
     return rows.to(device=spec.device, dtype=spec.dtype)
 
 
+def poison_rows(spec: CacheSpec, rows: int, kind: str) -> torch.Tensor:
+    """Keys or values for ``rows`` tokens, every one ``kind`` (nan, inf, -inf or huge): what
+    a reset must shed."""
+    shape = (spec.batch, spec.kv_heads, rows, spec.head_dim)
+    return torch.full(shape, poison_value(kind, spec.dtype), dtype=spec.dtype, device=spec.device)
+
+
 @dataclass(frozen=True)
 class CachePlan:
     """A cache spec, the sizes of the appends that warm it (rows from ``random_rows``), and

@@ -268,12 +268,13 @@ def check_edits(factory: CacheFactory, plan: EditPlan) -> None:
         factory, model, max_length=plan.max_length, path=plan.path, describe=plan.describe
     )
     request = engine.start("the request", plan.batch)
-    generator = torch.Generator().manual_seed(plan.token_seed)
     parents = []  # (request, tokens to decode at the end)
+    fed = [0]
 
     def feed(size: int, at: str) -> None:
-        new = torch.randint(0, plan.config.vocab_size, (plan.batch, size), generator=generator)
-        engine.feed(request, new.to(model.device), at=at)
+        fed[0] += 1
+        seed = plan.token_seed * 1000 + fed[0]
+        engine.feed(request, kvst.random_tokens(plan.config, plan.batch, size, seed), at=at)
 
     feed(plan.prompt, " (the prompt)")
     for index, step in enumerate(plan.steps):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kvcheck import asserts as kvassert
 from kvcheck import failures
 from kvcheck import strategies as kvst
-from kvcheck.harness import assert_served, give, recorded
+from kvcheck.harness import assert_served, assert_views_kept, give, recorded
 from kvcheck.kit import KitTests, Property, property_test
 from kvcheck.properties.reset import full_precision
 from kvcheck.strategies import cache_specs, chunk_plans
@@ -62,6 +62,8 @@ def check_isolation(factory: CacheFactory, plan: IsolationPlan, *, path: str = "
             where = f"{cache.path} #{step} of cache {name}: {plan.describe()}"
             kvassert.assert_length(cache, cache.given_length, who=f"cache {name}", where=where)
             assert_served(cache, who=f"cache {name}", where=where)
+            others = {f"cache {other}": cache for other, cache in caches.items() if other != name}
+            assert_views_kept(others, where=where)
 
 
 ISOLATION = Property(

@@ -83,9 +83,7 @@ def check_stale_rows(factory: CacheFactory, plan: StaleRowsPlan, *, path: str = 
         if round_:  # room for the poison: the last round's clean rows go the same way
             cache = clear(factory, cache, plan, spec, path, f"the start of round #{round_}")
         for rows in plan.poisoned:
-            bad = kvst.random_rows(spec, rows, seed=rows).fill_(
-                kvst.poison_value(plan.poison, spec.dtype)
-            )
+            bad = kvst.poison_rows(spec, rows, plan.poison)
             cache.append(bad, bad.clone())
         cache = clear(factory, cache, plan, spec, path, f"round #{round_}")
         for step, rows in enumerate(plan.clean):

@@ -141,10 +141,14 @@ class FifoPagedCache:
         hidden = key_at > query_at
         if s.window is not None:
             hidden |= key_at <= query_at - s.window
+        # Half precision is summed in float32 and rounded once, as the contract asks of an
+        # attend (docs/contract.md, "The two paths through a cache").
+        wide = torch.promote_types(s.dtype, torch.float32)
+        query, keys, values = query.to(wide), keys.to(wide), values.to(wide)
         scores = torch.einsum("bhqd,bhkd->bhqk", query, keys) * (1.0 / math.sqrt(s.head_dim))
         scores = scores.masked_fill(hidden, -math.inf)
         weights = torch.exp(scores - torch.logsumexp(scores, dim=-1, keepdim=True))
-        return torch.einsum("bhqk,bhkd->bhqd", weights, values)
+        return torch.einsum("bhqk,bhkd->bhqd", weights, values).to(s.dtype)
 
     def fork(self) -> FifoPagedCache:
         full, partial = divmod(self._count, self.pool.block_size)
