@@ -291,17 +291,44 @@ def assert_clear_error(error: Exception, case, bad: tuple, *, where: str) -> Non
         ) from error
 
 
-def assert_unchanged(cache, spec, *, who: str, where: str, seed: int = 0) -> None:
-    """Same length as before a refused call, and a read-back append returns the rows held
-    before, then the new one."""
-    __tracebackhide__ = True
-    if cache.length != cache.given_length:
-        raise RefusalChangedState(
-            f"{who}: length is {cache.length} after a refused call, was {cache.given_length}"
-            f"\n  at {where}"
-        )
+def read_back(cache, spec, *, seed: int = 0) -> None:
+    """Append one valid row to the recorded ``cache`` through its recorder: ``cache.returned``
+    is then every row it holds (or, with a window, a recent run of them) and the new one."""
     row = random_rows(spec, 1, seed=seed + cache.given_length)
     cache.append(row, -row)
+
+
+def assert_unchanged(
+    cache, spec, *, who: str, where: str, seed: int = 0, case=None, refused: bool = True
+) -> None:
+    """Same length as before a refused call (of ``case``, if given; ``refused`` False: one
+    taken as a no-op), and a read-back append returns the rows held before, then the new one.
+    An exception while reading the cache back is the call's doing: it left the cache
+    unusable."""
+    __tracebackhide__ = True
+    if case is None:
+        after = "after a refused call" if refused else "after a call taken as a no-op"
+    else:
+        after = f'after refusing "{case}"' if refused else f'after taking "{case}" as a no-op'
+    try:
+        length = cache.length
+    except Exception as error:
+        raise RefusalChangedState(
+            f"{who}: {after}, reading its length raised "
+            f"{type(error).__name__}: {error}\n  at {where}"
+        ) from error
+    if length != cache.given_length:
+        raise RefusalChangedState(
+            f"{who}: length is {length} after a refused call, was {cache.given_length}"
+            f"\n  at {where}"
+        )
+    try:
+        read_back(cache, spec, seed=seed)
+    except Exception as error:
+        raise RefusalChangedState(
+            f"{who}: {after}, reading the cache back (an append of one valid "
+            f"row) raised {type(error).__name__}: {error}\n  at {where}"
+        ) from error
     try:
         assert_returned_rows(cache, who=who, where=f"reading back after a refused call, {where}")
     except DataLoss as error:
