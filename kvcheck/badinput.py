@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kvcheck.asserts import dtype_name
 from kvcheck.harness import Recorder, build, record
 from kvcheck.strategies import ModelPlan, build_model, random_rows
 from kvref import CacheFactory, CacheSpec, ReferenceTransformer
@@ -77,7 +78,7 @@ def shapes_of(*which: int) -> Callable[[tuple], list[str]]:
 
 
 def dtypes_of(bad: tuple) -> list[str]:
-    return [re.escape(str(t.dtype).removeprefix("torch.")) for t in bad if isinstance(t, Tensor)]
+    return [re.escape(dtype_name(t.dtype)) for t in bad if isinstance(t, Tensor)]
 
 
 def other_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -16,7 +16,7 @@ from kvcheck import badinput as kvbad
 from kvcheck import failures
 from kvcheck import properties as kvprop
 from kvcheck import strategies as kvst
-from kvcheck.harness import warm
+from kvcheck.harness import Recorder, warm
 from kvref import CacheSpec, check_append
 
 APPENDS = {case.name: case for case in kvbad.BAD_APPENDS}
@@ -27,6 +27,56 @@ REORDERS = {case.name: case for case in kvbad.BAD_REORDERS}
 def plan(chunks=(3,), dtype=torch.float64, batch=1, new_tokens=1) -> kvst.CachePlan:
     spec = CacheSpec(batch, 1, 2, max_length=8, dtype=dtype, device=torch.device("cpu"))
     return kvst.CachePlan(spec, chunks, new_tokens)
+
+
+class Unchecked:
+    """Checks nothing: appends join with ``torch.cat`` (which promotes a dtype), ``truncate``
+    slices (so -1 drops the last row), ``reorder`` indexes (int32 and -1 work)."""
+
+    def __init__(self, spec: CacheSpec) -> None:
+        self.spec = spec
+        self.reset()
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def reset(self) -> None:
+        s = self.spec
+        self.keys = torch.empty(s.batch, s.kv_heads, 0, s.head_dim, dtype=s.dtype)
+        self.values = self.keys.clone()
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        self.keys = torch.cat((self.keys, key), dim=2)
+        self.values = torch.cat((self.values, value), dim=2)
+        return self.keys, self.values
+
+    def truncate(self, length: int) -> None:
+        self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+
+    def reorder(self, indices: Tensor) -> None:
+        self.keys, self.values = self.keys[indices], self.values[indices]
+
+
+class TakesTheLatestDtype(Unchecked):
+    """Turns everything it holds into the dtype of the latest append: a float32 append to a
+    float64 cache rounds every row held before."""
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        self.keys, self.values = self.keys.to(key.dtype), self.values.to(value.dtype)
+        return super().append(key, value)
+
+
+class CountsWhatItIsTold(DoublingCache):
+    """A preallocated cache whose ``truncate`` sets its count unchecked: past the length held
+    it claims rows never written; below 0 its next append fails."""
+
+    def truncate(self, length: int) -> None:
+        self._length = length
 
 
 class BreaksAfterARefusal(DoublingCache):
@@ -43,6 +93,139 @@ class BreaksAfterARefusal(DoublingCache):
             self.broken = True
             raise
         return super().append(key, value)
+
+
+def accepted(
+    factory, drawn: kvst.CachePlan, case, method: str, bad: tuple
+) -> failures.AcceptsBadInput:
+    """The AcceptsBadInput raised for ``method(*bad)`` on a warm cache, given what was sent
+    and the cache, as a property gives them."""
+    cache = warm(factory, drawn)
+    error = kvassert.raised_by(lambda: getattr(cache.cache, method)(*bad))
+    with pytest.raises(failures.AcceptsBadInput) as caught:
+        kvassert.assert_refused(
+            error,
+            case,
+            where=drawn.describe(),
+            sent=bad,
+            method=method,
+            cache=cache,
+            spec=drawn.spec,
+        )
+    return caught.value
+
+
+def bad_append(drawn: kvst.CachePlan, case) -> tuple:
+    good = kvst.random_rows(drawn.spec, drawn.new_tokens, seed=7)
+    return case.make(good, good.clone())
+
+
+def test_an_accepted_wrong_dtype_says_what_was_sent_and_what_the_cache_returns_since():
+    drawn = plan(dtype=torch.float32)
+    case = APPENDS["wrong dtype"]
+    message = str(accepted(Unchecked, drawn, case, "append", bad_append(drawn, case)))
+    assert message.startswith("wrong dtype: accepted without an error\n  at a cache warmed")
+    assert "key=a tensor shaped (1, 1, 1, 2), float64 on cpu" in message
+    assert "value=a tensor shaped (1, 1, 1, 2), float64 on cpu" in message
+    assert "built for (B, H_kv, D) = (1, 1, 2), float32 on cpu" in message
+    assert "length changed from 3 to 4" in message
+    assert "keys: returned as float64, were float32" in message
+    assert "keys: rows 3..3 hold the rows sent" in message
+    assert "held rows changed" not in message  # float32 rows promote to float64 exactly
+
+
+def test_an_acceptance_that_corrupts_the_held_rows_says_which_and_by_how_much():
+    drawn = plan(chunks=(2, 1))
+    case = APPENDS["wrong dtype"]
+    message = str(accepted(TakesTheLatestDtype, drawn, case, "append", bad_append(drawn, case)))
+    assert "length changed from 3 to 4" in message
+    assert "keys: held rows changed: 3 of 3, rows [0, 1, 2], max |diff|" in message
+    assert "values: held rows changed: 3 of 3, rows [0, 1, 2], max |diff|" in message
+    assert "held rows must come back bit for bit" in message
+    # The float64 row that reads it back turned it into float64 again: the rows it took
+    # were rounded to float32 on the way.
+    assert "keys: rows 3..3 hold the rows sent, float32 stored as float64" in message
+
+
+def test_a_bad_append_taken_through_the_property_still_accepts_bad_input():
+    with pytest.raises(failures.AcceptsBadInput, match=r"^wrong dtype: accepted without an error"):
+        kvprop.check_bad_append(TakesTheLatestDtype, plan(), APPENDS["wrong dtype"])
+
+
+def test_an_accepted_negative_truncate_says_the_length_asked_and_the_rows_gone():
+    drawn = plan(chunks=(2, 2))
+    message = str(accepted(Unchecked, drawn, TRUNCATES["negative length"], "truncate", (-1,)))
+    assert message.startswith("negative length: accepted without an error")
+    assert "truncate(length=a int -1): asked for length -1, the cache holding 4 tokens" in message
+    assert "length changed from 4 to 3 (positions 3..3 gone)" in message
+    assert "held rows changed" not in message  # the rows kept are as held
+
+
+def test_an_accepted_truncate_past_the_length_held_says_which_rows_were_never_written():
+    drawn = plan()
+    case = TRUNCATES["past the length held"]
+    message = str(accepted(CountsWhatItIsTold, drawn, case, "truncate", (4,)))
+    assert "asked for length 4, the cache holding 3 tokens" in message
+    assert "length changed from 3 to 4" in message
+    assert "keys: rows 3..3 claimed, never written" in message
+    assert "values: rows 3..3 claimed, never written" in message
+
+
+def test_a_read_back_that_fails_after_an_acceptance_is_described_and_chained():
+    drawn = plan()
+    error = accepted(CountsWhatItIsTold, drawn, TRUNCATES["not an int"], "truncate", (2.5,))
+    message = str(error)
+    assert "truncate(length=a float 2.5): asked for length 2.5, the cache holding 3" in message
+    assert "length changed from 3 to 2.5" in message
+    assert "reading it back (an append of one valid row) raised TypeError" in message
+    assert isinstance(error.__cause__, TypeError)
+
+
+def test_an_accepted_negative_length_is_shown_as_it_is_claimed():
+    drawn = plan()
+    message = str(
+        accepted(CountsWhatItIsTold, drawn, TRUNCATES["negative length"], "truncate", (-1,))
+    )
+    assert "length changed from 3 to -1\n" in message
+    assert "keys: returned no rows, not even the one appended to read it back" in message
+
+
+def test_a_truncate_taken_as_a_no_op_says_nothing_changed():
+    drawn = plan()
+    case = TRUNCATES["past the length held"]
+    message = str(accepted(Unchecked, drawn, case, "truncate", (4,)))  # slicing past the end
+    assert "length is still 3" in message
+    assert "the call was taken as a no-op" in message
+
+
+@pytest.mark.parametrize("name", ["int32 indices", "negative index"])
+def test_an_accepted_bad_reorder_shows_the_indices_and_the_rows_it_moved(name):
+    drawn = plan(chunks=(3,), batch=2)
+    case = REORDERS[name]
+    indices = case.make(drawn.spec)
+    message = str(accepted(Unchecked, drawn, case, "reorder", indices))
+    dtype = "int32" if name == "int32 indices" else "int64"
+    values = "[0, 0]" if name == "int32 indices" else "[-1, -1]"
+    assert f"indices=a tensor shaped (2,), {dtype} on cpu, values {values}" in message
+    assert "valid indices are int64, shaped (2,), on cpu, with values in [0, 2)" in message
+    assert "length is still 3" in message
+    assert "keys: held rows changed: 3 of 3, rows [0, 1, 2], max |diff|" in message
+
+
+def test_a_model_call_is_described_by_its_token_ids_and_caches():
+    spec = plan(batch=2).spec
+    layer = Recorder(DoublingCache(spec))
+    tokens = torch.zeros(2, 1, dtype=torch.long)
+    text = kvassert.describe_call("model", (tokens, [layer, layer, Recorder(DoublingCache(spec))]))
+    assert text == (
+        "model(token ids=a tensor shaped (2, 1), int64 on cpu, "
+        "caches=a list of 3 Recorder (2 distinct))"
+    )
+
+
+def test_a_non_tensor_is_described_by_its_type_and_value():
+    assert kvassert.describe_argument([0, 1]) == "a list [0, 1]"
+    assert kvassert.describe_argument(2.5) == "a float 2.5"
 
 
 def test_a_read_back_that_raises_after_a_refusal_is_a_refusal_that_changed_state():
@@ -80,3 +263,7 @@ def test_a_read_back_that_raises_after_a_no_op_says_the_call_was_taken():
             case=APPENDS["zero new tokens"],
             refused=False,
         )
+
+
+def test_a_zero_token_no_op_may_still_be_accepted():
+    assert kvassert.assert_refused(None, APPENDS["zero new tokens"], where="here") is False
