@@ -236,9 +236,16 @@ class ModelState:
     layer: int  # the layer a case may make inconsistent
 
     def describe(self) -> str:
+        """The caches as they are now: after a case's ``make``, layers may differ."""
+        lengths = [cache.given_length for cache in self.caches]
+        held = (
+            f"holding {lengths[0]} tokens each"
+            if len(set(lengths)) == 1
+            else f"holding {lengths} tokens (layer by layer)"
+        )
         return (
-            f"{len(self.caches)} layers holding {self.caches[0].given_length} tokens each "
-            f"(caches built for {self.spec}); layer picked: {self.layer}"
+            f"{len(self.caches)} layers {held} (caches built for {self.spec}); the layer a "
+            f"case may lengthen or empty: {self.layer}"
         )
 
 

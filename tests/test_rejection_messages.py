@@ -17,7 +17,7 @@ from kvcheck import failures
 from kvcheck import properties as kvprop
 from kvcheck import strategies as kvst
 from kvcheck.harness import Recorder, warm
-from kvref import CacheSpec, check_append
+from kvref import CacheSpec, ModelConfig, check_append
 
 APPENDS = {case.name: case for case in kvbad.BAD_APPENDS}
 TRUNCATES = {case.name: case for case in kvbad.BAD_TRUNCATES}
@@ -267,3 +267,13 @@ def test_a_read_back_that_raises_after_a_no_op_says_the_call_was_taken():
 
 def test_a_zero_token_no_op_may_still_be_accepted():
     assert kvassert.assert_refused(None, APPENDS["zero new tokens"], where="here") is False
+
+
+def test_a_model_state_shows_each_layer_once_a_case_made_them_differ():
+    config = ModelConfig(vocab_size=11, num_layers=3, num_heads=2, num_kv_heads=1, head_dim=4)
+    model_plan = kvst.ModelPlan(config, torch.float64, 1, (3, 1), layer=1, token_seed=0)
+    state = kvbad.build_model_state(DoublingCache, model_plan)
+    assert state.describe().startswith("3 layers holding 4 tokens each (caches built for")
+    kvbad.lengthen(state)
+    assert state.describe().startswith("3 layers holding [4, 5, 4] tokens (layer by layer)")
+    assert state.describe().endswith("the layer a case may lengthen or empty: 1")
