@@ -332,7 +332,7 @@ def describe_argument(argument: object, *, values: bool = False) -> str:
     ):
         kinds = "/".join(sorted({type(item).__name__ for item in argument}))
         distinct = len({id(item) for item in argument})
-        return f"a {kind} of {len(argument)} {kinds} ({distinct} distinct)"
+        return f"{article(kind)} of {len(argument)} {kinds} ({distinct} distinct)"
     if isinstance(argument, list | tuple):
         try:
             numbers = torch.tensor(argument)
@@ -340,8 +340,17 @@ def describe_argument(argument: object, *, values: bool = False) -> str:
             numbers = None
         if numbers is not None and (numbers.is_floating_point() or numbers.numel() > 16):
             of = "floats" if numbers.is_floating_point() else "ints"
-            return f"a {kind} of {of} nested as {tuple(numbers.shape)}"
-    return f"a {kind} {_SHORT.repr(argument)}"
+            return f"{article(kind)} of {of} nested as {tuple(numbers.shape)}"
+    return f"{article(kind)} {_SHORT.repr(argument)}"
+
+
+def article(word: str) -> str:
+    return f"{'an' if word[:1].lower() in 'aeiou' else 'a'} {word}"
+
+
+def positions(what: str, start: int, stop: int) -> str:
+    """``row 3`` or ``rows 3..5``: the positions from ``start`` to before ``stop``."""
+    return f"{what} {start}" if stop == start + 1 else f"{what}s {start}..{stop - 1}"
 
 
 def describe_call(method: str, sent: tuple, cache=None, spec=None) -> str:
@@ -408,7 +417,9 @@ def length_change(before: int, after) -> str:
     if after == before:
         return f"length is still {before}"
     if isinstance(after, int) and 0 <= after < before:
-        return f"length changed from {before} to {after} (positions {after}..{before - 1} gone)"
+        return (
+            f"length changed from {before} to {after} ({positions('position', after, before)} gone)"
+        )
     return f"length changed from {before} to {after!r}"
 
 
@@ -462,7 +473,9 @@ def row_changes(
 def claimed(new: Tensor, start: int, skipped: int, sent: object) -> str:
     """The rows at positions ``start``.. that a cache claims after an accepted call, against
     the rows ``sent`` by it (an append's key or value, if any) from its ``skipped``-th on."""
-    span = f"rows {start}..{start + new.shape[2] - 1}"
+    span = positions("row", start, start + new.shape[2])
+    if sent is None:
+        return f"{span} claimed, never written"
     if (
         not isinstance(sent, Tensor)
         or sent.ndim != 4
@@ -472,17 +485,15 @@ def claimed(new: Tensor, start: int, skipped: int, sent: object) -> str:
     sent = sent[:, :, skipped:]
     if new.shape[2] > sent.shape[2]:
         return (
-            f"{span} claimed, {new.shape[2]} rows where {sent.shape[2]} were sent: "
+            f"{span} claimed: {new.shape[2]} rows, {sent.shape[2]} sent, so "
             f"{new.shape[2] - sent.shape[2]} never written"
         )
     converted = sent[:, :, : new.shape[2]].to(device=new.device, dtype=new.dtype)
     if changed := changed_rows(new, converted, start):
-        return f"{span} claimed, not the rows sent: {changed}"
+        return f"{span} claimed, not as sent: {changed}"
     if sent.dtype != new.dtype:
-        return (
-            f"{span} hold the rows sent, {dtype_name(sent.dtype)} stored as {dtype_name(new.dtype)}"
-        )
-    return f"{span} hold the rows sent"
+        return f"{span} as sent, {dtype_name(sent.dtype)} stored as {dtype_name(new.dtype)}"
+    return f"{span} as sent"
 
 
 def changed_rows(got: Tensor, want: Tensor, start: int = 0) -> str:
@@ -540,10 +551,11 @@ def assert_unchanged(
             f"{who}: {after}, reading its length raised "
             f"{type(error).__name__}: {error}\n  at {where}"
         ) from error
+    # The words of a refusal that changed the length, for a case or not, as they always were.
+    changed = "after a refused call" if refused else after
     if length != cache.given_length:
         raise RefusalChangedState(
-            f"{who}: length is {length} after a refused call, was {cache.given_length}"
-            f"\n  at {where}"
+            f"{who}: length is {length} {changed}, was {cache.given_length}\n  at {where}"
         )
     try:
         read_back(cache, spec, seed=seed)
@@ -553,6 +565,6 @@ def assert_unchanged(
             f"row) raised {type(error).__name__}: {error}\n  at {where}"
         ) from error
     try:
-        assert_returned_rows(cache, who=who, where=f"reading back after a refused call, {where}")
+        assert_returned_rows(cache, who=who, where=f"reading back {changed}, {where}")
     except DataLoss as error:
         raise RefusalChangedState(str(error)) from None

@@ -71,6 +71,25 @@ class TakesTheLatestDtype(Unchecked):
         return super().append(key, value)
 
 
+class WritesOneRowMore(Unchecked):
+    """Takes an append of another dtype by casting it, padded with a row of zeros."""
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        if key.dtype != self.spec.dtype:
+            pad = torch.zeros_like(key[:, :, :1])
+            key, value = (torch.cat((t, pad), dim=2).to(self.spec.dtype) for t in (key, value))
+        return super().append(key, value)
+
+
+class GrowsOnNothing(Unchecked):
+    """Takes an append of no tokens by adding a row of zeros."""
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        if key.shape[2] == 0:
+            key = value = torch.zeros_like(self.keys[:, :, :1])
+        return super().append(key, value)
+
+
 class CountsWhatItIsTold(DoublingCache):
     """A preallocated cache whose ``truncate`` sets its count unchecked: past the length held
     it claims rows never written; below 0 its next append fails."""
@@ -130,7 +149,7 @@ def test_an_accepted_wrong_dtype_says_what_was_sent_and_what_the_cache_returns_s
     assert "built for (B, H_kv, D) = (1, 1, 2), float32 on cpu" in message
     assert "length changed from 3 to 4" in message
     assert "keys: returned as float64, were float32" in message
-    assert "keys: rows 3..3 hold the rows sent" in message
+    assert "keys: row 3 as sent" in message
     assert "held rows changed" not in message  # float32 rows promote to float64 exactly
 
 
@@ -144,7 +163,33 @@ def test_an_acceptance_that_corrupts_the_held_rows_says_which_and_by_how_much():
     assert "held rows must come back bit for bit" in message
     # The float64 row that reads it back turned it into float64 again: the rows it took
     # were rounded to float32 on the way.
-    assert "keys: rows 3..3 hold the rows sent, float32 stored as float64" in message
+    assert "keys: row 3 as sent, float32 stored as float64" in message
+
+
+def test_an_append_that_grows_by_more_than_was_sent_says_how_many_were_never_written():
+    drawn = plan()
+    case = APPENDS["wrong dtype"]
+    message = str(accepted(WritesOneRowMore, drawn, case, "append", bad_append(drawn, case)))
+    assert "length changed from 3 to 5" in message
+    assert "keys: rows 3..4 claimed: 2 rows, 1 sent, so 1 never written" in message
+
+
+def test_a_no_op_that_grows_is_a_refusal_that_changed_state_in_its_own_words():
+    drawn = plan()
+    cache = warm(GrowsOnNothing, drawn)
+    cache.cache.append(*bad_append(drawn, APPENDS["zero new tokens"]))  # taken, no error
+    with pytest.raises(
+        failures.RefusalChangedState,
+        match=r'length is 4 after taking "zero new tokens" as a no-op, was 3',
+    ):
+        kvassert.assert_unchanged(
+            cache,
+            drawn.spec,
+            who="the cache",
+            where="here",
+            case=APPENDS["zero new tokens"],
+            refused=False,
+        )
 
 
 def test_a_bad_append_taken_through_the_property_still_accepts_bad_input():
@@ -156,8 +201,8 @@ def test_an_accepted_negative_truncate_says_the_length_asked_and_the_rows_gone()
     drawn = plan(chunks=(2, 2))
     message = str(accepted(Unchecked, drawn, TRUNCATES["negative length"], "truncate", (-1,)))
     assert message.startswith("negative length: accepted without an error")
-    assert "truncate(length=a int -1): asked for length -1, the cache holding 4 tokens" in message
-    assert "length changed from 4 to 3 (positions 3..3 gone)" in message
+    assert "truncate(length=an int -1): asked for length -1, the cache holding 4 tokens" in message
+    assert "length changed from 4 to 3 (position 3 gone)" in message
     assert "held rows changed" not in message  # the rows kept are as held
 
 
@@ -167,8 +212,8 @@ def test_an_accepted_truncate_past_the_length_held_says_which_rows_were_never_wr
     message = str(accepted(CountsWhatItIsTold, drawn, case, "truncate", (4,)))
     assert "asked for length 4, the cache holding 3 tokens" in message
     assert "length changed from 3 to 4" in message
-    assert "keys: rows 3..3 claimed, never written" in message
-    assert "values: rows 3..3 claimed, never written" in message
+    assert "keys: row 3 claimed, never written" in message
+    assert "values: row 3 claimed, never written" in message
 
 
 def test_a_read_back_that_fails_after_an_acceptance_is_described_and_chained():
