@@ -17,6 +17,7 @@ from kvcheck import failures
 from kvcheck import properties as kvprop
 from kvcheck import strategies as kvst
 from kvcheck.harness import Recorder, warm
+from kvimpl.concat import ConcatCache
 from kvref import CacheSpec, ModelConfig, check_append
 
 APPENDS = {case.name: case for case in kvbad.BAD_APPENDS}
@@ -29,37 +30,19 @@ def plan(chunks=(3,), dtype=torch.float64, batch=1, new_tokens=1) -> kvst.CacheP
     return kvst.CachePlan(spec, chunks, new_tokens)
 
 
-class Unchecked:
-    """Checks nothing: appends join with ``torch.cat`` (which promotes a dtype), ``truncate``
-    slices (so -1 drops the last row), ``reorder`` indexes (int32 and -1 work)."""
-
-    def __init__(self, spec: CacheSpec) -> None:
-        self.spec = spec
-        self.reset()
-
-    @property
-    def length(self) -> int:
-        return self.keys.shape[2]
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
-
-    def reset(self) -> None:
-        s = self.spec
-        self.keys = torch.empty(s.batch, s.kv_heads, 0, s.head_dim, dtype=s.dtype)
-        self.values = self.keys.clone()
+class Unchecked(ConcatCache):
+    """The built-in concat cache without its checks: ``torch.cat`` promotes a dtype,
+    ``truncate`` slices (so -1 drops the last row), ``reorder`` indexes (int32 and -1 work)."""
 
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        self.keys = torch.cat((self.keys, key), dim=2)
-        self.values = torch.cat((self.values, value), dim=2)
-        return self.keys, self.values
+        self.key, self.value = torch.cat((self.key, key), 2), torch.cat((self.value, value), 2)
+        return self.key, self.value
 
     def truncate(self, length: int) -> None:
-        self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+        self.key, self.value = self.key[:, :, :length], self.value[:, :, :length]
 
     def reorder(self, indices: Tensor) -> None:
-        self.keys, self.values = self.keys[indices], self.values[indices]
+        self.key, self.value = self.key[indices], self.value[indices]
 
 
 class TakesTheLatestDtype(Unchecked):
@@ -67,7 +50,7 @@ class TakesTheLatestDtype(Unchecked):
     float64 cache rounds every row held before."""
 
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        self.keys, self.values = self.keys.to(key.dtype), self.values.to(value.dtype)
+        self.key, self.value = self.key.to(key.dtype), self.value.to(value.dtype)
         return super().append(key, value)
 
 
@@ -86,7 +69,7 @@ class GrowsOnNothing(Unchecked):
 
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         if key.shape[2] == 0:
-            key = value = torch.zeros_like(self.keys[:, :, :1])
+            key = value = torch.zeros_like(self.key[:, :, :1])
         return super().append(key, value)
 
 
@@ -114,12 +97,21 @@ class BreaksAfterARefusal(DoublingCache):
         return super().append(key, value)
 
 
-def accepted(
-    factory, drawn: kvst.CachePlan, case, method: str, bad: tuple
-) -> failures.AcceptsBadInput:
-    """The AcceptsBadInput raised for ``method(*bad)`` on a warm cache, given what was sent
-    and the cache, as a property gives them."""
+def made(case, drawn: kvst.CachePlan) -> tuple[str, tuple]:
+    """The method ``case`` is sent to, and its bad arguments made as its property makes them."""
+    if case in kvbad.BAD_TRUNCATES:
+        return "truncate", case.make(drawn.warm_length)
+    if case in kvbad.BAD_REORDERS:
+        return "reorder", case.make(drawn.spec)
+    good = kvst.random_rows(drawn.spec, drawn.new_tokens, seed=7)
+    return "append", case.make(good, good.clone())
+
+
+def accepted(factory, drawn: kvst.CachePlan, case) -> failures.AcceptsBadInput:
+    """The AcceptsBadInput raised when ``case`` is taken by a cache from ``factory`` warmed by
+    ``drawn``, given what was sent and the cache, as the properties' call sites give them."""
     cache = warm(factory, drawn)
+    method, bad = made(case, drawn)
     error = kvassert.raised_by(lambda: getattr(cache.cache, method)(*bad))
     with pytest.raises(failures.AcceptsBadInput) as caught:
         kvassert.assert_refused(
@@ -134,127 +126,129 @@ def accepted(
     return caught.value
 
 
-def bad_append(drawn: kvst.CachePlan, case) -> tuple:
-    good = kvst.random_rows(drawn.spec, drawn.new_tokens, seed=7)
-    return case.make(good, good.clone())
+def taken(name: str, factory, drawn: kvst.CachePlan, case, *facts: str, absent=()):
+    """A row of ACCEPTED: the facts the message must give, and words it must not have."""
+    return pytest.param(factory, drawn, case, facts, absent, id=name)
 
 
-def test_an_accepted_wrong_dtype_says_what_was_sent_and_what_the_cache_returns_since():
-    drawn = plan(dtype=torch.float32)
-    case = APPENDS["wrong dtype"]
-    message = str(accepted(Unchecked, drawn, case, "append", bad_append(drawn, case)))
-    assert message.startswith("wrong dtype: accepted without an error\n  at a cache warmed")
-    assert "key=a tensor shaped (1, 1, 1, 2), float64 on cpu" in message
-    assert "value=a tensor shaped (1, 1, 1, 2), float64 on cpu" in message
-    assert "built for (B, H_kv, D) = (1, 1, 2), float32 on cpu" in message
-    assert "length changed from 3 to 4" in message
-    assert "keys: returned as float64, were float32" in message
-    assert "keys: row 3 as sent" in message
-    assert "held rows changed" not in message  # float32 rows promote to float64 exactly
-
-
-def test_an_acceptance_that_corrupts_the_held_rows_says_which_and_by_how_much():
-    drawn = plan(chunks=(2, 1))
-    case = APPENDS["wrong dtype"]
-    message = str(accepted(TakesTheLatestDtype, drawn, case, "append", bad_append(drawn, case)))
-    assert "length changed from 3 to 4" in message
-    assert "keys: held rows changed: 3 of 3, rows [0, 1, 2], max |diff|" in message
-    assert "values: held rows changed: 3 of 3, rows [0, 1, 2], max |diff|" in message
-    assert "held rows must come back bit for bit" in message
-    # The float64 row that reads it back turned it into float64 again: the rows it took
-    # were rounded to float32 on the way.
-    assert "keys: row 3 as sent, float32 stored as float64" in message
-
-
-def test_an_append_that_grows_by_more_than_was_sent_says_how_many_were_never_written():
-    drawn = plan()
-    case = APPENDS["wrong dtype"]
-    message = str(accepted(WritesOneRowMore, drawn, case, "append", bad_append(drawn, case)))
-    assert "length changed from 3 to 5" in message
-    assert "keys: rows 3..4 claimed: 2 rows, 1 sent, so 1 never written" in message
-
-
-def test_a_no_op_that_grows_is_a_refusal_that_changed_state_in_its_own_words():
-    drawn = plan()
-    cache = warm(GrowsOnNothing, drawn)
-    cache.cache.append(*bad_append(drawn, APPENDS["zero new tokens"]))  # taken, no error
-    with pytest.raises(
-        failures.RefusalChangedState,
-        match=r'length is 4 after taking "zero new tokens" as a no-op, was 3',
-    ):
-        kvassert.assert_unchanged(
-            cache,
-            drawn.spec,
-            who="the cache",
-            where="here",
-            case=APPENDS["zero new tokens"],
-            refused=False,
+HELD_CHANGED = "held rows changed"
+ACCEPTED = [
+    taken(
+        "a wrong dtype promoted",
+        Unchecked,
+        plan(dtype=torch.float32),
+        APPENDS["wrong dtype"],
+        "wrong dtype: accepted without an error\n  at a cache warmed",
+        "key=a tensor shaped (1, 1, 1, 2), float64 on cpu",
+        "value=a tensor shaped (1, 1, 1, 2), float64 on cpu",
+        "built for (B, H_kv, D) = (1, 1, 2), float32 on cpu",
+        "length changed from 3 to 4",
+        "keys: returned as float64, were float32",
+        "keys: row 3 as sent",
+        absent=[HELD_CHANGED],  # float32 rows promote to float64 exactly
+    ),
+    taken(
+        "held rows rounded to a wrong dtype",
+        TakesTheLatestDtype,
+        plan(chunks=(2, 1)),
+        APPENDS["wrong dtype"],
+        "length changed from 3 to 4",
+        "keys: held rows changed: 3 of 3, rows [0, 1, 2], max |diff|",
+        "values: held rows changed: 3 of 3, rows [0, 1, 2], max |diff|",
+        "held rows must come back bit for bit",
+        # The float64 row that reads it back made it float64 again: the rows it took were
+        # rounded to float32 on the way.
+        "keys: row 3 as sent, float32 stored as float64",
+    ),
+    taken(
+        "more rows than were sent",
+        WritesOneRowMore,
+        plan(),
+        APPENDS["wrong dtype"],
+        "length changed from 3 to 5",
+        "keys: rows 3..4 claimed: 2 rows, 1 sent, so 1 never written",
+    ),
+    taken(
+        "truncate(-1) dropping a row",
+        Unchecked,
+        plan(chunks=(2, 2)),
+        TRUNCATES["negative length"],
+        "negative length: accepted without an error",
+        "truncate(length=an int -1): asked for length -1, the cache holding 4 tokens",
+        "length changed from 4 to 3 (position 3 gone)",
+        absent=[HELD_CHANGED],  # the rows kept are as held
+    ),
+    taken(
+        "truncate(-1) taken as a length",
+        CountsWhatItIsTold,
+        plan(),
+        TRUNCATES["negative length"],
+        "length changed from 3 to -1\n",
+        "keys: returned no rows, not even the one appended",
+    ),
+    taken(
+        "truncate past the length claiming a row",
+        CountsWhatItIsTold,
+        plan(),
+        TRUNCATES["past the length held"],
+        "asked for length 4, the cache holding 3 tokens",
+        "length changed from 3 to 4",
+        "keys: row 3 claimed, never written",
+        "values: row 3 claimed, never written",
+    ),
+    taken(
+        "a float length breaking the read-back",
+        CountsWhatItIsTold,
+        plan(),
+        TRUNCATES["not an int"],
+        "truncate(length=a float 2.0): asked for length 2.0, the cache holding 3 tokens",
+        "length changed from 3 to 2.0",
+        "reading it back (an append of one valid row) raised TypeError",
+    ),
+    taken(
+        "truncate past the length as a no-op",
+        Unchecked,  # slicing past the end
+        plan(),
+        TRUNCATES["past the length held"],
+        "length is still 3",
+        "the call was taken as a no-op",
+    ),
+    *(
+        taken(
+            name,
+            Unchecked,
+            plan(batch=2),
+            REORDERS[name],
+            f"indices=a tensor shaped (2,), {dtype} on cpu, values {values}",
+            "valid indices are int64, shaped (2,), on cpu, with values in [0, 2)",
+            "length is still 3",
+            "keys: held rows changed: 3 of 3, rows [0, 1, 2], max |diff|",
         )
+        for name, dtype, values in [
+            ("int32 indices", "int32", "[0, 0]"),
+            ("negative index", "int64", "[-1, -1]"),
+        ]
+    ),
+]
+
+
+@pytest.mark.parametrize(("factory", "drawn", "case", "facts", "absent"), ACCEPTED)
+def test_an_accepted_bad_input_says_what_was_sent_and_what_the_cache_then_did(
+    factory, drawn, case, facts, absent
+):
+    message = str(accepted(factory, drawn, case))
+    assert [fact for fact in facts if fact not in message] == [], message
+    assert [words for words in absent if words in message] == [], message
+
+
+def test_a_read_back_that_fails_after_an_acceptance_is_its_cause():
+    error = accepted(CountsWhatItIsTold, plan(), TRUNCATES["not an int"])
+    assert isinstance(error.__cause__, TypeError)
 
 
 def test_a_bad_append_taken_through_the_property_still_accepts_bad_input():
     with pytest.raises(failures.AcceptsBadInput, match=r"^wrong dtype: accepted without an error"):
         kvprop.check_bad_append(TakesTheLatestDtype, plan(), APPENDS["wrong dtype"])
-
-
-def test_an_accepted_negative_truncate_says_the_length_asked_and_the_rows_gone():
-    drawn = plan(chunks=(2, 2))
-    message = str(accepted(Unchecked, drawn, TRUNCATES["negative length"], "truncate", (-1,)))
-    assert message.startswith("negative length: accepted without an error")
-    assert "truncate(length=an int -1): asked for length -1, the cache holding 4 tokens" in message
-    assert "length changed from 4 to 3 (position 3 gone)" in message
-    assert "held rows changed" not in message  # the rows kept are as held
-
-
-def test_an_accepted_truncate_past_the_length_held_says_which_rows_were_never_written():
-    drawn = plan()
-    case = TRUNCATES["past the length held"]
-    message = str(accepted(CountsWhatItIsTold, drawn, case, "truncate", (4,)))
-    assert "asked for length 4, the cache holding 3 tokens" in message
-    assert "length changed from 3 to 4" in message
-    assert "keys: row 3 claimed, never written" in message
-    assert "values: row 3 claimed, never written" in message
-
-
-def test_a_read_back_that_fails_after_an_acceptance_is_described_and_chained():
-    drawn = plan()
-    error = accepted(CountsWhatItIsTold, drawn, TRUNCATES["not an int"], "truncate", (2.5,))
-    message = str(error)
-    assert "truncate(length=a float 2.5): asked for length 2.5, the cache holding 3" in message
-    assert "length changed from 3 to 2.5" in message
-    assert "reading it back (an append of one valid row) raised TypeError" in message
-    assert isinstance(error.__cause__, TypeError)
-
-
-def test_an_accepted_negative_length_is_shown_as_it_is_claimed():
-    drawn = plan()
-    message = str(
-        accepted(CountsWhatItIsTold, drawn, TRUNCATES["negative length"], "truncate", (-1,))
-    )
-    assert "length changed from 3 to -1\n" in message
-    assert "keys: returned no rows, not even the one appended to read it back" in message
-
-
-def test_a_truncate_taken_as_a_no_op_says_nothing_changed():
-    drawn = plan()
-    case = TRUNCATES["past the length held"]
-    message = str(accepted(Unchecked, drawn, case, "truncate", (4,)))  # slicing past the end
-    assert "length is still 3" in message
-    assert "the call was taken as a no-op" in message
-
-
-@pytest.mark.parametrize("name", ["int32 indices", "negative index"])
-def test_an_accepted_bad_reorder_shows_the_indices_and_the_rows_it_moved(name):
-    drawn = plan(chunks=(3,), batch=2)
-    case = REORDERS[name]
-    indices = case.make(drawn.spec)
-    message = str(accepted(Unchecked, drawn, case, "reorder", indices))
-    dtype = "int32" if name == "int32 indices" else "int64"
-    values = "[0, 0]" if name == "int32 indices" else "[-1, -1]"
-    assert f"indices=a tensor shaped (2,), {dtype} on cpu, values {values}" in message
-    assert "valid indices are int64, shaped (2,), on cpu, with values in [0, 2)" in message
-    assert "length is still 3" in message
-    assert "keys: held rows changed: 3 of 3, rows [0, 1, 2], max |diff|" in message
 
 
 def test_a_model_call_is_described_by_its_token_ids_and_caches():
@@ -285,28 +279,35 @@ def test_a_read_back_that_raises_after_a_refusal_is_a_refusal_that_changed_state
     assert isinstance(caught.value.__cause__, RuntimeError)
 
 
-def test_the_refusal_is_named_when_the_caller_gives_it():
+@pytest.mark.parametrize(
+    ("factory", "case", "words"),
+    [
+        (
+            BreaksAfterARefusal,
+            "wrong dtype",
+            r'after refusing "wrong dtype", reading the cache back \(an append of one valid '
+            r"row\) raised RuntimeError",
+        ),
+        (
+            GrowsOnNothing,
+            "zero new tokens",
+            r'length is 4 after taking "zero new tokens" as a no-op',
+        ),
+    ],
+)
+def test_what_the_call_left_is_told_in_the_words_of_the_call(factory, case, words):
     drawn = plan()
-    cache = warm(BreaksAfterARefusal, drawn)
-    cache.cache.broken = True
-    with pytest.raises(failures.RefusalChangedState, match=r'after refusing "wrong dtype", read'):
-        kvassert.assert_unchanged(
-            cache, drawn.spec, who="the cache", where="here", case=APPENDS["wrong dtype"]
-        )
-
-
-def test_a_read_back_that_raises_after_a_no_op_says_the_call_was_taken():
-    drawn = plan()
-    cache = warm(BreaksAfterARefusal, drawn)
-    cache.cache.broken = True
-    with pytest.raises(failures.RefusalChangedState, match=r'after taking "zero new tokens" as a'):
+    cache = warm(factory, drawn)
+    method, bad = made(APPENDS[case], drawn)
+    refused = kvassert.raised_by(lambda: getattr(cache.cache, method)(*bad))
+    with pytest.raises(failures.RefusalChangedState, match=words):
         kvassert.assert_unchanged(
             cache,
             drawn.spec,
             who="the cache",
             where="here",
-            case=APPENDS["zero new tokens"],
-            refused=False,
+            case=APPENDS[case],
+            refused=refused is not None,
         )
 
 
