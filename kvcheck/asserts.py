@@ -491,9 +491,12 @@ def claimed(new: Tensor, start: int, skipped: int, sent: object) -> str:
     converted = sent[:, :, : new.shape[2]].to(device=new.device, dtype=new.dtype)
     if changed := changed_rows(new, converted, start):
         return f"{span} claimed, not as sent: {changed}"
+    text = f"{span} as sent"
+    if new.shape[2] < sent.shape[2]:
+        text += f": the first {new.shape[2]} of the {sent.shape[2]} rows sent, the rest not held"
     if sent.dtype != new.dtype:
-        return f"{span} as sent, {dtype_name(sent.dtype)} stored as {dtype_name(new.dtype)}"
-    return f"{span} as sent"
+        text += f", {dtype_name(sent.dtype)} stored as {dtype_name(new.dtype)}"
+    return text
 
 
 def changed_rows(got: Tensor, want: Tensor, start: int = 0) -> str:

@@ -64,6 +64,13 @@ class WritesOneRowMore(Unchecked):
         return super().append(key, value)
 
 
+class TrimsTheValue(Unchecked):
+    """Takes a value with more tokens than its key, cut to the key's length."""
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        return super().append(key, value[:, :, : key.shape[2]])
+
+
 class GrowsOnNothing(Unchecked):
     """Takes an append of no tokens by adding a row of zeros."""
 
@@ -167,6 +174,15 @@ ACCEPTED = [
         APPENDS["wrong dtype"],
         "length changed from 3 to 5",
         "keys: rows 3..4 claimed: 2 rows, 1 sent, so 1 never written",
+    ),
+    taken(
+        "fewer rows than were sent",
+        TrimsTheValue,
+        plan(),
+        APPENDS["value with one token more than key"],
+        "value=a tensor shaped (1, 1, 2, 2), float64 on cpu",
+        "keys: row 3 as sent\n",
+        "values: row 3 as sent: the first 1 of the 2 rows sent, the rest not held",
     ),
     taken(
         "truncate(-1) dropping a row",
