@@ -7,6 +7,7 @@ the plan. Each raises the ``kvcheck.failures`` class that says how serious the f
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,12 +23,18 @@ from kvcheck.failures import (
     WrongResults,
 )
 from kvcheck.strategies import random_rows
+from kvref.protocol import _same_device
 
 # float64 and float32 are exact enough for a fixed tolerance: float64 tight.
 TOLERANCES = {
     torch.float64: {"rtol": 1e-9, "atol": 1e-9},
     torch.float32: {"rtol": 1e-4, "atol": 1e-4},
 }
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float64`` for ``torch.float64``: a dtype as messages show it."""
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -44,7 +51,7 @@ class Budget:
         return self.factor * uncached_error + self.floor * unit_roundoff * scale.clamp_min(1)
 
     def describe(self, dtype: torch.dtype) -> str:
-        name = str(dtype).removeprefix("torch.")
+        name = dtype_name(dtype)
         return (
             f"{self.factor:g} x the uncached {name} run's error + {self.floor:g} x "
             f"{torch.finfo(dtype).eps / 2:.3g} ({name}'s unit roundoff) x max(1, the largest "
@@ -191,7 +198,7 @@ def assert_within_budget(
         return
     first = positions[0]
     uncached = position_errors(expected, reference, position_axis)[first].item()
-    name = str(expected.dtype).removeprefix("torch.")
+    name = dtype_name(expected.dtype)
     raise failure(
         f"{what} differ beyond the {name} error budget\n  at {where}\n"
         f"  first diverging absolute position: {first_position + first} (index {first} below; "
@@ -265,14 +272,244 @@ def raised_by(call: Callable[[], object]) -> Exception | None:
     return None
 
 
-def assert_refused(error: Exception | None, case, *, where: str) -> bool:
+def assert_refused(
+    error: Exception | None,
+    case,
+    *,
+    where: str,
+    sent: tuple | None = None,
+    method: str = "append",
+    cache=None,
+    spec=None,
+) -> bool:
     """The call raised ``error`` (None: it returned). Returns False when ``case`` may be
     accepted and was (the caller then checks the cache is as the contract says); raises
-    AcceptsBadInput when it may not. Check the cache is unchanged next, then the error."""
+    AcceptsBadInput when it may not. Check the cache is unchanged next, then the error.
+
+    The message says what was sent when given the call's arguments (``sent``, to ``method``)
+    and, given the recorded ``cache`` the call went past and its ``spec``, what the cache then
+    did with it: its state read back against the rows it held before."""
     __tracebackhide__ = True
     if error is None and not case.may_be_accepted:
-        raise AcceptsBadInput(f"{case}: accepted without an error\n  at {where}")
+        lines = [f"{case}: accepted without an error", f"  at {where}"]
+        if sent is not None:
+            lines.append(f"  sent: {describe_call(method, sent, cache, spec)}")
+        cause = None
+        if cache is not None and spec is not None:
+            facts, cause = what_it_did(cache, spec, method, sent)
+            lines.append("  what the cache then did (read back by appending one valid row):")
+            lines += [f"    {fact}" for fact in facts]
+        raise AcceptsBadInput("\n".join(lines)) from cause
     return error is not None
+
+
+# The argument names of the calls bad input is sent to, for the message.
+ARGUMENTS = {
+    "append": ("key", "value"),
+    "truncate": ("length",),
+    "reorder": ("indices",),
+    "model": ("token ids", "caches"),
+}
+_SHORT = reprlib.Repr()
+_SHORT.maxlist = _SHORT.maxtuple = 8
+_SHORT.maxlevel = 4
+
+
+def describe_argument(argument: object, *, values: bool = False) -> str:
+    """A tensor's shape, dtype and device (and its values when ``values``); a sequence of
+    objects by count and kind; anything else by its type and a short repr."""
+    if isinstance(argument, Tensor):
+        text = (
+            f"a tensor shaped {tuple(argument.shape)}, {dtype_name(argument.dtype)} on "
+            f"{argument.device}"
+        )
+        if values and argument.device.type != "meta":
+            text += f", values {_SHORT.repr(argument.tolist())}"
+        return text
+    kind = type(argument).__name__
+    if isinstance(argument, list | tuple) and any(
+        not isinstance(item, int | float | list | tuple) for item in argument
+    ):
+        kinds = "/".join(sorted({type(item).__name__ for item in argument}))
+        distinct = len({id(item) for item in argument})
+        return f"{article(kind)} of {len(argument)} {kinds} ({distinct} distinct)"
+    if isinstance(argument, list | tuple):
+        try:
+            numbers = torch.tensor(argument)
+        except (TypeError, ValueError, RuntimeError):  # ragged, or not numbers
+            numbers = None
+        if numbers is not None and (numbers.is_floating_point() or numbers.numel() > 16):
+            of = "floats" if numbers.is_floating_point() else "ints"
+            return f"{article(kind)} of {of} nested as {tuple(numbers.shape)}"
+    return f"{article(kind)} {_SHORT.repr(argument)}"
+
+
+def article(word: str) -> str:
+    return f"{'an' if word[:1].lower() in 'aeiou' else 'a'} {word}"
+
+
+def positions(what: str, start: int, stop: int) -> str:
+    """``row 3`` or ``rows 3..5``: the positions from ``start`` to before ``stop``."""
+    return f"{what} {start}" if stop == start + 1 else f"{what}s {start}..{stop - 1}"
+
+
+def describe_call(method: str, sent: tuple, cache=None, spec=None) -> str:
+    """``method``'s call with the arguments ``sent``, and what the cache held and expects."""
+    names = ARGUMENTS.get(method, tuple(f"argument {i}" for i in range(len(sent))))
+    shown = ", ".join(
+        f"{name}={describe_argument(argument, values=method == 'reorder')}"
+        for name, argument in zip(names, sent, strict=False)
+    )
+    text = f"{method}({shown})"
+    held = None if cache is None else cache.given_length
+    if method == "truncate" and held is not None:
+        text += f": asked for length {sent[0]!r}, the cache holding {held} tokens"
+    elif held is not None:
+        text += f" to a cache holding {held} tokens"
+    if spec is not None and method == "reorder":
+        text += (
+            f"; valid indices are int64, shaped ({spec.batch},), on {spec.device}, with values "
+            f"in [0, {spec.batch})"
+        )
+    elif spec is not None and method == "append":
+        text += (
+            f", built for (B, H_kv, D) = {(spec.batch, spec.kv_heads, spec.head_dim)}, "
+            f"{dtype_name(spec.dtype)} on {spec.device}"
+        )
+    return text
+
+
+def what_it_did(cache, spec, method: str, sent: tuple | None) -> tuple[list[str], Exception | None]:
+    """How the recorded ``cache``, after a call that went past its recorder, differs from the
+    rows the recorder holds (what it held before): its length, then what one read-back append
+    returns, row by row. Also the exception that stopped the reading, if one did."""
+    before = cache.given_length
+    held = cache.given  # the read-back makes new tensors: these stay the rows held before
+    try:
+        after = cache.length
+    except Exception as error:
+        return [f"reading its length then raised {type(error).__name__}: {error}"], error
+    facts = [length_change(before, after)]
+    try:
+        read_back(cache, spec)
+    except Exception as error:
+        facts.append(
+            f"reading it back (an append of one valid row) raised {type(error).__name__}: {error}"
+        )
+        return facts, error
+    for which, name in enumerate(("keys", "values")):
+        rows = None if sent is None or method != "append" else sent[which]
+        facts += row_changes(
+            name,
+            cache.returned[which],
+            None if held is None else held[which],
+            cache.given[which][:, :, -1:],
+            after,
+            spec,
+            rows,
+        )
+    if len(facts) == 1 and before == after:
+        facts.append("every row held before comes back bit for bit: the call was taken as a no-op")
+    return facts, None
+
+
+def length_change(before: int, after) -> str:
+    if after == before:
+        return f"length is still {before}"
+    if isinstance(after, int) and 0 <= after < before:
+        return (
+            f"length changed from {before} to {after} ({positions('position', after, before)} gone)"
+        )
+    return f"length changed from {before} to {after!r}"
+
+
+def row_changes(
+    name: str, got, held: Tensor | None, row: Tensor, after, spec, sent: object
+) -> list[str]:
+    """What the read-back returned as ``name`` (``got``) against the ``held`` rows and the
+    read-back ``row``, the cache claiming ``after`` rows before it; ``sent`` the rows of an
+    accepted append, if any."""
+    if not isinstance(got, Tensor) or got.ndim != 4:
+        return [f"{name}: returned {describe_argument(got)}, not a 4-D tensor"]
+    bhd, want = got.shape[:2] + got.shape[3:], (spec.batch, spec.kv_heads, spec.head_dim)
+    if tuple(bhd) != want or not _same_device(got.device, torch.device(spec.device)):
+        return [
+            f"{name}: returned shaped {tuple(got.shape)} on {got.device}: (B, H_kv, D) "
+            f"{tuple(bhd)}, was {want} on {spec.device}"
+        ]
+    facts = []
+    if got.dtype != spec.dtype:
+        facts.append(f"{name}: returned as {dtype_name(got.dtype)}, were {dtype_name(spec.dtype)}")
+    count = got.shape[2]
+    if count == 0:
+        return [*facts, f"{name}: returned no rows, not even the one appended to read it back"]
+    if not isinstance(after, int) or count > after + 1:
+        facts.append(
+            f"{name}: returned {count} rows, but length says {after!r} and one was appended"
+        )
+        after = count - 1  # trust the rows: the last is the one appended
+    first = after + 1 - count  # the position of the first row returned
+    if first > 0 and spec.window is None:
+        facts.append(f"{name}: returned only the last {count} of its {after + 1} rows")
+    before = 0 if held is None else held.shape[2]
+    if changed := changed_rows(got[:, :, -1:], row, after):
+        facts.append(f"{name}: the row appended to read it back comes back changed: {changed}")
+    kept = range(max(first, 0), min(before, after))
+    if kept and (
+        changed := changed_rows(
+            got[:, :, kept.start - first : kept.stop - first],
+            held[:, :, kept.start : kept.stop],
+            kept.start,
+        )
+    ):
+        facts.append(f"{name}: held rows changed: {changed}; held rows must come back bit for bit")
+    new = range(max(first, before), after)
+    if new:
+        rows = got[:, :, new.start - first : new.stop - first]
+        facts.append(f"{name}: {claimed(rows, new.start, new.start - before, sent)}")
+    return facts
+
+
+def claimed(new: Tensor, start: int, skipped: int, sent: object) -> str:
+    """The rows at positions ``start``.. that a cache claims after an accepted call, against
+    the rows ``sent`` by it (an append's key or value, if any) from its ``skipped``-th on."""
+    span = positions("row", start, start + new.shape[2])
+    if sent is None:
+        return f"{span} claimed, never written"
+    if (
+        not isinstance(sent, Tensor)
+        or sent.ndim != 4
+        or sent.shape[:2] + sent.shape[3:] != (new.shape[:2] + new.shape[3:])
+    ):
+        return f"{span} claimed, never written (no row of this shape was sent)"
+    sent = sent[:, :, skipped:]
+    if new.shape[2] > sent.shape[2]:
+        return (
+            f"{span} claimed: {new.shape[2]} rows, {sent.shape[2]} sent, so "
+            f"{new.shape[2] - sent.shape[2]} never written"
+        )
+    converted = sent[:, :, : new.shape[2]].to(device=new.device, dtype=new.dtype)
+    if changed := changed_rows(new, converted, start):
+        return f"{span} claimed, not as sent: {changed}"
+    text = f"{span} as sent"
+    if new.shape[2] < sent.shape[2]:
+        text += f": the first {new.shape[2]} of the {sent.shape[2]} rows sent, the rest not held"
+    if sent.dtype != new.dtype:
+        text += f", {dtype_name(sent.dtype)} stored as {dtype_name(new.dtype)}"
+    return text
+
+
+def changed_rows(got: Tensor, want: Tensor, start: int = 0) -> str:
+    """Which rows of ``got`` differ from ``want`` (bit for bit in one dtype, else as float64),
+    by absolute position from ``start``, and by how much; empty when none."""
+    if got.dtype != want.dtype:
+        got, want = got.double(), want.double()
+    bad = differing_rows(got, want.to(got.device))
+    if not bad:
+        return ""
+    gap = (got.double() - want.double()).abs().movedim(2, 0)[bad].max().item()
+    shown = [start + row for row in bad[:8]] + (["..."] if len(bad) > 8 else [])
+    return f"{len(bad)} of {got.shape[2]}, rows {shown}, max |diff| {gap:.3g}"
 
 
 def assert_clear_error(error: Exception, case, bad: tuple, *, where: str) -> None:
@@ -291,18 +528,46 @@ def assert_clear_error(error: Exception, case, bad: tuple, *, where: str) -> Non
         ) from error
 
 
-def assert_unchanged(cache, spec, *, who: str, where: str, seed: int = 0) -> None:
-    """Same length as before a refused call, and a read-back append returns the rows held
-    before, then the new one."""
-    __tracebackhide__ = True
-    if cache.length != cache.given_length:
-        raise RefusalChangedState(
-            f"{who}: length is {cache.length} after a refused call, was {cache.given_length}"
-            f"\n  at {where}"
-        )
+def read_back(cache, spec, *, seed: int = 0) -> None:
+    """Append one valid row to the recorded ``cache`` through its recorder: ``cache.returned``
+    is then every row it holds (or, with a window, a recent run of them) and the new one."""
     row = random_rows(spec, 1, seed=seed + cache.given_length)
     cache.append(row, -row)
+
+
+def assert_unchanged(
+    cache, spec, *, who: str, where: str, seed: int = 0, case=None, refused: bool = True
+) -> None:
+    """Same length as before a refused call (of ``case``, if given; ``refused`` False: one
+    taken as a no-op), and a read-back append returns the rows held before, then the new one.
+    An exception while reading the cache back is the call's doing: it left the cache
+    unusable."""
+    __tracebackhide__ = True
+    if case is None:
+        after = "after a refused call" if refused else "after a call taken as a no-op"
+    else:
+        after = f'after refusing "{case}"' if refused else f'after taking "{case}" as a no-op'
     try:
-        assert_returned_rows(cache, who=who, where=f"reading back after a refused call, {where}")
+        length = cache.length
+    except Exception as error:
+        raise RefusalChangedState(
+            f"{who}: {after}, reading its length raised "
+            f"{type(error).__name__}: {error}\n  at {where}"
+        ) from error
+    # The words of a refusal that changed the length, for a case or not, as they always were.
+    changed = "after a refused call" if refused else after
+    if length != cache.given_length:
+        raise RefusalChangedState(
+            f"{who}: length is {length} {changed}, was {cache.given_length}\n  at {where}"
+        )
+    try:
+        read_back(cache, spec, seed=seed)
+    except Exception as error:
+        raise RefusalChangedState(
+            f"{who}: {after}, reading the cache back (an append of one valid "
+            f"row) raised {type(error).__name__}: {error}\n  at {where}"
+        ) from error
+    try:
+        assert_returned_rows(cache, who=who, where=f"reading back {changed}, {where}")
     except DataLoss as error:
         raise RefusalChangedState(str(error)) from None

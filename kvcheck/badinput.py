@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kvcheck.asserts import dtype_name
 from kvcheck.harness import Recorder, build, record
 from kvcheck.strategies import ModelPlan, build_model, random_rows
 from kvref import CacheFactory, CacheSpec, ReferenceTransformer
@@ -77,7 +78,7 @@ def shapes_of(*which: int) -> Callable[[tuple], list[str]]:
 
 
 def dtypes_of(bad: tuple) -> list[str]:
-    return [re.escape(str(t.dtype).removeprefix("torch.")) for t in bad if isinstance(t, Tensor)]
+    return [re.escape(dtype_name(t.dtype)) for t in bad if isinstance(t, Tensor)]
 
 
 def other_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -235,9 +236,16 @@ class ModelState:
     layer: int  # the layer a case may make inconsistent
 
     def describe(self) -> str:
+        """The caches as they are now: after a case's ``make``, layers may differ."""
+        lengths = [cache.given_length for cache in self.caches]
+        held = (
+            f"holding {lengths[0]} tokens each"
+            if len(set(lengths)) == 1
+            else f"holding {lengths} tokens (layer by layer)"
+        )
         return (
-            f"{len(self.caches)} layers holding {self.caches[0].given_length} tokens each "
-            f"(caches built for {self.spec}); layer picked: {self.layer}"
+            f"{len(self.caches)} layers {held} (caches built for {self.spec}); the layer a "
+            f"case may lengthen or empty: {self.layer}"
         )
 
 
