@@ -402,10 +402,12 @@ class CachePlan:
         return sum(self.chunks)
 
     def describe(self) -> str:
-        return (
-            f"a cache warmed by appends of {list(self.chunks)} rows ({self.warm_length} "
-            f"tokens), then {self.new_tokens} more; built for {self.spec}"
+        warmed = (
+            f"a cache warmed by appends of {list(self.chunks)} rows ({self.warm_length} tokens)"
+            if self.chunks
+            else "an empty cache (no appends)"
         )
+        return f"{warmed}; built for {self.spec}"
 
     def summary(self) -> tuple[str, str, str]:
         appends = "+".join(map(str, self.chunks)) or "none"
@@ -438,7 +440,7 @@ class ModelPlan:
         return (
             f"{describe_config(self.config)}, batch {self.batch}, "
             f"{str(self.dtype).removeprefix('torch.')}, caches fed chunks {list(self.chunks)}; "
-            f"layer picked: {self.layer}"
+            f"the layer a case may lengthen or empty: {self.layer}"
         )
 
     def summary(self) -> tuple[str, str, str]:

@@ -26,9 +26,13 @@ def check_refused(factory: CacheFactory, plan: kvst.CachePlan, case, method: str
     # Straight to the cache, past the recorder: the recorder copies tensors and records
     # rows, and a bad call must record nothing.
     error = kvassert.raised_by(lambda: getattr(cache.cache, method)(*bad))
-    refused = kvassert.assert_refused(error, case, where=where)
+    refused = kvassert.assert_refused(
+        error, case, where=where, sent=bad, method=method, cache=cache, spec=plan.spec
+    )
     # Whatever the error, a refusal must change nothing: that comes before its wording.
-    kvassert.assert_unchanged(cache, plan.spec, who="the cache", where=where)
+    kvassert.assert_unchanged(
+        cache, plan.spec, who="the cache", where=where, case=case, refused=refused
+    )
     if refused:
         kvassert.assert_clear_error(error, case, bad, where=where)
 
@@ -49,7 +53,7 @@ def check_overflow(factory: CacheFactory, plan: kvst.CachePlan) -> None:
     error = kvassert.raised_by(lambda: cache.append(*bad))
     case = kvbad.overflow(plan.spec.max_length, rows)
     if kvassert.assert_refused(error, case, where=where):
-        kvassert.assert_unchanged(cache, plan.spec, who="the cache", where=where)
+        kvassert.assert_unchanged(cache, plan.spec, who="the cache", where=where, case=case)
         kvassert.assert_clear_error(error, case, bad, where=where)
     else:  # it grew: it must hold everything, exactly
         kvassert.assert_length(cache, cache.given_length, who="the cache", where=where)
@@ -62,10 +66,10 @@ def check_bad_model_call(factory: CacheFactory, plan: kvst.ModelPlan, case: kvba
     tokens, caches = bad = case.make(state)
     where = state.describe()
     error = kvassert.raised_by(lambda: state.model(tokens, caches=caches))
-    kvassert.assert_refused(error, case, where=where)
+    kvassert.assert_refused(error, case, where=where, sent=bad, method="model")
     for layer, cache in enumerate([*state.caches, state.spare]):
         who = "the spare cache" if cache is state.spare else f"layer {layer}"
-        kvassert.assert_unchanged(cache, state.spec, who=who, where=where)
+        kvassert.assert_unchanged(cache, state.spec, who=who, where=where, case=case)
     kvassert.assert_clear_error(error, case, bad, where=where)
 
 

@@ -135,9 +135,9 @@ class CachedDecoding(RuleBasedStateMachine):
         tokens, caches = case.make(state)
         where = f"{cache_set.name}, holding {cache_set.held} tokens"
         error = kvassert.raised_by(lambda: model(tokens, caches=caches))
-        kvassert.assert_refused(error, case, where=where)
+        kvassert.assert_refused(error, case, where=where, sent=(tokens, caches), method="model")
         for index, cache in enumerate(cache_set.caches):
-            kvassert.assert_unchanged(cache, spec, who=f"layer {index}", where=where)
+            kvassert.assert_unchanged(cache, spec, who=f"layer {index}", where=where, case=case)
         # The wording is the bad-model-call property's to judge: here a cache's terse
         # message must not stop the machine from exploring decoding.
         # Reading back added one row to every layer: drop them all, as after a reset.
