@@ -14,9 +14,9 @@ from examples.doubling_cache import DoublingCache
 from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
 from kvcheck import failures
-from kvcheck import properties as kvprop
 from kvcheck import strategies as kvst
 from kvcheck.harness import Recorder, warm
+from kvcheck.properties import rejection as kvprop
 from kvimpl.concat import ConcatCache
 from kvref import CacheSpec, ModelConfig, check_append
 
@@ -287,7 +287,7 @@ def test_a_read_back_that_raises_after_a_refusal_is_a_refusal_that_changed_state
     with pytest.raises(failures.RefusalChangedState) as caught:
         kvprop.check_bad_append(BreaksAfterARefusal, plan(), APPENDS["wrong dtype"])
     message = str(caught.value)
-    assert message.startswith("the cache: after a refused call, reading")
+    assert message.startswith('the cache: after refusing "wrong dtype", reading')
     assert (
         "reading the cache back (an append of one valid row) raised RuntimeError: scratch "
         "buffer freed by the refused call"
