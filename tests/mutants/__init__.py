@@ -2,7 +2,8 @@
 
 ``MUTANTS`` lists them all. A cache mutant is a factory with one bug, run on the reference
 model (those of ``tests/mutants/paged.py`` are broken paged pools and a broken chunked
-``attend``); a model mutant is a patch of the reference model with one bug, run on
+``attend``, those of ``tests/mutants/attend.py`` a wrong ``attend`` beside a right
+``append``); a model mutant is a patch of the reference model with one bug, run on
 ``ConcatCache``.
 ``tests/test_mutants.py`` checks that some property catches each one, and
 ``python -m tests.mutants.report`` prints which property does and the shrunk counterexample.
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 from kvimpl import ConcatCache
 from kvref import CacheFactory
+from tests.mutants.attend import ATTEND_MUTANTS
 from tests.mutants.caches import CACHE_MUTANTS
 from tests.mutants.model import MODEL_MUTANTS
 from tests.mutants.paged import PAGED_MUTANTS
@@ -46,5 +48,6 @@ MUTANTS = (
     *(Mutant(factory) for factory in CACHE_MUTANTS),
     *(Mutant(factory) for factory in SIZE_MUTANTS),
     *(Mutant(factory) for factory in PAGED_MUTANTS),
+    *(Mutant(factory) for factory in ATTEND_MUTANTS),
     *(Mutant(ConcatCache, patch) for patch in MODEL_MUTANTS),
 )
