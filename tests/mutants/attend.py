@@ -66,8 +66,9 @@ class AttendReadsBatchRowZero(_ChunkedAttend):
 
     Stands for attention kernels whose per-sequence key/value pointer loses the batch stride
     (flash-attention 772, ``flash_attn_with_kvcache`` touching the wrong batch row once the
-    stride overflowed; sglang-jax 1297, "batch=1 is immune"): each sequence attends to the
-    first one's history, invisible with batch 1 and in the rows ``append`` returns.
+    stride overflowed; sglang-jax 1297, a window slid onto a neighbour's pages, "batch=1 is
+    immune"): each sequence attends to the first one's history, invisible with batch 1 and in
+    the rows ``append`` returns.
     """
 
     def _chunk(self, index: int) -> tuple[Tensor, Tensor]:

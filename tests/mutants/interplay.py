@@ -35,7 +35,7 @@ class ReorderPermutesSharedBlocks(_MutantPool):
 
     Stands for beam search on a paged cache whose reorder copies key/value data (the way a
     contiguous cache reorders) into blocks that copy-on-write should have split first
-    (xllm 1984: diverging beams read each other's blocks without copy-on-write). A reorder
+    (xllm 1984: diverging beams read stale blocks for want of copy-on-write). A reorder
     alone is right, and so is a fork alone; a fork of a prompt followed by a reorder of
     either copy is not.
     """
@@ -56,11 +56,11 @@ class TruncateLeaksBlocks(_MutantPool):
     """``truncate`` takes the blocks past the new end out of the block tables without
     dropping their references: they are never given back.
 
-    Stands for rollback paths that shorten a request's block table and forget the
-    allocator (a speculative rejection that trims the sequence but not its blocks; llama.cpp
-    test_spec_checkpoint_kv_leak guards the same): every answer stays right, the pool's books
-    (blocks in use against the distinct ids the tables hold) are wrong from the first
-    truncate that drops a block, and a tight pool runs dry later.
+    Stands for rollback paths that shorten a request's block table and forget the allocator
+    (a speculative rejection that trims the sequence but not its blocks; llama.cpp's server
+    suite has a test named for the class, test_spec_checkpoint_kv_leak): every answer stays
+    right, the pool's books (blocks in use against the distinct ids the tables hold) are
+    wrong from the first truncate that drops a block, and a tight pool runs dry later.
     """
 
     cache_class = _TruncateKeepsReferences
@@ -135,8 +135,8 @@ class CopyOnWriteSkipsFullBlocks(_MutantPool):
     repeats), the next write lands in the shared block.
 
     Stands for paged caches that treat full blocks as immutable (vLLM's block manager copies
-    on write only the partly filled last block of a fork; prefix caching hashes full blocks
-    for ever) meeting a speculative rollback or a rewind that ends inside one: the other
+    on write only the partly filled last block of a fork; prefix caching takes a hashed full
+    block for immutable) meeting a speculative rollback or a rewind that ends inside one: the other
     holder of the block reads the new tokens where its own were. A fork, a truncate without
     a fork, and appends after a fork are each right.
     """
