@@ -12,6 +12,7 @@ from tests.independent.fifo_paged_pool import FifoPagedPool
 from tests.independent.list_cache import ListCache
 from tests.independent.paged_cache import PagedCache
 from tests.independent.pooled_ring_cache import RingCache
+from tests.independent.sdpa_cache import SdpaCache
 from tests.independent.slot_cache import SlotCache
 from tests.independent.stacked_cache import StackedCache
 from tests.independent.view_cache import ViewCache
@@ -63,6 +64,14 @@ class TestFifoPagedPool(Independent):
 
     factory = FifoPagedPool()
     cache_name = "FifoPagedPool"
+
+
+class TestSdpaCache(Independent):
+    """attend by torch's fused scaled_dot_product_attention in the storage dtype (no float32
+    upcast of its own), with an explicit mask; a list of the pieces each call brought, forked
+    by copying the list; truncate and reorder."""
+
+    factory = SdpaCache
 
 
 BY_NAME = {case.name: case for case in kvbad.BAD_APPENDS}

@@ -2,8 +2,9 @@
 
 ``MUTANTS`` lists them all. A cache mutant is a factory with one bug, run on the reference
 model (those of ``tests/mutants/paged.py`` are broken paged pools and a broken chunked
-``attend``); a model mutant is a patch of the reference model with one bug, run on
-``ConcatCache``.
+``attend``, those of ``tests/mutants/attend.py`` a wrong ``attend`` beside a right ``append``,
+those of ``tests/mutants/interplay.py`` a bug that shows only where capabilities mix); a
+model mutant is a patch of the reference model with one bug, run on ``ConcatCache``.
 ``tests/test_mutants.py`` checks that some property catches each one, and
 ``python -m tests.mutants.report`` prints which property does and the shrunk counterexample.
 """
@@ -16,7 +17,9 @@ from dataclasses import dataclass
 
 from kvimpl import ConcatCache
 from kvref import CacheFactory
+from tests.mutants.attend import ATTEND_MUTANTS
 from tests.mutants.caches import CACHE_MUTANTS
+from tests.mutants.interplay import INTERPLAY_MUTANTS
 from tests.mutants.model import MODEL_MUTANTS
 from tests.mutants.paged import PAGED_MUTANTS
 from tests.mutants.sizes import SIZE_MUTANTS
@@ -46,5 +49,7 @@ MUTANTS = (
     *(Mutant(factory) for factory in CACHE_MUTANTS),
     *(Mutant(factory) for factory in SIZE_MUTANTS),
     *(Mutant(factory) for factory in PAGED_MUTANTS),
+    *(Mutant(factory) for factory in ATTEND_MUTANTS),
+    *(Mutant(factory) for factory in INTERPLAY_MUTANTS),
     *(Mutant(ConcatCache, patch) for patch in MODEL_MUTANTS),
 )
