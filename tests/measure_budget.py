@@ -33,6 +33,7 @@ from tests.independent.fifo_paged_pool import FifoPagedPool
 from tests.independent.list_cache import ListCache
 from tests.independent.paged_cache import PagedCache
 from tests.independent.pooled_ring_cache import RingCache
+from tests.independent.sdpa_cache import SdpaCache
 from tests.independent.slot_cache import SlotCache
 from tests.independent.stacked_cache import StackedCache
 from tests.independent.view_cache import ViewCache
@@ -41,7 +42,7 @@ from tests.mutants.caches import StoresFloat16AsBfloat16
 CORRECT = {
     **kvimpl.CACHES,
     **{cache.__name__: cache for cache in (DequeWindowCache, ListCache, PagedCache, RingCache)},
-    **{cache.__name__: cache for cache in (SlotCache, StackedCache, ViewCache)},
+    **{cache.__name__: cache for cache in (SlotCache, StackedCache, ViewCache, SdpaCache)},
     "FifoPagedPool": FifoPagedPool(),
 }
 
