@@ -4,6 +4,10 @@ Each kit test's report carries one entry (the cache, the property, pass / FAIL /
 and for a failure its severity and first line) in ``report.user_properties``, which
 pytest-xdist carries from the workers to the controller. The controller gathers them and,
 at the end of the run, prints a short table per cache and writes ``--kv-report PATH``.
+A cache "holds every property" only where each property of the kit (``kvcheck.properties``)
+ran and passed or is not offered; where some did not run (a ``-k``, a deselect, a skip) its
+line says how many of the kit's ran instead, and so does the JSON (``run`` of
+``kit properties``; ``holds`` counts those that passed).
 
 Compare two reports, e.g. before and after a refactor::
 
@@ -104,7 +108,9 @@ class Verdict:
 
 
 def tabulate(entries: list[dict]) -> dict[str, dict]:
-    """Per cache label: its name and, per property in the kit's order, the outcome."""
+    """Per cache label: its name and, per property in the kit's order, the outcome; how many
+    properties hold, failed and are not offered; how many ran (passed or failed: not skipped,
+    not offered, nor left out by a -k or a deselect) of the kit's."""
     from kvcheck.properties import ALL
 
     order = {prop.name: index for index, prop in enumerate(ALL)}
@@ -136,6 +142,8 @@ def tabulate(entries: list[dict]) -> dict[str, dict]:
         cache["holds"] = sum(row["result"] == PASS for row in rows.values())
         cache["failed"] = sum(row["result"] == FAIL for row in rows.values())
         cache["not offered"] = sum(row["result"] == NOT_OFFERED for row in rows.values())
+        cache["run"] = sum(row["result"] in (PASS, FAIL) for row in rows.values())
+        cache["kit properties"] = len(ALL)
     return caches
 
 
@@ -149,13 +157,19 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
     for label, cache in caches.items():
         rows = cache["properties"]
         named = label if label == cache["name"] else f"{label} ({cache['name']})"
-        offered = len(rows) - cache.get("not offered", 0)
+        offered = len(rows) - cache["not offered"]
         skipped = sum(row["result"] == SKIPPED for row in rows.values())
+        # Every property of the kit ran or is not offered: else the count of those that ran.
+        every = cache["run"] + cache["not offered"] >= cache["kit properties"]
+        ran = f"{cache['run']} of {cache['kit properties']} properties run"
         if cache["failed"]:
             verdict = f"{cache['failed']} FAIL"
-        else:  # a property skipped (an unavailable device, say) was not shown to hold
-            verdict = f"{skipped} skipped" if skipped else "holds every property"
-        lines.append(f"{named}: {verdict} ({cache['holds']} of {offered} pass)")
+        elif skipped:  # skipped (an unavailable device, say): not shown to hold
+            verdict = f"{skipped} skipped"
+        else:
+            verdict = "holds every property" if every else ran
+        line = f"{named}: {verdict} ({cache['holds']} of {offered} pass)"
+        lines.append(line if every or verdict == ran else f"{line}; {ran}")
         passed = [name for name, row in rows.items() if row["result"] == PASS]
         if passed:
             lines.append(f"  pass         {', '.join(passed)}")

@@ -134,7 +134,7 @@ def test_a_device_this_machine_lacks_skips_every_kit_test_with_the_reason():
     assert skipped, result.stdout
     assert all(f"--kv-device {device}: " in line for line in skipped), skipped
     assert " passed" not in result.stdout, result.stdout
-    assert "concat: 4 skipped (0 of 4 pass)" in result.stdout, result.stdout
+    assert "concat: 4 skipped (0 of 4 pass); 0 of 21 properties run" in result.stdout, result.stdout
     assert " failed" not in result.stdout, result.stdout
 
 
@@ -202,6 +202,40 @@ def test_comparing_two_reports_names_what_changed_and_fails_on_a_regression(tmp_
     assert not kvverdict.compare(worse, milder)[1], "a milder failure is no regression"
     gone = report({})
     assert kvverdict.compare(new, gone)[1], "a property that held and is gone is a regression"
+
+
+def verdict_of(outcomes: list[str]) -> tuple[list[str], dict]:
+    """The first line of the verdict, and the JSON, of one cache whose properties (in the
+    kit's order, the rest not run) had ``outcomes``."""
+    from kvcheck.properties import ALL
+
+    entries = [
+        {"cache": "A", "name": "m:A", "property": prop.name, "test": f"t::{index:02}"}
+        | {"outcome": outcome, "severity": "wrong results", "reason": "why"}
+        for index, (prop, outcome) in enumerate(zip(ALL, outcomes, strict=False))
+    ]
+    caches = kvverdict.tabulate(entries)
+    return kvverdict.render(caches)[0], caches["A"]
+
+
+def test_the_verdict_holds_every_property_only_where_every_one_ran_or_is_not_offered():
+    from kvcheck.properties import ALL
+
+    every = len(ALL)
+    line, cache = verdict_of(["pass"] * (every - 1) + ["not offered"])
+    assert line == f"A (m:A): holds every property ({every - 1} of {every - 1} pass)", line
+    assert (cache["holds"], cache["run"], cache["kit properties"]) == (every - 1,) * 2 + (every,)
+    assert cache["not offered"] == 1, cache
+    for outcomes, expected in [
+        (["pass"] * 3, f"3 of {every} properties run (3 of 3 pass)"),
+        (["FAIL", "pass"], f"1 FAIL (1 of 2 pass); 2 of {every} properties run"),
+        (["skipped", "not offered"], f"1 skipped (0 of 1 pass); 0 of {every} properties run"),
+        (["pass"] * (every - 1) + ["skipped"], f"1 skipped ({every - 1} of {every} pass); "),
+    ]:
+        line, cache = verdict_of(outcomes)
+        assert line.startswith(f"A (m:A): {expected}"), (outcomes, line)
+        assert "every" not in line, line
+        assert cache["run"] == outcomes.count("pass") + outcomes.count("FAIL"), cache
 
 
 def test_every_property_is_bound_by_the_kit_and_reported():
