@@ -4,7 +4,8 @@ It adds, wherever the package is installed:
 
 - ``--kv-impl NAME`` (repeatable), the ``KV_IMPL`` environment variable (comma-separated) and
   the ``kv_impl`` ini option: the caches that the kit's classes without a ``factory`` test
-  (every built-in when none is named); NAME is a built-in or ``MODULE:ATTR``;
+  (every built-in when none is named); NAME is a built-in, ``MODULE:ATTR``, or either after
+  a label (``mine=mypkg.caches:MyCache``, test ids ``[mine]``): ``kvcheck.selection``;
 - ``--kv-profile dev|ci|thorough``: how hard the kit's tests search (``kvcheck.profiles``;
   the kit loads no Hypothesis profile for the process);
 - ``--kv-torch-threads N|keep``: torch threads while a kit test runs (default 1);
@@ -27,7 +28,9 @@ import sys
 
 import pytest
 
-SELECTED = pytest.StashKey[dict]()  # test id -> kvimpl.Selected, resolved once per run
+from kvcheck import selection
+
+SELECTED = pytest.StashKey[dict]()  # test id -> selection.Selected, resolved once per run
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -37,8 +40,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="append",
         default=[],
         metavar="NAME",
-        help="cache to test: a built-in name or MODULE:ATTR (repeatable; default: KV_IMPL, "
-        "comma-separated, else the kv_impl ini option, else every built-in)",
+        help="cache to test: a built-in name, MODULE:ATTR, or LABEL=either, LABEL its test id "
+        "(repeatable; default: KV_IMPL, comma-separated, else the kv_impl ini option, else "
+        "every built-in)",
     )
     group.addoption(
         "--kv-profile",
@@ -124,19 +128,16 @@ def pytest_configure(config: pytest.Config) -> None:
     except ValueError as error:
         raise pytest.UsageError(f"--kv-device / KV_DEVICE: {error}") from None
     # --kv-impl, else KV_IMPL, else the ini option, else every built-in.
-    names = config.getoption("--kv-impl")
-    from_env = os.environ.get("KV_IMPL")
-    if not names and not (from_env or "").strip():
-        names = config.getini("kv_impl")
+    names = selection.names_given(
+        config.getoption("--kv-impl"), os.environ.get("KV_IMPL"), config.getini("kv_impl")
+    )
     # A cache module in the directory pytest runs from imports as it would with
     # `python -m pytest`.
     here = str(config.invocation_params.dir)
     if here not in sys.path:
         sys.path.append(here)
     try:
-        import kvimpl
-
-        config.stash[SELECTED] = kvimpl.select(names, from_env)
+        config.stash[SELECTED] = selection.select(names or list(selection.BUILTINS))
     except ValueError as error:
         raise pytest.UsageError(f"--kv-impl / KV_IMPL: {error}") from None
     verdict.configure(config)

@@ -11,7 +11,7 @@ import torch
 
 import kvimpl
 from kvcheck import devices as kvdevices
-from kvcheck import failures
+from kvcheck import failures, selection
 from kvcheck import profiles as kvprofiles
 from kvcheck import verdict as kvverdict
 from kvref import CacheContractError
@@ -21,14 +21,15 @@ EXAMPLE = "examples.doubling_cache:DoublingCache"
 
 
 def test_builtin_names_resolve_to_the_registry():
+    assert list(selection.BUILTINS) == list(kvimpl.CACHES)
     for name, factory in kvimpl.CACHES.items():
-        assert kvimpl.load_factory(name) is factory, f"{name!r} does not give CACHES[{name!r}]"
+        assert selection.load_factory(name) is factory, f"{name!r} does not give CACHES[{name!r}]"
 
 
 def test_module_attr_resolves_to_the_object():
     from examples.doubling_cache import DoublingCache
 
-    assert kvimpl.load_factory(EXAMPLE) is DoublingCache
+    assert selection.load_factory(EXAMPLE) is DoublingCache
 
 
 @pytest.mark.parametrize(
@@ -43,30 +44,51 @@ def test_module_attr_resolves_to_the_object():
 )
 def test_a_bad_name_is_refused_with_the_reason(name, reason):
     with pytest.raises(ValueError, match=reason) as raised:
-        kvimpl.load_factory(name)
+        selection.load_factory(name)
     assert repr(name) in str(raised.value), f"the error does not name {name!r}: {raised.value}"
 
 
 def test_labels_are_short_unless_two_names_clash():
     names = ["concat", "a.b:Cache", "c.d:Cache", "e:Other"]
-    labels = [kvimpl.cache_label(name, names) for name in names]
+    labels = [selection.cache_label(name, names) for name in names]
     assert labels == ["concat", "a.b:Cache", "c.d:Cache", "Other"], labels
 
 
-def test_with_no_names_every_builtin_is_selected():
-    assert kvimpl.select([], None) == {name: (name, f) for name, f in kvimpl.CACHES.items()}
-    assert list(kvimpl.select([], " , ")) == list(kvimpl.CACHES), "blank KV_IMPL means none given"
+def test_a_cache_can_be_given_a_label_and_reading_names_imports_nothing():
+    names = ["mine=no_such_module:Cache", "theirs = concat", "a.b:Cache", "c.d:Cache"]
+    assert selection.labelled(names) == {
+        "mine": "no_such_module:Cache",
+        "theirs": "concat",
+        "a.b:Cache": "a.b:Cache",
+        "c.d:Cache": "c.d:Cache",
+    }
+    # A label takes the cache out of the clash: the other is short again.
+    assert list(selection.labelled(["x=a.b:Cache", "c.d:Cache"])) == ["x", "Cache"]
 
 
-def test_kv_impl_is_comma_separated_and_the_option_wins_over_it():
-    from_env = kvimpl.select([], f"concat, {EXAMPLE}")
-    assert list(from_env) == ["concat", "DoublingCache"], from_env
-    assert list(kvimpl.select(["chunked"], "concat")) == ["chunked"], "--kv-impl must win"
+@pytest.mark.parametrize(
+    ("names", "reason"),
+    [
+        (["concat", "concat"], "'concat' is named 2 times"),
+        (["=concat"], "'=concat': the label before '=' is empty"),
+        (["mine="], "'mine=' is neither a built-in cache"),
+        (["a=concat", "a=chunked"], "'a=chunked': the label 'a' is given to 'concat' too"),
+        (["chunked", "chunked=concat"], "the label 'chunked' is given to 'chunked' too"),
+        ([f"DoublingCache={EXAMPLE}", EXAMPLE], "the label 'DoublingCache' is given to"),
+    ],
+)
+def test_an_empty_label_or_one_given_twice_is_refused(names, reason):
+    with pytest.raises(ValueError, match=reason):
+        selection.labelled(names)
 
 
-def test_a_name_given_twice_is_refused():
-    with pytest.raises(ValueError, match="'concat' is named 2 times"):
-        kvimpl.select(["concat", "concat"], None)
+def test_kv_impl_is_comma_separated_the_option_wins_over_it_and_it_over_the_ini():
+    given = selection.names_given
+    assert given([], f"concat, {EXAMPLE}", ["window"]) == ["concat", EXAMPLE]
+    assert given(["chunked"], "concat", ["window"]) == ["chunked"], "--kv-impl must win"
+    assert given([], " , ", ["window"]) == ["window"], "a blank KV_IMPL names none"
+    assert given([], None, []) == [], "the kit names no cache by default"
+    assert list(selection.select([f"mine={EXAMPLE}", "concat"])) == ["mine", "concat"]
 
 
 def test_the_run_header_and_test_ids_name_the_caches(tmp_path):
