@@ -27,8 +27,6 @@ from pathlib import Path
 
 import pytest
 
-from kvcheck import failures, profiles
-
 KEY = "kvcheck"
 PASS, FAIL, SKIPPED, NOT_OFFERED = "pass", "FAIL", "skipped", "not offered"
 
@@ -43,6 +41,8 @@ def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestRepor
         return None  # a passed setup says nothing yet; teardown never decides a property
     entry = {"cache": cache.args[0], "name": cache.args[1], "property": prop.args[0]}
     entry["test"] = item.nodeid
+    from kvcheck import failures  # here: the plugin imports this module in every run
+
     if report.passed:
         return {**entry, "outcome": PASS}
     if hasattr(report, "wasxfail"):  # marked xfail by the user: their call, not a verdict
@@ -82,15 +82,22 @@ class Verdict:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.entries: list[dict] = []
+        self.workers_lines: list[str] = []  # the kit's lines after collection, from a worker
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.entries.extend(value for key, value in report.user_properties if key == KEY)
+
+    @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: a worker is done
+    def pytest_testnodedown(self, node, error) -> None:
+        # Under xdist only the workers collect, so the controller prints no lines after
+        # collection: a worker sends the kit's (kvcheck.plugin) at its end, for the verdict.
+        self.workers_lines = self.workers_lines or getattr(node, "workeroutput", {}).get(KEY, [])
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if not self.entries:
             return
         terminalreporter.section("kv cache verdict")
-        for line in render(tabulate(self.entries)):
+        for line in [*self.workers_lines, *render(tabulate(self.entries))]:
             terminalreporter.write_line(line)
         path = self.config.getoption("--kv-report")
         if path:
@@ -99,9 +106,11 @@ class Verdict:
     def pytest_sessionfinish(self) -> None:
         path = self.config.getoption("--kv-report")
         if path and self.entries:
+            from kvcheck import profiles
+
             report = {
                 "kvcache-verify": _version(),
-                "kit_profile": profiles.current_name(),
+                "kit_profile": self.config.getoption("--kv-profile") or profiles.default_name(),
                 "caches": tabulate(self.entries),
             }
             Path(path).write_text(json.dumps(report, indent=2) + "\n")
@@ -148,6 +157,8 @@ def tabulate(entries: list[dict]) -> dict[str, dict]:
 
 
 def _worse(severity: str, than: str) -> bool:
+    from kvcheck import failures
+
     ranks = failures.SEVERITIES
     return ranks.index(severity) < ranks.index(than) if than in ranks else True
 

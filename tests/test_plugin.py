@@ -1,5 +1,6 @@
-"""The kit's pytest plugin: choosing caches (built-in names, MODULE:ATTR, --kv-impl, KV_IMPL),
-the run header, test ids, --kv-profile, and the verdict's JSON and its comparison."""
+"""The kit's pytest plugin: naming caches (built-in names, MODULE:ATTR, labels, --kv-impl,
+KV_IMPL, the ini option), its cost where no kit test runs, the lines after collection, test
+ids, --kv-profile, and the verdict: its lines, its JSON and their comparison."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import torch
 import kvimpl
 from kvcheck import devices as kvdevices
 from kvcheck import failures, selection
+from kvcheck import plugin as kvplugin
 from kvcheck import profiles as kvprofiles
 from kvcheck import verdict as kvverdict
 from kvref import CacheContractError
-from tests.pytest_run import run_pytest
+from tests.pytest_run import ROOT, run_pytest
 
 EXAMPLE = "examples.doubling_cache:DoublingCache"
 
@@ -91,7 +93,7 @@ def test_kv_impl_is_comma_separated_the_option_wins_over_it_and_it_over_the_ini(
     assert list(selection.select([f"mine={EXAMPLE}", "concat"])) == ["mine", "concat"]
 
 
-def test_the_run_header_and_test_ids_name_the_caches(tmp_path):
+def test_the_kit_lines_after_collection_and_test_ids_name_the_caches(tmp_path):
     result = run_pytest(
         "--collect-only",
         "--pyargs",
@@ -101,7 +103,7 @@ def test_the_run_header_and_test_ids_name_the_caches(tmp_path):
         "--kv-impl",
         "chunked",
         "--kv-impl",
-        EXAMPLE,
+        f"mine={EXAMPLE}",
         "--kv-profile",
         "thorough",
         "--kv-head-dim",
@@ -109,33 +111,127 @@ def test_the_run_header_and_test_ids_name_the_caches(tmp_path):
         "--kv-max-batch",
         "16",
         cwd=tmp_path,
-        extra_path=kvimpl.__path__[0] + "/..",
+        extra_path=ROOT,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
     header = (
-        f"kv caches under test: chunked, DoublingCache ({EXAMPLE}); kit profile: thorough; "
+        f"kv caches under test: chunked, mine ({EXAMPLE}); kit profile: thorough; "
         "kv device: cpu (float64, float32, bfloat16, float16)"
     )
-    assert header in result.stdout, result.stdout
+    assert header in lines, result.stdout
+    collected = next(i for i, line in enumerate(lines) if line.startswith("collected"))
+    assert lines.index(header) > collected, "the kit's lines come once the tests are known"
     sizes = "kv sizes from the command line: head dims 64/128, batch up to 16"
-    assert sizes in result.stdout, result.stdout
-    assert "kv sizes the caches declare: chunked page 16" in result.stdout, result.stdout
-    tests = [line.strip() for line in result.stdout.splitlines() if "<Function" in line]
+    assert sizes in lines, result.stdout
+    assert "kv sizes the caches declare: chunked page 16" in lines, result.stdout
+    tests = [line.strip() for line in lines if "<Function" in line]
     assert tests == [
         "<Function test_logits_match_uncached[chunked]>",
-        "<Function test_logits_match_uncached[DoublingCache]>",
+        "<Function test_logits_match_uncached[mine]>",
     ], result.stdout
 
 
-def test_an_unimportable_name_stops_the_run_with_one_line(tmp_path):
-    result = run_pytest("--collect-only", "--pyargs", "kvcheck", "--kv-impl", "nope.mod:Cache")
+LIGHT_TEST = """
+import sys
+
+
+def test_x():
+    assert "kvcheck.plugin" in sys.modules, "the kit's plugin is not loaded"
+    heavy = {"torch", "kvimpl", "kvref"} & set(sys.modules)
+    assert not heavy, heavy
+    kit = {name for name in sys.modules if name.startswith("kvcheck")}
+    assert kit == {"kvcheck", "kvcheck.plugin", "kvcheck.selection", "kvcheck.verdict"}, kit
+"""
+
+
+def test_a_run_without_kit_tests_imports_no_torch_and_prints_no_kit_line(tmp_path):
+    (tmp_path / "test_x.py").write_text(LIGHT_TEST)
+    result = run_pytest("test_x.py", "-v", cwd=tmp_path, extra_path=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "kvcache-verify" in result.stdout, result.stdout  # pytest's list of plugins
+    kit_lines = [line for line in result.stdout.splitlines() if line.startswith("kv")]
+    assert kit_lines == [], result.stdout
+
+
+@pytest.mark.parametrize(
+    ("option", "error"),
+    [
+        (["--kv-profile", "fast"], "--kv-profile: unknown kit profile 'fast'; choose one of "),
+        (["--kv-torch-threads", "0"], "--kv-torch-threads: '0' is not a positive number"),
+        (["--kv-heads", "8,x"], "kv sizes: --kv-heads: 'x' is not a positive int"),
+        (["--kv-impl", "=concat"], "--kv-impl / KV_IMPL: '=concat': the label before '='"),
+    ],
+    ids=["profile", "threads", "sizes", "impl"],
+)
+def test_an_option_checked_without_torch_stops_even_a_run_without_kit_tests(
+    tmp_path, option, error
+):
+    (tmp_path / "test_x.py").write_text(LIGHT_TEST)
+    result = run_pytest("test_x.py", *option, cwd=tmp_path, extra_path=ROOT)
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 1, result.stderr
+    assert errors[0].startswith(f"ERROR: {error}"), result.stderr
+
+
+def test_the_plugin_knows_the_kit_profiles_by_name():
+    assert tuple(kvprofiles.PROFILES) == kvplugin.PROFILES
+
+
+NO_FACTORY = "from kvcheck import CoreTests\n\n\nclass TestMine(CoreTests):\n    pass\n"
+WITH_FACTORY = (
+    "from kvcheck import CoreTests\nfrom kvimpl import ConcatCache\n\n\n"
+    "class TestMine(CoreTests):\n    factory = ConcatCache\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("test_file", "args", "error"),
+    [
+        (None, ["--pyargs", "kvcheck"], selection.NO_CACHE),
+        (NO_FACTORY, ["test_mine.py"], selection.NO_CACHE),
+        (WITH_FACTORY, ["test_mine.py"], None),
+    ],
+    ids=["pyargs", "no factory", "factory"],
+)
+def test_a_kit_class_without_a_factory_needs_a_cache_named(tmp_path, test_file, args, error):
+    if test_file is not None:
+        (tmp_path / "test_mine.py").write_text(test_file)
+    result = run_pytest("--collect-only", *args, cwd=tmp_path, extra_path=ROOT)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
+    if error is None:
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "kv caches under test: ConcatCache (kvimpl.concat:ConcatCache); " in (
+            result.stdout
+        ), result.stdout
+        return
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
+    assert errors == [f"ERROR: {error}"], result.stderr
+
+
+@pytest.mark.parametrize(
+    ("option", "error"),
+    [
+        (
+            ["--kv-impl", "nope.mod:Cache"],
+            "ERROR: --kv-impl / KV_IMPL: 'nope.mod:Cache': cannot import module 'nope.mod': "
+            "ModuleNotFoundError: No module named 'nope'",
+        ),
+        (
+            ["--kv-impl", "concat", "--kv-device", "gpu:0"],
+            "ERROR: --kv-device / KV_DEVICE: 'gpu:0' is not a torch device",
+        ),
+    ],
+    ids=["impl", "device"],
+)
+def test_a_bad_cache_or_device_stops_the_run_with_one_line(tmp_path, option, error):
+    result = run_pytest("--collect-only", "--pyargs", "kvcheck", *option, cwd=tmp_path)
     assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
     # Only the error line: torch may warn on stderr too (no numpy in a fresh venv).
     errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
-    assert errors == [
-        "ERROR: --kv-impl / KV_IMPL: 'nope.mod:Cache': cannot import module 'nope.mod': "
-        "ModuleNotFoundError: No module named 'nope'"
-    ], result.stderr
+    assert len(errors) == 1, result.stderr
+    assert errors[0].startswith(error), result.stderr
 
 
 def missing_cuda_device() -> str:
@@ -147,10 +243,13 @@ def test_a_device_this_machine_lacks_skips_every_kit_test_with_the_reason():
     device = missing_cuda_device()
     result = run_pytest(
         "--pyargs", "kvcheck", "-k", "logits or reorder", "--kv-impl", "concat",
-        "--kv-device", device, "-rs",
+        "--kv-device", device, "-rs", "-n", "2",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"kv device: {device} (unavailable: " in result.stdout, result.stdout
+    # Under xdist the workers collect: their kit lines open the verdict.
+    verdict = result.stdout.split(" kv cache verdict ")[-1].splitlines()
+    assert verdict[1].startswith("kv caches under test: concat; "), result.stdout
+    assert f"kv device: {device} (unavailable: " in verdict[1], result.stdout
     skipped = [line for line in result.stdout.splitlines() if line.startswith("SKIPPED")]
     # One reason per test (not "not offered": the device is checked first), and no test ran.
     assert skipped, result.stdout
