@@ -14,6 +14,10 @@ and ``pytest -n auto`` in your repository. Or with no file at all::
 
     pytest -n auto --pyargs kvcheck --kv-impl mypkg.caches:MyCache
 
+(``--kv-impl`` is repeatable; ``KV_IMPL`` and the ``kv_impl`` ini option name caches too;
+``--kv-impl mine=mypkg.caches:MyCache`` calls the cache ``mine`` in test ids and the verdict;
+with no cache named, a class without ``factory`` stops the run with a usage error that says
+how to name one).
 Either way the run ends with a verdict per cache (each property: pass, or FAIL with its
 severity and first line), ``--kv-report PATH`` writes it as JSON, and Hypothesis prints the
 smallest input it found for each failure. New properties reach you with a new release of the
@@ -46,9 +50,10 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # The test classes import torch and the reference model: only when asked for, so that
-    # the plugin (kvcheck.plugin, loaded by every pytest run where this is installed) and
-    # `python -m kvcheck.verdict` stay light.
+    # The test classes import torch, Hypothesis and the reference model: only when asked
+    # for, so that the plugin (kvcheck.plugin, loaded by every pytest run where this is
+    # installed) imports none of them in a run without kit tests, nor does
+    # `python -m kvcheck.verdict`.
     if name == "Sizes":
         from kvcheck.sizes import Sizes
 

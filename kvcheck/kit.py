@@ -22,7 +22,7 @@ from kvcheck import devices as kvdevices
 from kvcheck import profiles as kvprofiles
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
-from kvcheck.harness import PATHS
+from kvcheck.harness import PATHS, offers_attend
 from kvcheck.session import young_objects_only
 from kvref import BlockPool, CacheFactory, CacheSpec, capabilities
 
@@ -36,6 +36,16 @@ def probe_spec() -> CacheSpec:
     offer: on the kit's device, in its first dtype there."""
     dtype = kvdevices.usable(kvst.DTYPES)[0]
     return CacheSpec(1, 1, 2, max_length=8, dtype=dtype, device=kvdevices.current())
+
+
+def paths_offered(factory: CacheFactory) -> tuple[str, ...]:
+    """The paths the model may take through ``factory``'s caches: append, and attend where
+    they have it. A factory that cannot build the probe gets append only: its own test then
+    shows the crash."""
+    try:
+        return PATHS if offers_attend(factory(probe_spec())) else PATHS[:1]
+    except Exception:  # the test reports it, with the property's context
+        return PATHS[:1]
 
 
 def offered(factory: CacheFactory) -> set[str]:
@@ -148,9 +158,8 @@ def property_test(prop: Property):
         def test(self, cache_factory):
             body(self, cache_factory, None, "append")
 
-    if prop.paths:
-        params = [pytest.param(path, marks=pytest.mark.kv_path(path), id=path) for path in PATHS]
-        test = pytest.mark.parametrize("path", params)(test)
+    if prop.paths:  # the plugin parametrizes the paths each cache offers, with the cache
+        test = pytest.mark.kv_paths(test)
     if prop.cases:
         test = pytest.mark.parametrize("case", prop.cases, ids=str)(test)
     test.__doc__ = prop.title

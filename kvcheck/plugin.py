@@ -3,8 +3,10 @@
 It adds, wherever the package is installed:
 
 - ``--kv-impl NAME`` (repeatable), the ``KV_IMPL`` environment variable (comma-separated) and
-  the ``kv_impl`` ini option: the caches that the kit's classes without a ``factory`` test
-  (every built-in when none is named); NAME is a built-in or ``MODULE:ATTR``;
+  the ``kv_impl`` ini option: the caches that the kit's classes without a ``factory`` test.
+  NAME is a built-in's short name, ``MODULE:ATTR``, or either after a label
+  (``mine=mypkg.caches:MyCache``, test ids ``[mine]``): ``kvcheck.selection``. With none
+  named, collecting such a class is a usage error that says how to name one;
 - ``--kv-profile dev|ci|thorough``: how hard the kit's tests search (``kvcheck.profiles``;
   the kit loads no Hypothesis profile for the process);
 - ``--kv-torch-threads N|keep``: torch threads while a kit test runs (default 1);
@@ -14,20 +16,51 @@ It adds, wherever the package is installed:
 - ``--kv-device DEVICE`` (or ``KV_DEVICE``, or the ``kv_device`` ini option): where the kit
   builds every model, cache and row (default cpu); on a device this machine lacks, the kit's
   tests skip with the reason (``kvcheck.devices``);
-- the run header line naming the caches under test, and the verdict per cache at the end
-  of the run (``--kv-report PATH`` writes it as JSON).
+- after collection, the lines naming the caches under test, the kit's profile, device and
+  sizes (under pytest-xdist, where only the workers collect, at the top of the verdict);
+  and the verdict per cache at the end of the run (``--kv-report PATH`` writes it as JSON).
 
-It changes nothing else in the process that hosts it.
+A run that collects no kit test pays for importing this module, ``kvcheck.selection`` and
+``kvcheck.verdict`` (none of them imports torch, Hypothesis or a cache), and the plugin
+prints nothing. The options are checked when pytest is configured as far as that needs no
+torch; the rest (the device, the sizes as a whole, the caches named) when the first kit
+class (a subclass of ``kvcheck.base.KitTests``) is collected, where a wrong one stops the
+run with a usage error (under pytest-xdist, where the workers collect: a collection error of
+one line). It changes nothing else in the process that hosts it.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 
 import pytest
 
-SELECTED = pytest.StashKey[dict]()  # test id -> kvimpl.Selected, resolved once per run
+from kvcheck import selection, verdict
+
+# The names of kvcheck.profiles.PROFILES, to check --kv-profile without importing torch (a
+# test checks they agree).
+PROFILES = ("dev", "ci", "thorough")
+
+
+@dataclass
+class KitRun:
+    """The kit's settings for a run: read and checked when pytest is configured (no torch),
+    applied (``prepare``) when the first kit class is collected."""
+
+    profile: str | None
+    threads: str | None
+    sizes: dict[str, int | tuple[int, ...] | None]
+    device: str | None
+    names: list[str]  # the caches for classes without a factory (kvcheck.selection)
+    prepared: bool = False
+    selected: dict[str, selection.Selected] | None = None  # resolved at the first such class
+    error: str | None = None  # the first usage error met while collecting
+    lines: list[str] | None = None  # the kit's lines after collection (none: no kit test)
+
+
+RUN = pytest.StashKey[KitRun]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -37,8 +70,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="append",
         default=[],
         metavar="NAME",
-        help="cache to test: a built-in name or MODULE:ATTR (repeatable; default: KV_IMPL, "
-        "comma-separated, else the kv_impl ini option, else every built-in)",
+        help="cache for the kit's classes without a factory: a built-in name, MODULE:ATTR, or "
+        "LABEL=either, LABEL its test id (repeatable; default: KV_IMPL, comma-separated, else "
+        "the kv_impl ini option)",
     )
     group.addoption(
         "--kv-profile",
@@ -99,53 +133,46 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kv_property(name): the kit property a test checks")
     config.addinivalue_line("markers", "kv_cache(label, name): the cache a test runs on")
-    config.addinivalue_line("markers", "kv_path(path): the path of the model through the cache")
     config.addinivalue_line(
-        "markers", "kv_device: a test that runs on --kv-device (skipped where it is unavailable)"
+        "markers", "kv_path(path, offered): the model's path through the cache, of those offered"
     )
-    from kvcheck import devices, profiles, verdict
-
-    for option, choose in (
-        ("--kv-profile", profiles.choose),
-        ("--kv-torch-threads", profiles.choose_threads),
-    ):
-        try:
-            choose(config.getoption(option))
-        except ValueError as error:
-            raise pytest.UsageError(f"{option}: {error}") from None
-    try:
-        choose_sizes(config)
-    except ValueError as error:
-        raise pytest.UsageError(f"kv sizes: {error}") from None
-    device = (
-        config.getoption("--kv-device") or os.environ.get("KV_DEVICE") or config.getini("kv_device")
-    )
-    try:
-        devices.choose(device)
-    except ValueError as error:
-        raise pytest.UsageError(f"--kv-device / KV_DEVICE: {error}") from None
-    # --kv-impl, else KV_IMPL, else the ini option, else every built-in.
-    names = config.getoption("--kv-impl")
-    from_env = os.environ.get("KV_IMPL")
-    if not names and not (from_env or "").strip():
-        names = config.getini("kv_impl")
-    # A cache module in the directory pytest runs from imports as it would with
-    # `python -m pytest`.
-    here = str(config.invocation_params.dir)
-    if here not in sys.path:
-        sys.path.append(here)
-    try:
-        import kvimpl
-
-        config.stash[SELECTED] = kvimpl.select(names, from_env)
-    except ValueError as error:
-        raise pytest.UsageError(f"--kv-impl / KV_IMPL: {error}") from None
+    config.addinivalue_line("markers", "kv_paths: a kit test run once per path of the model")
+    config.stash[RUN] = read_options(config)
     verdict.configure(config)
 
 
-def choose_sizes(config: pytest.Config) -> None:
-    """The sizes given by --kv-page, --kv-head-dim, --kv-heads and --kv-max-batch."""
-    from kvcheck import sizes
+def read_options(config: pytest.Config) -> KitRun:
+    """The kit's options, checked as far as that needs no torch (a usage error if not)."""
+    profile = config.getoption("--kv-profile")
+    if profile is not None and profile not in PROFILES:
+        raise pytest.UsageError(
+            f"--kv-profile: unknown kit profile {profile!r}; choose one of {', '.join(PROFILES)}"
+        )
+    threads = config.getoption("--kv-torch-threads")
+    if threads not in (None, "keep") and not (threads.isdigit() and int(threads) >= 1):
+        raise pytest.UsageError(
+            f"--kv-torch-threads: {threads!r} is not a positive number of threads or 'keep'"
+        )
+    try:
+        sizes = read_sizes(config)
+    except ValueError as error:
+        raise pytest.UsageError(f"kv sizes: {error}") from None
+    names = selection.names_given(
+        config.getoption("--kv-impl"), os.environ.get("KV_IMPL"), config.getini("kv_impl")
+    )
+    try:
+        selection.labelled(names)
+    except ValueError as error:
+        raise pytest.UsageError(f"--kv-impl / KV_IMPL: {error}") from None
+    device = (
+        config.getoption("--kv-device") or os.environ.get("KV_DEVICE") or config.getini("kv_device")
+    )
+    return KitRun(profile, threads, sizes, device or None, names)
+
+
+def read_sizes(config: pytest.Config) -> dict[str, int | tuple[int, ...] | None]:
+    """The fields of ``kvcheck.Sizes`` given by --kv-page, --kv-head-dim, --kv-heads and
+    --kv-max-batch, each a positive int (the rest is checked by ``Sizes`` itself)."""
 
     def numbers(option: str) -> tuple[int, ...]:
         given = ",".join(config.getoption(option)).split(",")
@@ -158,76 +185,169 @@ def choose_sizes(config: pytest.Config) -> None:
             raise ValueError(f"{option}: {text!r} is not a positive int")
         return int(text)
 
-    sizes.choose_options(
-        sizes.Sizes(
-            page=number("--kv-page", config.getoption("--kv-page")),
-            head_dims=numbers("--kv-head-dim"),
-            kv_heads=numbers("--kv-heads"),
-            max_batch=number("--kv-max-batch", config.getoption("--kv-max-batch")),
-        )
-    )
+    return {
+        "page": number("--kv-page", config.getoption("--kv-page")),
+        "head_dims": numbers("--kv-head-dim"),
+        "kv_heads": numbers("--kv-heads"),
+        "max_batch": number("--kv-max-batch", config.getoption("--kv-max-batch")),
+    }
 
 
-def pytest_report_header(config: pytest.Config) -> list[str]:
+def prepare(config: pytest.Config) -> None:
+    """Apply the run's kit settings: profile, torch threads, sizes and device; once.
+
+    The plugin calls it when the first kit class is collected; a host whose own tests use
+    the kit's device or profile earlier may call it from its ``pytest_configure``. Raises
+    pytest.UsageError for sizes or a device that cannot be."""
+    run = config.stash[RUN]
+    if run.prepared:
+        return
     from kvcheck import devices, profiles, sizes
 
-    described = [
-        label if label == selected.name else f"{label} ({selected.name})"
-        for label, selected in config.stash[SELECTED].items()
-    ]
-    lines = [
-        f"kv caches under test: {', '.join(described)}; kit profile: {profiles.current_name()}; "
-        f"kv device: {devices.describe()}"
-    ]
-    if sizes.from_options() != sizes.NONE:
-        lines.append(f"kv sizes from the command line: {sizes.from_options().describe()}")
-    declared = [
-        f"{label} {sizes.declared_on(selected.factory).describe()}"
-        for label, selected in config.stash[SELECTED].items()
-        if sizes.declared_on(selected.factory) != sizes.NONE
-    ]
-    if declared:
-        lines.append(f"kv sizes the caches declare: {'; '.join(declared)}")
-    return lines
+    profiles.choose(run.profile)
+    profiles.choose_threads(run.threads)
+    try:
+        sizes.choose_options(sizes.Sizes(**run.sizes))
+    except ValueError as error:
+        raise pytest.UsageError(f"kv sizes: {error}") from None
+    try:
+        devices.choose(run.device)
+    except ValueError as error:
+        raise pytest.UsageError(f"--kv-device / KV_DEVICE: {error}") from None
+    run.prepared = True
 
 
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """A kit test (or one marked ``kv_device``) on a device this machine lacks is skipped,
-    with the reason, before it builds anything there."""
-    if item.get_closest_marker("kv_property") or item.get_closest_marker("kv_device"):
-        from kvcheck import devices
-
-        if reason := devices.unavailable():
-            pytest.skip(f"--kv-device {devices.current()}: {reason}")
+def selected(config: pytest.Config) -> dict[str, selection.Selected]:
+    """The caches named for the kit's classes without a factory, by label, imported once."""
+    run = config.stash[RUN]
+    if run.selected is None:
+        if not run.names:
+            raise pytest.UsageError(selection.NO_CACHE)
+        # A cache module in the directory pytest runs from imports as it would with
+        # `python -m pytest`.
+        here = str(config.invocation_params.dir)
+        if here not in sys.path:
+            sys.path.append(here)
+        try:
+            run.selected = selection.select(run.names)
+        except ValueError as error:
+            raise pytest.UsageError(f"--kv-impl / KV_IMPL: {error}") from None
+    return run.selected
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    from kvcheck.base import KitTests
-
+    # A kit class's module has imported kvcheck.kit: a run without one never does here.
+    kit = sys.modules.get("kvcheck.kit")
     cls = metafunc.cls
-    if cls is None or not issubclass(cls, KitTests) or "cache_factory" not in metafunc.fixturenames:
+    if kit is None or cls is None or not issubclass(cls, kit.KitTests):
         return
-    if cls.factory is not None:
-        label = cls.cache_name or getattr(cls.factory, "__name__", None) or cls.__name__
-        module = getattr(cls.factory, "__module__", "?")
-        caches = [(label, f"{module}:{label}", cls.factory)]
-    else:
-        selected = metafunc.config.stash[SELECTED]
-        caches = [(label, name, factory) for label, (name, factory) in selected.items()]
-    metafunc.parametrize(
-        "cache_factory",
-        [
-            pytest.param(factory, id=label, marks=pytest.mark.kv_cache(label, name))
-            for label, name, factory in caches
-        ],
+    if "cache_factory" not in metafunc.fixturenames:
+        return
+    try:
+        prepare(metafunc.config)
+        if cls.factory is not None:
+            label = cls.cache_name or getattr(cls.factory, "__name__", None) or cls.__name__
+            module = getattr(cls.factory, "__module__", "?")
+            caches = [(label, f"{module}:{label}", cls.factory)]
+        else:
+            caches = [(label, name, f) for label, (name, f) in selected(metafunc.config).items()]
+    except pytest.UsageError as error:
+        # Collection turns any exception into an error of this class: the message alone,
+        # which a worker of pytest-xdist reports as that; elsewhere a usage error (below).
+        metafunc.config.stash[RUN].error = str(error)
+        raise pytest.Collector.CollectError(str(error)) from None
+    if metafunc.definition.get_closest_marker("kv_paths") is None:
+        metafunc.parametrize(
+            "cache_factory",
+            [
+                pytest.param(factory, id=label, marks=pytest.mark.kv_cache(label, name))
+                for label, name, factory in caches
+            ],
+        )
+        return
+    # A property run once per path of the model through the cache: append, and attend
+    # where the cache offers it (the id names the path only then).
+    params = []
+    for label, name, factory in caches:
+        paths = kit.paths_offered(factory)
+        for path in paths:
+            marks = [pytest.mark.kv_cache(label, name), pytest.mark.kv_path(path, paths)]
+            ident = label if len(paths) == 1 else f"{label}-{path}"
+            params.append(pytest.param(factory, path, id=ident, marks=marks))
+    metafunc.parametrize(("cache_factory", "path"), params)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    report = yield
+    error, config = collector.config.stash[RUN].error, collector.config
+    if error is not None and report.failed and not hasattr(config, "workerinput"):
+        raise pytest.UsageError(error)  # the class that failed: the run stops, in one line
+    return report
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if hasattr(session.config, "workerinput"):  # for the controller's verdict (xdist)
+        session.config.workeroutput[verdict.KEY] = kit_lines(session.config, session.items)
+
+
+def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
+    return kit_lines(config, items)
+
+
+def kit_lines(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
+    """The caches the kit tests collected run on, the kit's profile, device and sizes; no
+    line where no kit test was collected."""
+    run = config.stash[RUN]
+    if run.lines is not None:
+        return run.lines
+    caches: dict[str, tuple[str, object]] = {}  # label -> (name, factory), in test order
+    for item in items:
+        mark = item.get_closest_marker("kv_cache")
+        callspec = getattr(item, "callspec", None)
+        if mark is not None and callspec is not None and mark.args[0] not in caches:
+            caches[mark.args[0]] = (mark.args[1], callspec.params.get("cache_factory"))
+    run.lines = []
+    if not caches:
+        return run.lines
+    from kvcheck import devices, profiles, sizes
+
+    described = [
+        label if label == name else f"{label} ({name})" for label, (name, _) in caches.items()
+    ]
+    run.lines.append(
+        f"kv caches under test: {', '.join(described)}; kit profile: {profiles.current_name()}; "
+        f"kv device: {devices.describe()}"
     )
+    if sizes.from_options() != sizes.NONE:
+        run.lines.append(f"kv sizes from the command line: {sizes.from_options().describe()}")
+    declared = [
+        f"{label} {sizes.declared_on(factory).describe()}"
+        for label, (_, factory) in caches.items()
+        if sizes.declared_on(factory) != sizes.NONE
+    ]
+    if declared:
+        run.lines.append(f"kv sizes the caches declare: {'; '.join(declared)}")
+    return run.lines
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("kv_property"):
+        skip_where_the_device_is_unavailable()
+
+
+def skip_where_the_device_is_unavailable() -> None:
+    """Skip the test, with the reason, where this machine lacks the kit's device: before it
+    builds anything there."""
+    from kvcheck import devices
+
+    if reason := devices.unavailable():
+        pytest.skip(f"--kv-device {devices.current()}: {reason}")
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
-    from kvcheck import verdict
-
     entry = verdict.entry_for(item, call, report)
     if entry is not None:
         # A list of its own: item.user_properties is shared by the setup, call and teardown

@@ -4,6 +4,10 @@ Each kit test's report carries one entry (the cache, the property, pass / FAIL /
 and for a failure its severity and first line) in ``report.user_properties``, which
 pytest-xdist carries from the workers to the controller. The controller gathers them and,
 at the end of the run, prints a short table per cache and writes ``--kv-report PATH``.
+A cache "holds every property" only where each property of the kit (``kvcheck.properties``)
+ran and passed or is not offered; where some did not run (a ``-k``, a deselect, a skip) its
+line says how many of the kit's ran instead, and so does the JSON (``run`` of
+``kit properties``; ``holds`` counts those that passed).
 
 Compare two reports, e.g. before and after a refactor::
 
@@ -23,8 +27,6 @@ from pathlib import Path
 
 import pytest
 
-from kvcheck import failures, profiles
-
 KEY = "kvcheck"
 PASS, FAIL, SKIPPED, NOT_OFFERED = "pass", "FAIL", "skipped", "not offered"
 
@@ -39,6 +41,8 @@ def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestRepor
         return None  # a passed setup says nothing yet; teardown never decides a property
     entry = {"cache": cache.args[0], "name": cache.args[1], "property": prop.args[0]}
     entry["test"] = item.nodeid
+    from kvcheck import failures  # here: the plugin imports this module in every run
+
     if report.passed:
         return {**entry, "outcome": PASS}
     if hasattr(report, "wasxfail"):  # marked xfail by the user: their call, not a verdict
@@ -78,15 +82,22 @@ class Verdict:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.entries: list[dict] = []
+        self.workers_lines: list[str] = []  # the kit's lines after collection, from a worker
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.entries.extend(value for key, value in report.user_properties if key == KEY)
+
+    @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: a worker is done
+    def pytest_testnodedown(self, node, error) -> None:
+        # Under xdist only the workers collect, so the controller prints no lines after
+        # collection: a worker sends the kit's (kvcheck.plugin) at its end, for the verdict.
+        self.workers_lines = self.workers_lines or getattr(node, "workeroutput", {}).get(KEY, [])
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if not self.entries:
             return
         terminalreporter.section("kv cache verdict")
-        for line in render(tabulate(self.entries)):
+        for line in [*self.workers_lines, *render(tabulate(self.entries))]:
             terminalreporter.write_line(line)
         path = self.config.getoption("--kv-report")
         if path:
@@ -95,16 +106,20 @@ class Verdict:
     def pytest_sessionfinish(self) -> None:
         path = self.config.getoption("--kv-report")
         if path and self.entries:
+            from kvcheck import profiles
+
             report = {
                 "kvcache-verify": _version(),
-                "kit_profile": profiles.current_name(),
+                "kit_profile": self.config.getoption("--kv-profile") or profiles.default_name(),
                 "caches": tabulate(self.entries),
             }
             Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
 
 def tabulate(entries: list[dict]) -> dict[str, dict]:
-    """Per cache label: its name and, per property in the kit's order, the outcome."""
+    """Per cache label: its name and, per property in the kit's order, the outcome; how many
+    properties hold, failed and are not offered; how many ran (passed or failed: not skipped,
+    not offered, nor left out by a -k or a deselect) of the kit's."""
     from kvcheck.properties import ALL
 
     order = {prop.name: index for index, prop in enumerate(ALL)}
@@ -136,10 +151,14 @@ def tabulate(entries: list[dict]) -> dict[str, dict]:
         cache["holds"] = sum(row["result"] == PASS for row in rows.values())
         cache["failed"] = sum(row["result"] == FAIL for row in rows.values())
         cache["not offered"] = sum(row["result"] == NOT_OFFERED for row in rows.values())
+        cache["run"] = sum(row["result"] in (PASS, FAIL) for row in rows.values())
+        cache["kit properties"] = len(ALL)
     return caches
 
 
 def _worse(severity: str, than: str) -> bool:
+    from kvcheck import failures
+
     ranks = failures.SEVERITIES
     return ranks.index(severity) < ranks.index(than) if than in ranks else True
 
@@ -149,13 +168,19 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
     for label, cache in caches.items():
         rows = cache["properties"]
         named = label if label == cache["name"] else f"{label} ({cache['name']})"
-        offered = len(rows) - cache.get("not offered", 0)
+        offered = len(rows) - cache["not offered"]
         skipped = sum(row["result"] == SKIPPED for row in rows.values())
+        # Every property of the kit ran or is not offered: else the count of those that ran.
+        every = cache["run"] + cache["not offered"] >= cache["kit properties"]
+        ran = f"{cache['run']} of {cache['kit properties']} properties run"
         if cache["failed"]:
             verdict = f"{cache['failed']} FAIL"
-        else:  # a property skipped (an unavailable device, say) was not shown to hold
-            verdict = f"{skipped} skipped" if skipped else "holds every property"
-        lines.append(f"{named}: {verdict} ({cache['holds']} of {offered} pass)")
+        elif skipped:  # skipped (an unavailable device, say): not shown to hold
+            verdict = f"{skipped} skipped"
+        else:
+            verdict = "holds every property" if every else ran
+        line = f"{named}: {verdict} ({cache['holds']} of {offered} pass)"
+        lines.append(line if every or verdict == ran else f"{line}; {ran}")
         passed = [name for name, row in rows.items() if row["result"] == PASS]
         if passed:
             lines.append(f"  pass         {', '.join(passed)}")

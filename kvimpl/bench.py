@@ -46,6 +46,7 @@ from torch import Tensor
 from torch.utils import benchmark
 
 import kvimpl
+from kvcheck import selection
 from kvref import CacheFactory, LayerCache, ModelConfig, ReferenceTransformer, min_nbytes
 
 
@@ -648,8 +649,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str
         parser.error(f"--out {args.out}: exists and is not a directory")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
-    try:  # the same selection as the test suite's: --kv-impl, else KV_IMPL, else built-ins
-        selected = kvimpl.select(args.kv_impl, os.environ.get("KV_IMPL"))
+    # Named as for the kit (kvcheck.selection): --kv-impl, else KV_IMPL, else every built-in.
+    names = selection.names_given(args.kv_impl, os.environ.get("KV_IMPL"), list(kvimpl.CACHES))
+    try:
+        selected = selection.select(names)
     except ValueError as error:
         parser.error(f"--kv-impl / KV_IMPL: {error}")
     for label, (name, _) in selected.items():

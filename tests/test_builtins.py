@@ -2,7 +2,8 @@
 the built-ins promise: exact byte counts and the chunked cache at other chunk sizes.
 
 ``TestSelectedCaches`` has no ``factory``, so it runs on the caches named with ``--kv-impl``
-or ``KV_IMPL``, and on every built-in when none is named (``pytest -n auto``)."""
+or ``KV_IMPL``, else on those this repository names in pyproject.toml (``kv_impl``: every
+built-in, as ``pytest -n auto`` runs it)."""
 
 import dataclasses
 import functools

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kvimpl
+from kvcheck.selection import load_factory
 from kvimpl.paged import PagedPool
 from kvref import CacheSpec, attention, min_nbytes
 
@@ -47,7 +48,7 @@ def refcounts(pool: PagedPool, cache) -> list[list[int]]:
 
 def test_the_default_pool_is_a_registered_instance_not_the_class():
     assert kvimpl.CACHES["paged"] is kvimpl.paged.pool
-    assert kvimpl.load_factory("kvimpl.paged:pool") is kvimpl.paged.pool
+    assert load_factory("kvimpl.paged:pool") is kvimpl.paged.pool
     cache = kvimpl.CACHES["paged"](spec_of())
     assert isinstance(cache, kvimpl.PagedCache)
     assert kvimpl.paged.pool.blocks_free > 10_000, "the suite's pool must never run out"
@@ -55,7 +56,7 @@ def test_the_default_pool_is_a_registered_instance_not_the_class():
 
 def test_the_class_named_as_a_factory_says_to_name_an_instance():
     with pytest.raises(TypeError, match=r"not a cache factory.*kvimpl\.paged:pool"):
-        kvimpl.load_factory("kvimpl.paged:PagedPool")(spec_of())
+        load_factory("kvimpl.paged:PagedPool")(spec_of())
 
 
 @pytest.mark.parametrize(("size", "blocks"), [(0, 1), (1, 0), (1.5, 1), (True, 1), (4, -2)])

@@ -1,5 +1,6 @@
-"""The kit's pytest plugin: choosing caches (built-in names, MODULE:ATTR, --kv-impl, KV_IMPL),
-the run header, test ids, --kv-profile, and the verdict's JSON and its comparison."""
+"""The kit's pytest plugin: naming caches (built-in names, MODULE:ATTR, labels, --kv-impl,
+KV_IMPL, the ini option), its cost where no kit test runs, the lines after collection, test
+ids, --kv-profile, and the verdict: its lines, its JSON and their comparison."""
 
 from __future__ import annotations
 
@@ -11,24 +12,26 @@ import torch
 
 import kvimpl
 from kvcheck import devices as kvdevices
-from kvcheck import failures
+from kvcheck import failures, selection
+from kvcheck import plugin as kvplugin
 from kvcheck import profiles as kvprofiles
 from kvcheck import verdict as kvverdict
 from kvref import CacheContractError
-from tests.pytest_run import run_pytest
+from tests.pytest_run import ROOT, run_pytest
 
 EXAMPLE = "examples.doubling_cache:DoublingCache"
 
 
 def test_builtin_names_resolve_to_the_registry():
+    assert list(selection.BUILTINS) == list(kvimpl.CACHES)
     for name, factory in kvimpl.CACHES.items():
-        assert kvimpl.load_factory(name) is factory, f"{name!r} does not give CACHES[{name!r}]"
+        assert selection.load_factory(name) is factory, f"{name!r} does not give CACHES[{name!r}]"
 
 
 def test_module_attr_resolves_to_the_object():
     from examples.doubling_cache import DoublingCache
 
-    assert kvimpl.load_factory(EXAMPLE) is DoublingCache
+    assert selection.load_factory(EXAMPLE) is DoublingCache
 
 
 @pytest.mark.parametrize(
@@ -43,33 +46,54 @@ def test_module_attr_resolves_to_the_object():
 )
 def test_a_bad_name_is_refused_with_the_reason(name, reason):
     with pytest.raises(ValueError, match=reason) as raised:
-        kvimpl.load_factory(name)
+        selection.load_factory(name)
     assert repr(name) in str(raised.value), f"the error does not name {name!r}: {raised.value}"
 
 
 def test_labels_are_short_unless_two_names_clash():
     names = ["concat", "a.b:Cache", "c.d:Cache", "e:Other"]
-    labels = [kvimpl.cache_label(name, names) for name in names]
+    labels = [selection.cache_label(name, names) for name in names]
     assert labels == ["concat", "a.b:Cache", "c.d:Cache", "Other"], labels
 
 
-def test_with_no_names_every_builtin_is_selected():
-    assert kvimpl.select([], None) == {name: (name, f) for name, f in kvimpl.CACHES.items()}
-    assert list(kvimpl.select([], " , ")) == list(kvimpl.CACHES), "blank KV_IMPL means none given"
+def test_a_cache_can_be_given_a_label_and_reading_names_imports_nothing():
+    names = ["mine=no_such_module:Cache", "theirs = concat", "a.b:Cache", "c.d:Cache"]
+    assert selection.labelled(names) == {
+        "mine": "no_such_module:Cache",
+        "theirs": "concat",
+        "a.b:Cache": "a.b:Cache",
+        "c.d:Cache": "c.d:Cache",
+    }
+    # A label takes the cache out of the clash: the other is short again.
+    assert list(selection.labelled(["x=a.b:Cache", "c.d:Cache"])) == ["x", "Cache"]
 
 
-def test_kv_impl_is_comma_separated_and_the_option_wins_over_it():
-    from_env = kvimpl.select([], f"concat, {EXAMPLE}")
-    assert list(from_env) == ["concat", "DoublingCache"], from_env
-    assert list(kvimpl.select(["chunked"], "concat")) == ["chunked"], "--kv-impl must win"
+@pytest.mark.parametrize(
+    ("names", "reason"),
+    [
+        (["concat", "concat"], "'concat' is named 2 times"),
+        (["=concat"], "'=concat': the label before '=' is empty"),
+        (["mine="], "'mine=' is neither a built-in cache"),
+        (["a=concat", "a=chunked"], "'a=chunked': the label 'a' is given to 'concat' too"),
+        (["chunked", "chunked=concat"], "the label 'chunked' is given to 'chunked' too"),
+        ([f"DoublingCache={EXAMPLE}", EXAMPLE], "the label 'DoublingCache' is given to"),
+    ],
+)
+def test_an_empty_label_or_one_given_twice_is_refused(names, reason):
+    with pytest.raises(ValueError, match=reason):
+        selection.labelled(names)
 
 
-def test_a_name_given_twice_is_refused():
-    with pytest.raises(ValueError, match="'concat' is named 2 times"):
-        kvimpl.select(["concat", "concat"], None)
+def test_kv_impl_is_comma_separated_the_option_wins_over_it_and_it_over_the_ini():
+    given = selection.names_given
+    assert given([], f"concat, {EXAMPLE}", ["window"]) == ["concat", EXAMPLE]
+    assert given(["chunked"], "concat", ["window"]) == ["chunked"], "--kv-impl must win"
+    assert given([], " , ", ["window"]) == ["window"], "a blank KV_IMPL names none"
+    assert given([], None, []) == [], "the kit names no cache by default"
+    assert list(selection.select([f"mine={EXAMPLE}", "concat"])) == ["mine", "concat"]
 
 
-def test_the_run_header_and_test_ids_name_the_caches(tmp_path):
+def test_the_kit_lines_after_collection_and_test_ids_name_the_caches(tmp_path):
     result = run_pytest(
         "--collect-only",
         "--pyargs",
@@ -79,7 +103,7 @@ def test_the_run_header_and_test_ids_name_the_caches(tmp_path):
         "--kv-impl",
         "chunked",
         "--kv-impl",
-        EXAMPLE,
+        f"mine={EXAMPLE}",
         "--kv-profile",
         "thorough",
         "--kv-head-dim",
@@ -87,33 +111,127 @@ def test_the_run_header_and_test_ids_name_the_caches(tmp_path):
         "--kv-max-batch",
         "16",
         cwd=tmp_path,
-        extra_path=kvimpl.__path__[0] + "/..",
+        extra_path=ROOT,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
     header = (
-        f"kv caches under test: chunked, DoublingCache ({EXAMPLE}); kit profile: thorough; "
+        f"kv caches under test: chunked, mine ({EXAMPLE}); kit profile: thorough; "
         "kv device: cpu (float64, float32, bfloat16, float16)"
     )
-    assert header in result.stdout, result.stdout
+    assert header in lines, result.stdout
+    collected = next(i for i, line in enumerate(lines) if line.startswith("collected"))
+    assert lines.index(header) > collected, "the kit's lines come once the tests are known"
     sizes = "kv sizes from the command line: head dims 64/128, batch up to 16"
-    assert sizes in result.stdout, result.stdout
-    assert "kv sizes the caches declare: chunked page 16" in result.stdout, result.stdout
-    tests = [line.strip() for line in result.stdout.splitlines() if "<Function" in line]
+    assert sizes in lines, result.stdout
+    assert "kv sizes the caches declare: chunked page 16" in lines, result.stdout
+    tests = [line.strip() for line in lines if "<Function" in line]
     assert tests == [
         "<Function test_logits_match_uncached[chunked]>",
-        "<Function test_logits_match_uncached[DoublingCache]>",
+        "<Function test_logits_match_uncached[mine]>",
     ], result.stdout
 
 
-def test_an_unimportable_name_stops_the_run_with_one_line(tmp_path):
-    result = run_pytest("--collect-only", "--pyargs", "kvcheck", "--kv-impl", "nope.mod:Cache")
+LIGHT_TEST = """
+import sys
+
+
+def test_x():
+    assert "kvcheck.plugin" in sys.modules, "the kit's plugin is not loaded"
+    heavy = {"torch", "kvimpl", "kvref"} & set(sys.modules)
+    assert not heavy, heavy
+    kit = {name for name in sys.modules if name.startswith("kvcheck")}
+    assert kit == {"kvcheck", "kvcheck.plugin", "kvcheck.selection", "kvcheck.verdict"}, kit
+"""
+
+
+def test_a_run_without_kit_tests_imports_no_torch_and_prints_no_kit_line(tmp_path):
+    (tmp_path / "test_x.py").write_text(LIGHT_TEST)
+    result = run_pytest("test_x.py", "-v", cwd=tmp_path, extra_path=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "kvcache-verify" in result.stdout, result.stdout  # pytest's list of plugins
+    kit_lines = [line for line in result.stdout.splitlines() if line.startswith("kv")]
+    assert kit_lines == [], result.stdout
+
+
+@pytest.mark.parametrize(
+    ("option", "error"),
+    [
+        (["--kv-profile", "fast"], "--kv-profile: unknown kit profile 'fast'; choose one of "),
+        (["--kv-torch-threads", "0"], "--kv-torch-threads: '0' is not a positive number"),
+        (["--kv-heads", "8,x"], "kv sizes: --kv-heads: 'x' is not a positive int"),
+        (["--kv-impl", "=concat"], "--kv-impl / KV_IMPL: '=concat': the label before '='"),
+    ],
+    ids=["profile", "threads", "sizes", "impl"],
+)
+def test_an_option_checked_without_torch_stops_even_a_run_without_kit_tests(
+    tmp_path, option, error
+):
+    (tmp_path / "test_x.py").write_text(LIGHT_TEST)
+    result = run_pytest("test_x.py", *option, cwd=tmp_path, extra_path=ROOT)
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 1, result.stderr
+    assert errors[0].startswith(f"ERROR: {error}"), result.stderr
+
+
+def test_the_plugin_knows_the_kit_profiles_by_name():
+    assert tuple(kvprofiles.PROFILES) == kvplugin.PROFILES
+
+
+NO_FACTORY = "from kvcheck import CoreTests\n\n\nclass TestMine(CoreTests):\n    pass\n"
+WITH_FACTORY = (
+    "from kvcheck import CoreTests\nfrom kvimpl import ConcatCache\n\n\n"
+    "class TestMine(CoreTests):\n    factory = ConcatCache\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("test_file", "args", "error"),
+    [
+        (None, ["--pyargs", "kvcheck"], selection.NO_CACHE),
+        (NO_FACTORY, ["test_mine.py"], selection.NO_CACHE),
+        (WITH_FACTORY, ["test_mine.py"], None),
+    ],
+    ids=["pyargs", "no factory", "factory"],
+)
+def test_a_kit_class_without_a_factory_needs_a_cache_named(tmp_path, test_file, args, error):
+    if test_file is not None:
+        (tmp_path / "test_mine.py").write_text(test_file)
+    result = run_pytest("--collect-only", *args, cwd=tmp_path, extra_path=ROOT)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
+    if error is None:
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "kv caches under test: ConcatCache (kvimpl.concat:ConcatCache); " in (
+            result.stdout
+        ), result.stdout
+        return
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
+    assert errors == [f"ERROR: {error}"], result.stderr
+
+
+@pytest.mark.parametrize(
+    ("option", "error"),
+    [
+        (
+            ["--kv-impl", "nope.mod:Cache"],
+            "ERROR: --kv-impl / KV_IMPL: 'nope.mod:Cache': cannot import module 'nope.mod': "
+            "ModuleNotFoundError: No module named 'nope'",
+        ),
+        (
+            ["--kv-impl", "concat", "--kv-device", "gpu:0"],
+            "ERROR: --kv-device / KV_DEVICE: 'gpu:0' is not a torch device",
+        ),
+    ],
+    ids=["impl", "device"],
+)
+def test_a_bad_cache_or_device_stops_the_run_with_one_line(tmp_path, option, error):
+    result = run_pytest("--collect-only", "--pyargs", "kvcheck", *option, cwd=tmp_path)
     assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
     # Only the error line: torch may warn on stderr too (no numpy in a fresh venv).
     errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
-    assert errors == [
-        "ERROR: --kv-impl / KV_IMPL: 'nope.mod:Cache': cannot import module 'nope.mod': "
-        "ModuleNotFoundError: No module named 'nope'"
-    ], result.stderr
+    assert len(errors) == 1, result.stderr
+    assert errors[0].startswith(error), result.stderr
 
 
 def missing_cuda_device() -> str:
@@ -125,16 +243,19 @@ def test_a_device_this_machine_lacks_skips_every_kit_test_with_the_reason():
     device = missing_cuda_device()
     result = run_pytest(
         "--pyargs", "kvcheck", "-k", "logits or reorder", "--kv-impl", "concat",
-        "--kv-device", device, "-rs",
+        "--kv-device", device, "-rs", "-n", "2",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"kv device: {device} (unavailable: " in result.stdout, result.stdout
+    # Under xdist the workers collect: their kit lines open the verdict.
+    verdict = result.stdout.split(" kv cache verdict ")[-1].splitlines()
+    assert verdict[1].startswith("kv caches under test: concat; "), result.stdout
+    assert f"kv device: {device} (unavailable: " in verdict[1], result.stdout
     skipped = [line for line in result.stdout.splitlines() if line.startswith("SKIPPED")]
     # One reason per test (not "not offered": the device is checked first), and no test ran.
     assert skipped, result.stdout
     assert all(f"--kv-device {device}: " in line for line in skipped), skipped
     assert " passed" not in result.stdout, result.stdout
-    assert "concat: 4 skipped (0 of 4 pass)" in result.stdout, result.stdout
+    assert "concat: 4 skipped (0 of 4 pass); 0 of 21 properties run" in result.stdout, result.stdout
     assert " failed" not in result.stdout, result.stdout
 
 
@@ -202,6 +323,40 @@ def test_comparing_two_reports_names_what_changed_and_fails_on_a_regression(tmp_
     assert not kvverdict.compare(worse, milder)[1], "a milder failure is no regression"
     gone = report({})
     assert kvverdict.compare(new, gone)[1], "a property that held and is gone is a regression"
+
+
+def verdict_of(outcomes: list[str]) -> tuple[list[str], dict]:
+    """The first line of the verdict, and the JSON, of one cache whose properties (in the
+    kit's order, the rest not run) had ``outcomes``."""
+    from kvcheck.properties import ALL
+
+    entries = [
+        {"cache": "A", "name": "m:A", "property": prop.name, "test": f"t::{index:02}"}
+        | {"outcome": outcome, "severity": "wrong results", "reason": "why"}
+        for index, (prop, outcome) in enumerate(zip(ALL, outcomes, strict=False))
+    ]
+    caches = kvverdict.tabulate(entries)
+    return kvverdict.render(caches)[0], caches["A"]
+
+
+def test_the_verdict_holds_every_property_only_where_every_one_ran_or_is_not_offered():
+    from kvcheck.properties import ALL
+
+    every = len(ALL)
+    line, cache = verdict_of(["pass"] * (every - 1) + ["not offered"])
+    assert line == f"A (m:A): holds every property ({every - 1} of {every - 1} pass)", line
+    assert (cache["holds"], cache["run"], cache["kit properties"]) == (every - 1,) * 2 + (every,)
+    assert cache["not offered"] == 1, cache
+    for outcomes, expected in [
+        (["pass"] * 3, f"3 of {every} properties run (3 of 3 pass)"),
+        (["FAIL", "pass"], f"1 FAIL (1 of 2 pass); 2 of {every} properties run"),
+        (["skipped", "not offered"], f"1 skipped (0 of 1 pass); 0 of {every} properties run"),
+        (["pass"] * (every - 1) + ["skipped"], f"1 skipped ({every - 1} of {every} pass); "),
+    ]:
+        line, cache = verdict_of(outcomes)
+        assert line.startswith(f"A (m:A): {expected}"), (outcomes, line)
+        assert "every" not in line, line
+        assert cache["run"] == outcomes.count("pass") + outcomes.count("FAIL"), cache
 
 
 def test_every_property_is_bound_by_the_kit_and_reported():
