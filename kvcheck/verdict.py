@@ -29,6 +29,9 @@ import pytest
 
 KEY = "kvcheck"
 PASS, FAIL, SKIPPED, NOT_OFFERED = "pass", "FAIL", "skipped", "not offered"
+# A property that passed on some of the paths the cache offers and did not run on the others
+# (a -k or a deselect): never a pass.
+PARTLY = "partly run"
 
 
 def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport) -> dict | None:
@@ -41,6 +44,8 @@ def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestRepor
         return None  # a passed setup says nothing yet; teardown never decides a property
     entry = {"cache": cache.args[0], "name": cache.args[1], "property": prop.args[0]}
     entry["test"] = item.nodeid
+    if path := item.get_closest_marker("kv_path"):  # the model's path, of those offered
+        entry.update(path=path.args[0], paths=list(path.args[1]))
     from kvcheck import failures  # here: the plugin imports this module in every run
 
     if report.passed:
@@ -131,6 +136,10 @@ def tabulate(entries: list[dict]) -> dict[str, dict]:
             entry["property"], {"result": PASS, "tests": 0, "failed": 0}
         )
         row["tests"] += 1
+        if "path" in entry:
+            paths = row.setdefault("paths", dict.fromkeys(entry["paths"], "not run"))
+            if paths[entry["path"]] != FAIL:
+                paths[entry["path"]] = entry["outcome"]
         if entry["outcome"] == FAIL:
             row["failed"] += 1
             if row["result"] != FAIL or _worse(entry["severity"], row["severity"]):
@@ -147,6 +156,11 @@ def tabulate(entries: list[dict]) -> dict[str, dict]:
             row.pop("reason")
     for cache in caches.values():
         rows = cache["properties"]
+        for row in rows.values():
+            if row["result"] == PASS and any(
+                outcome != PASS for outcome in row.get("paths", {}).values()
+            ):
+                row["result"] = PARTLY
         cache["properties"] = dict(sorted(rows.items(), key=lambda kv: order.get(kv[0], 99)))
         cache["holds"] = sum(row["result"] == PASS for row in rows.values())
         cache["failed"] = sum(row["result"] == FAIL for row in rows.values())
@@ -181,7 +195,7 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
             verdict = "holds every property" if every else ran
         line = f"{named}: {verdict} ({cache['holds']} of {offered} pass)"
         lines.append(line if every or verdict == ran else f"{line}; {ran}")
-        passed = [name for name, row in rows.items() if row["result"] == PASS]
+        passed = [_with_paths(name, row) for name, row in rows.items() if row["result"] == PASS]
         if passed:
             lines.append(f"  pass         {', '.join(passed)}")
         absent = [name for name, row in rows.items() if row["result"] == NOT_OFFERED]
@@ -194,7 +208,16 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
                 lines.append(line if len(line) <= width else line[: width - 3] + "...")
             elif row["result"] == SKIPPED:
                 lines.append(f"  skipped      {name}: {row['reason']}")
+            elif row["result"] == PARTLY:
+                paths = "; ".join(f"{path} {outcome}" for path, outcome in row["paths"].items())
+                lines.append(f"  partly run   {name}: {paths}")
     return lines
+
+
+def _with_paths(name: str, row: dict) -> str:
+    """A property's name, with the paths it ran on where the cache offers more than one."""
+    paths = row.get("paths", {})
+    return f"{name} ({', '.join(paths)})" if len(paths) > 1 else name
 
 
 def _version() -> str:

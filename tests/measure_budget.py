@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> None:
             continue
         rows = measure(factory, kvst.HALF_DTYPES, args.seeds, args.examples, args.path)
         over = sum(row["over"] for row in rows)
-        print(f"{name}: {len(rows)} positions, {over} over the budget")
+        print(f"{name}: {len(rows)} positions, {over} over the budget; cached / uncached error: ")
+        print(f"  {quantiles([row['ratio'] for row in rows])}")
         for row in rows:
             by_dtype[row["dtype"]].append(row)
     for dtype, rows in by_dtype.items():

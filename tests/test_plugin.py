@@ -126,8 +126,10 @@ def test_the_kit_lines_after_collection_and_test_ids_name_the_caches(tmp_path):
     assert sizes in lines, result.stdout
     assert "kv sizes the caches declare: chunked page 16" in lines, result.stdout
     tests = [line.strip() for line in lines if "<Function" in line]
+    # A cache offering attend runs a path property once per path, and its ids say which.
     assert tests == [
-        "<Function test_logits_match_uncached[chunked]>",
+        "<Function test_logits_match_uncached[chunked-append]>",
+        "<Function test_logits_match_uncached[chunked-attend]>",
         "<Function test_logits_match_uncached[mine]>",
     ], result.stdout
 

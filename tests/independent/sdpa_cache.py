@@ -5,8 +5,9 @@ of the keys and values to a list (merged into one piece once the list grows past
 that a long decode does not join thousands), and nothing is ever written in place, so a fork
 is a copy of the list: parent and child share the tensors until either changes (a truncate
 or reorder makes new ones). ``attend`` calls
-``torch.nn.functional.scaled_dot_product_attention`` in the storage dtype, half precision
-included (no float32 upcast of its own: the kernel does what kernels do), with grouped-query
+``torch.nn.functional.scaled_dot_product_attention``, in float32 for half precision and
+rounded once (the contract's accumulation: torch's CPU kernel in bfloat16 rounds its scores
+and lands up to 32 x the uncached model's error from float64), with grouped-query
 heads left to ``enable_gqa`` and an explicit boolean mask by absolute position (causal, and the
 window), over the keys of the window only. The window is not used to drop rows: ``append``
 returns every row. ``spec`` is not exposed. Validation collects every problem first and
@@ -60,13 +61,14 @@ class SdpaCache:
         visible = offered <= asking
         if window is not None:
             visible &= offered > asking - window
+        wide = torch.promote_types(query.dtype, torch.float32)
         return F.scaled_dot_product_attention(
-            query,
-            keys[:, :, oldest:],
-            values[:, :, oldest:],
+            query.to(wide),
+            keys[:, :, oldest:].to(wide),
+            values[:, :, oldest:].to(wide),
             attn_mask=visible,
             enable_gqa=True,
-        )
+        ).to(query.dtype)
 
     def truncate(self, length: int) -> None:
         if isinstance(length, bool) or not isinstance(length, int):
