@@ -216,6 +216,10 @@ def request_plans(
             kinds += ["fork", "samples", "handoff"] * forks
         if truncates:
             kinds.append("truncate")
+            if len(state.live) < MAX_LIVE:
+                # Speculative decoding on a parallel sample: a draft rejected on a fork,
+                # rewriting positions in a block the parent still reads.
+                kinds += ["draft on a fork"] * forks
         if reorders:
             kinds.append("reorder")
         kind = draw(st.sampled_from(kinds), label="event")
@@ -240,6 +244,14 @@ def request_plans(
             child = _fork(state, request)
             if draw(st.booleans(), label="feed the fork"):
                 _feed(draw, state, child, decode=True)
+        elif kind == "draft on a fork":
+            child = _fork(state, request)
+            drafting, other = draw(st.permutations((child, request)), label="drafting, other")
+            back = draw(st.integers(1, 4), label="rejected")
+            state.events.append(Truncate(drafting, back))  # its drawn length stays, as above
+            _feed(draw, state, drafting, decode=True)
+            if draw(st.booleans(), label="the other decodes"):
+                _feed(draw, state, other, decode=True)
         elif kind == "samples":
             for _ in range(draw(st.integers(1, MAX_LIVE - len(state.live)), label="samples")):
                 _feed(draw, state, _fork(state, request), decode=True)
@@ -395,6 +407,23 @@ def check_requests(factory: CacheFactory, plan: RequestPlan) -> None:
 # Pinned plans, tried first on every run: the orders where serving engines broke.
 _tiny = ModelConfig(vocab_size=11, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, seed=3)
 PINNED_FORKS = (
+    # A parent rolls back into the full block it shares with its fork and writes there: the
+    # fork's rows must not change (copy-on-write of a block once full, too).
+    RequestPlan(
+        _tiny,
+        torch.float64,
+        (
+            Start(0, 1),
+            Feed(0, 16),
+            Fork(0, 1),
+            Truncate(0, 3),
+            Feed(0, 2),
+            Feed(1, 1),
+            Finish(0, "drop"),
+            Finish(1, "drop"),
+        ),
+        token_seed=4,
+    ),
     # Parent and fork both write into the partly filled block they share (copy-on-write).
     RequestPlan(
         _tiny,
