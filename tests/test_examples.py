@@ -69,6 +69,9 @@ def test_a_users_broken_cache_fails_by_either_route_with_a_verdict(tmp_path):
         assert f"FAILED {failed}" in result.stdout, output
     assert "2 failed, 5 passed" in result.stdout, output  # the host's own test passed
     assert "tokens on fresh or reset caches; it must hold 0" in result.stdout, output
+    # Under xdist the workers collect: their kit line opens the verdict.
+    verdict = result.stdout.split(" kv cache verdict ")[-1].splitlines()
+    assert verdict[1].startswith("kv caches under test: NoReset (users_cache:NoReset); "), output
     assert "NoReset (users_cache:NoReset): 1 FAIL (1 of 2 pass)" in result.stdout, output
     assert "FAIL         lengths [data loss or corruption] (2 of 2 tests): layer 0: holds" in (
         result.stdout
