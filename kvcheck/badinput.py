@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from kvcheck.asserts import dtype_name
-from kvcheck.harness import Recorder, build, record
+from kvcheck.harness import Recorder, record, recorded
 from kvcheck.strategies import ModelPlan, build_model, random_rows
 from kvref import CacheFactory, CacheSpec, ReferenceTransformer
 
@@ -262,7 +262,7 @@ def build_model_state(factory: CacheFactory, plan: ModelPlan) -> ModelState:
         model(history[:, start : start + size], caches=caches)
         start += size
     spec = model.cache_spec(plan.batch, max_length=fed + 3)
-    return ModelState(model, caches, build(factory, spec), spec, history[:, start:], plan.layer)
+    return ModelState(model, caches, recorded(factory, spec), spec, history[:, start:], plan.layer)
 
 
 def with_token(tokens: Tensor, token: int) -> Tensor:

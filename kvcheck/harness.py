@@ -228,6 +228,3 @@ def assert_views_kept(caches: dict[str, Recorder], *, where: str) -> None:
                 f"before its own next call (other caches of the factory were called since): "
                 f"a returned view must stay valid until that cache's next call\n  at {where}"
             )
-
-
-build = recorded  # the older name, for kvcheck.badinput
