@@ -130,21 +130,11 @@ class Engine:
         self.live[name] = request
         return request
 
-    def feed(
-        self,
-        request: Request,
-        new: Tensor,
-        *,
-        compare: bool = True,
-        expected: Tensor | None = None,
-        reference: Callable[[], Tensor] | None = None,
-        at: str = "",
-    ) -> Fed:
+    def feed(self, request: Request, new: Tensor, *, compare: bool = True, at: str = "") -> Fed:
         """Feed ``new`` tokens to ``request``. With ``compare``, each new position's logits
-        must equal the uncached model's over the request's whole history (``expected``, when
-        the caller has it already; in half precision within the budget against the float64
-        model's, ``reference()``), and on the append path every layer must return exactly the
-        rows given."""
+        must equal the uncached model's over the request's whole history (``assert_logits``),
+        and on the append path every layer must return exactly the rows given; without, the
+        caller compares (the core properties hold one uncached pass over a whole session)."""
         start, end = request.held, request.held + new.shape[1]
         kind = "prefill" if start == 0 else "decode"
         where = self.where(
@@ -159,7 +149,7 @@ class Engine:
         request.history = torch.cat((request.history, new), dim=1)
         request.steps += 1
         if compare:
-            self._compare(request, logits, start, where, expected, reference)
+            self._compare(request, logits, start, where)
             for layer, cache in enumerate(request.caches):
                 who = f"{request.name}'s layer {layer}"
                 kvassert.assert_length(cache, end, who=who, where=where)
@@ -167,12 +157,10 @@ class Engine:
                     kvassert.assert_returned_rows(cache, who=who, where=where)
         return Fed(logits, start, end)
 
-    def _compare(self, request, logits, start, where, expected, reference) -> None:
-        if expected is None:
-            expected = self.model(request.history)[:, start:]
-        if reference is None:
-            history = request.history
-            reference = lambda: self.truth(history)[:, start:]  # noqa: E731
+    def _compare(self, request: Request, logits: Tensor, start: int, where: str) -> None:
+        expected = self.model(request.history)[:, start:]
+        history = request.history
+        reference = lambda: self.truth(history)[:, start:]  # noqa: E731
         try:
             assert_logits(logits, expected, reference, where=where, start=start, path=request.path)
         except failures.WrongResults as error:
