@@ -265,8 +265,13 @@ def fail_if_not_empty(caches: Sequence, where: str) -> None:
 
 
 def raised_by(call: Callable[[], object]) -> Exception | None:
+    """What ``call`` raised (None: it returned). A property failure found inside the call (a
+    recorder seeing a cache take what it must refuse) is the verdict, not the cache's
+    refusal: it goes on up."""
     try:
         call()
+    except PropertyFailure:
+        raise
     except Exception as error:  # which exception is what the callers check
         return error
     return None

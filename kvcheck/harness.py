@@ -83,6 +83,17 @@ class Recorder:
         return self.lent
 
     def _record(self, key: Tensor, value: Tensor) -> None:
+        if (
+            self.given is not None
+            and key.shape[:2] + key.shape[3:] != self.given[0].shape[:2] + self.given[0].shape[3:]
+        ):
+            from kvcheck.failures import AcceptsBadInput
+
+            raise AcceptsBadInput(
+                f"the cache took rows shaped {tuple(key.shape)} after rows shaped "
+                f"{tuple(self.given[0].shape)}: an append of another batch, number of kv heads "
+                f"or head_dim than its spec's must be refused"
+            )
         new = (key.clone(), value.clone())
         if self.given is not None:
             new = tuple(

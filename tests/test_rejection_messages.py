@@ -339,3 +339,42 @@ def test_a_model_state_shows_each_layer_once_a_case_made_them_differ():
     kvbad.lengthen(state)
     assert state.describe().startswith("3 layers holding [4, 5, 4] tokens (layer by layer)")
     assert state.describe().endswith("the layer a case may lengthen or empty: 1")
+
+
+class TakesAnyBatch:
+    """A cache without a ``spec`` that joins whatever rows it is given (``torch.cat`` over
+    the length axis only fails on a batch mismatch when the batch is the joined axis: here
+    it stacks a longer batch at the front instead)."""
+
+    def __init__(self, spec: CacheSpec) -> None:
+        self.key = self.value = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.key is None else self.key.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.key is None else 2 * self.key.numel() * self.key.element_size()
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        if self.key is not None and key.shape[0] != self.key.shape[0]:
+            pad = key.shape[0] - self.key.shape[0]
+            self.key = torch.cat((self.key, self.key[:pad]), 0)
+            self.value = torch.cat((self.value, self.value[:pad]), 0)
+        self.key = key.clone() if self.key is None else torch.cat((self.key, key), 2)
+        self.value = value.clone() if self.value is None else torch.cat((self.value, value), 2)
+        return self.key, self.value
+
+    def reset(self) -> None:
+        self.key = self.value = None
+
+
+def test_a_cache_that_takes_another_batch_in_a_model_call_accepts_bad_input():
+    # The model cannot refuse it (no spec to compare with); the cache takes it, and that is
+    # "accepts bad input", not a refusal that changed the cache.
+    config = ModelConfig(vocab_size=11, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=2)
+    model_plan = kvst.ModelPlan(config, torch.float64, 2, (3,), 0, token_seed=1)
+    case = {case.name: case for case in kvbad.BAD_CALLS}["caches built for another batch size"]
+    with pytest.raises(failures.AcceptsBadInput, match="took rows shaped"):
+        kvprop.check_bad_model_call(TakesAnyBatch, model_plan, case)
