@@ -15,20 +15,29 @@ path a cache offers (``PATHS``), so a verdict never says "pass" for a path it di
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
 from torch import Tensor
 
-from kvcheck.strategies import CachePlan, random_rows
-from kvref import CacheFactory, CacheSpec, LayerCache, ModelConfig
+from kvcheck.strategies import DTYPES, CachePlan, random_rows
+from kvref import (
+    CacheContractError,
+    CacheFactory,
+    CacheSpec,
+    LayerCache,
+    ModelConfig,
+    attention,
+    capabilities,
+)
 from kvref.protocol import rows_needed
 
 PATHS = ("append", "attend")
 
 
 def offers_attend(cache: object) -> bool:
-    return callable(getattr(cache, "attend", None))
+    return "attend" in capabilities(cache)
 
 
 class Recorder:
@@ -42,9 +51,16 @@ class Recorder:
     """
 
     def __init__(self, cache: LayerCache, window: int | None = None, path: str = "append"):
+        if path == "attend" and not offers_attend(cache):
+            # The kit chose the path from a probe whose cache had attend(): a cache must offer
+            # a capability for every spec or for none, or the attend path would not be run.
+            raise CacheContractError(
+                f"the cache built for {getattr(cache, 'spec', 'this spec')} has no attend(), "
+                "though the one built for the kit's probe has: offer it for every spec or none"
+            )
         self.cache = cache
         self.window = window
-        self.path = path if offers_attend(cache) else "append"
+        self.path = path
         self.given: tuple[Tensor, Tensor] | None = None
         self.returned: tuple[Tensor, Tensor] | None = None
         self.views: tuple[Tensor, Tensor] | None = None
@@ -103,9 +119,9 @@ class Recorder:
         self.new_tokens = key.shape[2]
 
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        all_keys, all_values = self.cache.append(
-            *self._lend(key, value)
-        )  # a refusal records nothing
+        self.views = None  # valid until this cache's next call, whatever that call does
+        # A refusal records nothing.
+        all_keys, all_values = self.cache.append(*self._lend(key, value))
         self._record(key, value)
         self.views = (all_keys, all_values)
         self.returned = (all_keys.clone(), all_values.clone())
@@ -113,6 +129,7 @@ class Recorder:
         return all_keys, all_values
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        self.views = self.returned = None
         lent_query, *lent = self._lend(query, key, value)
         output = self.cache.attend(lent_query, *lent)
         self._record(key, value)
@@ -139,26 +156,37 @@ class Recorder:
         return sorted(changed)
 
     def reset(self) -> None:
+        self.views = None
         self.cache.reset()
-        self.given = self.returned = self.views = self.attended = None
+        self.given = self.returned = self.attended = None
 
     # The optional capabilities, passed through; the record follows only a call that returns.
     def truncate(self, length: int) -> None:
-        self.cache.truncate(length)
         self.views = self.returned = None
+        self.cache.truncate(length)
         if self.given is not None:
             self.given = tuple(rows[:, :, :length] for rows in self.given)
 
     def reorder(self, indices: Tensor) -> None:
-        self.cache.reorder(indices)
         self.views = self.returned = None
+        self.cache.reorder(indices)
         if self.given is not None:
             self.given = tuple(rows[indices.to(rows.device)] for rows in self.given)
 
     def fork(self) -> Recorder:
+        self.views = None
         twin = Recorder(self.cache.fork(), self.window, self.path)
         twin.given = self.given
         return twin
+
+    def attended_and_reference(self) -> tuple[object, Tensor]:
+        """What the last attend returned, and the reference attention of its query over the
+        rows given since the reset (masked by absolute position, as the model masks)."""
+        query, got = self.attended
+        keys, values = self.given
+        positions = torch.arange(self.given_length, device=query.device)
+        new = positions[self.given_length - self.new_tokens :]
+        return got, attention(query, keys, values, new, positions, self.window)
 
 
 def record(caches: Iterable[LayerCache], config: ModelConfig, path: str = "append"):
@@ -203,16 +231,11 @@ def assert_served(cache: Recorder, *, who: str, where: str) -> None:
     __tracebackhide__ = True
     from kvcheck import asserts as kvassert
     from kvcheck.failures import DataLoss
-    from kvref import attention
 
     if cache.path == "append":
         kvassert.assert_returned_rows(cache, who=who, where=where)
         return
-    query, got = cache.attended
-    keys, values = cache.given
-    positions = torch.arange(cache.given_length, device=query.device)
-    new = positions[cache.given_length - cache.new_tokens :]
-    want = attention(query, keys, values, new, positions, cache.window)
+    got, want = cache.attended_and_reference()
     if not isinstance(got, Tensor):
         raise DataLoss(f"{who}: attend returned a {type(got).__name__}, not a tensor\n  at {where}")
     kvassert.assert_close_at(
@@ -221,9 +244,20 @@ def assert_served(cache: Recorder, *, who: str, where: str) -> None:
         what=f"{who}'s attend and the reference attention over the rows it was given",
         where=where,
         position_axis=2,
-        first_position=int(new[0]),
+        first_position=cache.given_length - cache.new_tokens,
         failure=DataLoss,
     )
+
+
+def full_precision(spec: CacheSpec, path: str) -> CacheSpec:
+    """The spec a cache-level plan runs at on ``path``: the attend path is judged at the
+    dtype's tolerance, so a half-precision spec runs in float32 there (half precision is held
+    to its budget through the model, by ``logits`` and ``reset``)."""
+    from kvcheck.asserts import needs_reference
+
+    if path == "attend" and needs_reference(spec.dtype):
+        return dataclasses.replace(spec, dtype=DTYPES[-1])
+    return spec
 
 
 def assert_views_kept(caches: dict[str, Recorder], *, where: str) -> None:

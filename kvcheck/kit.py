@@ -107,10 +107,20 @@ class Property:
     def check_all_cases(self, factory: CacheFactory, drawn: Any) -> None:
         """The check on ``drawn`` for every case of the table and every path ``factory``
         offers."""
-        paths = [path for path in PATHS if self.paths and not self.not_offered(factory, path)]
-        for path in paths or ["append"]:
+        for path in kit_paths(self, factory):
             for case in self.cases or [None]:
                 self.run(factory, drawn, case, path)
+
+
+def path_for(drawn: str, factory: CacheFactory) -> str:
+    """The path a plan that drew ``drawn`` takes through ``factory``'s caches: attend only
+    where they offer it (a plan's path is drawn before the factory is known)."""
+    return drawn if drawn in paths_offered(factory) else "append"
+
+
+def kit_paths(prop: Property, factory: CacheFactory) -> tuple[str, ...]:
+    """The paths ``prop`` runs on for ``factory``: each it offers, or append alone."""
+    return paths_offered(factory) if prop.paths else PATHS[:1]
 
 
 def property_test(prop: Property):
@@ -202,10 +212,10 @@ def edge_test(prop: Property):
 
     @pytest.mark.parametrize("edge", prop.edges.values(), ids=list(prop.edges))
     def test(self, cache_factory, edge):
+        skip_unless_offered(prop, cache_factory)
         with kvprofiles.torch_threads():
-            for path in PATHS if prop.paths else ("append",):
-                if not prop.not_offered(cache_factory, path):
-                    prop.run(cache_factory, edge, path=path)
+            for path in kit_paths(prop, cache_factory):
+                prop.run(cache_factory, edge, path=path)
 
     test.__doc__ = f"{prop.title} (hand-picked edges)"
     return pytest.mark.kv_property(prop.name)(test)

@@ -42,12 +42,12 @@ def audit(pool: BlockPool, engine, *, where: str) -> None:
             cache = recorder.cache
             length = cache.length
             who = f"{request.name}'s layer {layer}"
-            spec = getattr(cache, "spec", None)
-            window = getattr(spec, "window", None)
-            kept = length if window is None else min(length, window - 1)
+            # The spec the model built this layer's cache from, not one the cache may show.
+            spec = engine.model.cache_spec(request.batch, engine.max_length, layer=layer)
+            kept = length if spec.window is None else min(length, spec.window - 1)
             most += request.batch * math.ceil(length / size)
             least = max(least, math.ceil(kept / size))
-            if spec is not None and cache.nbytes < min_nbytes(spec, length):
+            if cache.nbytes < min_nbytes(spec, length):
                 raise failures.WrongResults(
                     f"{who}: nbytes is {cache.nbytes} holding {length} tokens, which take at "
                     f"least {min_nbytes(spec, length)} bytes (each cache counts every block "
@@ -66,13 +66,14 @@ def audit(pool: BlockPool, engine, *, where: str) -> None:
                         f"{count}\n  {where}"
                     )
                 ids.update(table)
-    in_use -= engine.pool_before[0]
-    if tables_shown and in_use != len(ids):
+    # A fresh pool holds none but the plan's (pool_before[0] is 0 for any correct one).
+    ours = in_use - engine.pool_before[0]
+    if tables_shown and ours != len(ids):
         raise failures.DataLoss(
             f"the pool: blocks_in_use is {in_use}, but the live caches' block tables "
             f"reference {len(ids)} distinct blocks\n  {where}"
         )
-    if not least <= in_use <= most:
+    if not least <= ours <= most:
         raise failures.DataLoss(
             f"the pool: blocks_in_use is {in_use}; the live caches need at least {least} and "
             f"at most {most} blocks\n  {where}"

@@ -40,7 +40,6 @@ from kvref import (
     CacheContractError,
     CacheFactory,
     ReferenceTransformer,
-    attention,
     capabilities,
     may_refuse_truncate,
 )
@@ -69,15 +68,6 @@ class Request:
         return self.history.shape[0]
 
 
-@dataclass(frozen=True)
-class Fed:
-    """What one ``feed`` gave: the cached logits at positions ``start``..``end - 1``."""
-
-    logits: Tensor
-    start: int
-    end: int
-
-
 class Engine:
     """One model and the requests alive on caches from one factory."""
 
@@ -99,9 +89,15 @@ class Engine:
         self.describe = describe  # the plan so far, for every message
         self.live: dict[str, Request] = {}
         self.pool = self.factory if isinstance(self.factory, BlockPool) else None
-        # With nothing alive yet, whatever the pool holds is someone else's: the books
-        # compare what this engine's caches hold against what was there before.
+        # A fresh pool holds nothing yet; the books compare what this engine's caches hold
+        # against what was there before, and its room must be what was asked for.
         self.pool_before = self._pool_counts()
+        if self.pool is not None and sum(self.pool_before) != blocks:
+            raise failures.DataLoss(
+                f"the pool: with_blocks({blocks}) gave a pool with blocks_in_use "
+                f"{self.pool_before[0]} + blocks_free {self.pool_before[1]}, not room for "
+                f"{blocks} blocks\n  {self.where('before the plan')}"
+            )
 
     # --- the oracle -------------------------------------------------------------------
     @functools.cached_property
@@ -112,7 +108,8 @@ class Engine:
 
     def where(self, text: str) -> str:
         plan = self.describe()
-        return f"{text}\n  {plan}" if plan else text
+        path = f"the model's {self.path} path through the caches"
+        return f"{text}\n  {plan}\n  on {path}" if plan else f"{text}\n  on {path}"
 
     # --- events ---------------------------------------------------------------------------
     def start(self, name: str, batch: int, reuse: Request | None = None) -> Request:
@@ -130,11 +127,12 @@ class Engine:
         self.live[name] = request
         return request
 
-    def feed(self, request: Request, new: Tensor, *, compare: bool = True, at: str = "") -> Fed:
+    def feed(self, request: Request, new: Tensor, *, compare: bool = True, at: str = "") -> Tensor:
         """Feed ``new`` tokens to ``request``. With ``compare``, each new position's logits
         must equal the uncached model's over the request's whole history (``assert_logits``),
         and on the append path every layer must return exactly the rows given; without, the
-        caller compares (the core properties hold one uncached pass over a whole session)."""
+        caller compares (the core properties hold one uncached pass over a whole session).
+        Returns the cached logits."""
         start, end = request.held, request.held + new.shape[1]
         kind = "prefill" if start == 0 else "decode"
         where = self.where(
@@ -155,7 +153,7 @@ class Engine:
                 kvassert.assert_length(cache, end, who=who, where=where)
                 if cache.path == "append":
                     kvassert.assert_returned_rows(cache, who=who, where=where)
-        return Fed(logits, start, end)
+        return logits
 
     def _compare(self, request: Request, logits: Tensor, start: int, where: str) -> None:
         expected = self.model(request.history)[:, start:]
@@ -241,8 +239,11 @@ class Engine:
             kvassert.assert_length(cache, request.held, who=who, where=where)
 
     def check(self, event: str) -> None:
-        """After an event: the views every live cache returned still hold their rows, and
-        the pool's books are right."""
+        """After an event: every layer of every live request holds its history, the views
+        every live cache returned still hold their rows, and the pool's books are right."""
+        for request in self.live.values():
+            if request.caches is not None:
+                self._check_lengths(request, event)
         where = self.where(f"after {event}")
         assert_views_kept(
             {
@@ -341,17 +342,13 @@ def first_wrong_layer(model: ReferenceTransformer, request: Request, start: int)
     whose attention differs from the reference attention over the rows it was given."""
     _, uncached = model.forward_with_kv(request.history)
     for layer, cache in enumerate(request.caches):
-        if cache.path == "attend" and cache.attended is not None:
-            query, got = cache.attended
-            keys, values = (rows[:, :, : request.held] for rows in uncached[layer])
-            positions = torch.arange(request.held, device=query.device)
-            want = attention(query, keys, values, positions[start:], positions, cache.window)
+        if cache.attended is not None:
+            got, want = cache.attended_and_reference()
             if got.shape != want.shape or not torch.isclose(got, want, **_loose(want)).all():
                 gap = (got.double() - want.double()).abs().nan_to_num(float("inf")).max().item()
                 return (
                     f"  diagnosis: layer {layer} is the first whose attend() differs from the "
-                    f"reference attention over the uncached pass's keys and values (max |diff| "
-                    f"{gap:.3g}); the model used the attend path"
+                    f"reference attention over the rows it was given (max |diff| {gap:.3g})"
                 )
             continue
         for which, (name, got) in enumerate(zip(("keys", "values"), cache.returned, strict=True)):
@@ -369,8 +366,8 @@ def first_wrong_layer(model: ReferenceTransformer, request: Request, start: int)
     if request.path == "attend":
         return (
             "  diagnosis: every layer's attend() is within a few roundings of the reference "
-            "attention over the uncached pass's keys and values; small differences added up "
-            "through the layers (in half precision: an attend that accumulates below float32?)"
+            "attention over the rows it was given; small differences added up through the "
+            "layers (in half precision: an attend that accumulates below float32?)"
         )
     return (
         "  diagnosis: every layer's cache returned the uncached pass's keys and values, so the "

@@ -107,14 +107,14 @@ def run(factory: CacheFactory, scenario: kvst.Scenario, path: str = "append") ->
         start = 0
         for step_index, size in enumerate(session.chunks):
             lengths_before = [cache.length for cache in request.caches]
-            fed = engine.feed(request, tokens[:, start : start + size], compare=False)
+            logits = engine.feed(request, tokens[:, start : start + size], compare=False)
             step = Step(
                 scenario=scenario,
                 session_index=session_index,
                 step_index=step_index,
                 start=start,
                 end=start + size,
-                logits=fed.logits,
+                logits=logits,
                 expected_logits=expected_logits[:, start : start + size],
                 request=request,
                 lengths_before=lengths_before,
@@ -143,7 +143,7 @@ def check_logits_match_uncached(
                 lambda: truth(session)[:, step.start : step.end],  # noqa: B023
                 where=step.where(),
                 start=step.start,
-                path=path,
+                path=step.request.path,
             )
         except failures.WrongResults as error:
             error.add_note(first_wrong_layer(step.scenario.model(), step.request, step.start))

@@ -23,7 +23,7 @@ from kvcheck import failures
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.harness import PATHS
-from kvcheck.kit import KitTests, Property, property_test
+from kvcheck.kit import KitTests, Property, path_for, property_test
 from kvcheck.properties.rejection import check_refused
 from kvcheck.session import Engine
 from kvcheck.strategies import (
@@ -143,7 +143,7 @@ class EditPlan:
         steps = [describe_step(step) for step in self.steps]
         return (
             f"prompt {self.prompt}, then {steps}\n  model: {describe_config(self.config)}, "
-            f"batch {self.batch}, {str(self.dtype).removeprefix('torch.')}, {self.path} path"
+            f"batch {self.batch}, {str(self.dtype).removeprefix('torch.')}"
         )
 
     def summary(self) -> tuple[str, str, str]:
@@ -258,6 +258,23 @@ PINNED_MIXED_EDITS = (
         token_seed=0,
     ),
 )
+# - A reorder on a fork while its parent still reads the blocks they share: a reorder that
+#   moves rows between shared blocks in place (ReorderPermutesSharedBlocks).
+PINNED_REORDERS = (
+    EditPlan(
+        _one_layer,
+        batch=2,
+        dtype=torch.float64,
+        prompt=5,
+        steps=(ForkHere(1), Reorder((1, 0)), 1),
+        token_seed=0,
+    ),
+)
+
+
+def on_both_paths(plans: tuple[EditPlan, ...]) -> tuple[EditPlan, ...]:
+    """Each pinned plan on the append path and on the attend path (where offered)."""
+    return (*plans, *(dataclasses.replace(plan, path="attend") for plan in plans))
 
 
 def check_edits(factory: CacheFactory, plan: EditPlan) -> None:
@@ -265,7 +282,11 @@ def check_edits(factory: CacheFactory, plan: EditPlan) -> None:
     had been given only the history that remains: logits, lengths and rows, step after step."""
     model = kvst.build_model(plan.config, plan.dtype)
     engine = Engine(
-        factory, model, max_length=plan.max_length, path=plan.path, describe=plan.describe
+        factory,
+        model,
+        max_length=plan.max_length,
+        path=path_for(plan.path, factory),
+        describe=plan.describe,
     )
     request = engine.start("the request", plan.batch)
     parents = []  # (request, tokens to decode at the end)
@@ -277,6 +298,7 @@ def check_edits(factory: CacheFactory, plan: EditPlan) -> None:
         engine.feed(request, kvst.random_tokens(plan.config, plan.batch, size, seed), at=at)
 
     feed(plan.prompt, " (the prompt)")
+    engine.check("the prompt")
     for index, step in enumerate(plan.steps):
         at = f", step #{index} ({describe_step(step)})"
         if isinstance(step, int):
@@ -323,7 +345,7 @@ TRUNCATE = Property(
     edit_plans(),
     failures.WRONG_RESULTS,
     requires=("truncate",),
-    pinned=PINNED_EDITS,
+    pinned=on_both_paths(PINNED_EDITS),
 )
 BAD_TRUNCATE = Property(
     "bad truncate",
@@ -341,6 +363,7 @@ REORDER = Property(
     edit_plans(rollbacks=False, reorder=True),
     failures.WRONG_RESULTS,
     requires=("reorder",),
+    pinned=on_both_paths(PINNED_REORDERS),
 )
 BAD_REORDER = Property(
     "bad reorder",
@@ -358,7 +381,7 @@ EDITS = Property(
     edit_plans(rollbacks=True, reorder=True),
     failures.WRONG_RESULTS,
     requires=("truncate", "reorder"),
-    pinned=PINNED_MIXED_EDITS,
+    pinned=on_both_paths(PINNED_MIXED_EDITS),
     examples_share=0.5,  # truncate and reorder each have their own full search
 )
 

@@ -13,9 +13,8 @@ from hypothesis import strategies as st
 from kvcheck import asserts as kvassert
 from kvcheck import failures
 from kvcheck import strategies as kvst
-from kvcheck.harness import assert_served, assert_views_kept, give, recorded
+from kvcheck.harness import assert_served, assert_views_kept, full_precision, give, recorded
 from kvcheck.kit import KitTests, Property, property_test
-from kvcheck.properties.reset import full_precision
 from kvcheck.strategies import cache_specs, chunk_plans
 from kvref import CacheFactory, CacheSpec
 

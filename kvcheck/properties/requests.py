@@ -19,6 +19,7 @@ every event (``kvcheck.pool_books``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -30,7 +31,7 @@ from torch import Tensor
 from kvcheck import failures
 from kvcheck import strategies as kvst
 from kvcheck.harness import PATHS
-from kvcheck.kit import KitTests, Property, property_test
+from kvcheck.kit import KitTests, Property, path_for, property_test
 from kvcheck.session import Engine, Request
 from kvref import BlockPool, CacheContractError, CacheFactory, ModelConfig
 
@@ -142,7 +143,7 @@ class RequestPlan:
         more = f" ({left} of {len(self.events)} events not yet run)" if left else ""
         return (
             f"model: {kvst.describe_config(self.config)}, "
-            f"{str(self.dtype).removeprefix('torch.')}, {self.path} path\n  interleaving so "
+            f"{str(self.dtype).removeprefix('torch.')}\n  interleaving so "
             f"far{more}: " + "; ".join(lines)
         )
 
@@ -341,7 +342,7 @@ def serve(factory: CacheFactory, plan: RequestPlan) -> None:
         factory,
         model,
         max_length=MAX_LENGTH,
-        path=plan.path,
+        path=path_for(plan.path, factory),
         blocks=blocks,
         describe=lambda: plan.describe(done[0]),
     )
@@ -483,6 +484,11 @@ PINNED = (
 )
 
 
+def on_both_paths(plans: tuple[RequestPlan, ...]) -> tuple[RequestPlan, ...]:
+    """Each pinned plan on the append path and on the attend path (where offered)."""
+    return (*plans, *(dataclasses.replace(plan, path="attend") for plan in plans))
+
+
 REQUESTS = Property(
     "requests",
     "requests interleaved on one factory (started, forked, reordered, finished, started "
@@ -490,7 +496,7 @@ REQUESTS = Property(
     check_requests,
     request_plans(),
     failures.WRONG_RESULTS,
-    pinned=PINNED,
+    pinned=on_both_paths(PINNED),
     # It runs on every cache under test (a quarter of the profile's examples, after the
     # pinned plans); on a pool, "pool" searches the same plans in full.
     examples_share=0.25,
@@ -502,7 +508,7 @@ FORK = Property(
     request_plans(forks=3, truncates=True, poison=False),
     failures.WRONG_RESULTS,
     requires=("fork",),
-    pinned=PINNED_FORKS,
+    pinned=on_both_paths(PINNED_FORKS),
 )
 
 

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -19,7 +18,7 @@ from kvcheck import asserts as kvassert
 from kvcheck import failures
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
-from kvcheck.harness import assert_served, give, recorded
+from kvcheck.harness import assert_served, full_precision, give, recorded
 from kvcheck.kit import KitTests, Property, property_test
 from kvcheck.properties.core import check_logits_match_uncached
 from kvcheck.strategies import POISON_VALUES, cache_specs, chunk_plans
@@ -63,15 +62,6 @@ def stale_rows_plans(draw) -> StaleRowsPlan:
         if kvsizes.large(draw, "long-lived cache", kvsizes.LONG_ONE_IN)
         else 1,
     )
-
-
-def full_precision(spec: CacheSpec, path: str) -> CacheSpec:
-    """The spec a cache-level plan runs at on ``path``: the attend path is judged at the
-    dtype's tolerance, so a half-precision spec runs in float32 there (half precision is held
-    to its budget through the model, by ``logits`` and ``reset``)."""
-    if path == "attend" and kvassert.needs_reference(spec.dtype):
-        return dataclasses.replace(spec, dtype=kvst.DTYPES[-1])
-    return spec
 
 
 def check_stale_rows(factory: CacheFactory, plan: StaleRowsPlan, *, path: str = "append") -> None:

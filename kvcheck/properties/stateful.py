@@ -65,8 +65,10 @@ class CachedDecoding(RuleBasedStateMachine):
         return self.new_set()
 
     def teardown(self):
+        # Books were audited after every step; checking the blocks came back here would
+        # raise inside Hypothesis's cleanup and hide the failure that ended the run.
         if hasattr(self, "engine"):
-            self.engine.finish()
+            self.engine.finish(blocks_back=False)
 
     @rule(target=cache_sets)
     def fresh_caches(self):
@@ -160,16 +162,8 @@ class CachedDecoding(RuleBasedStateMachine):
     @invariant()
     def every_layer_holds_the_history(self):
         """After every step: lengths, the views each set returned, the pool's books."""
-        if not hasattr(self, "engine"):
-            return
-        self.engine.check("the last step")
-        for cache_set in self.engine.live.values():
-            lengths = [cache.length for cache in cache_set.caches]
-            if lengths != [cache_set.held] * len(lengths):
-                raise failures.DataLoss(
-                    f"{cache_set.name}: layer lengths {lengths}, but {cache_set.held} tokens "
-                    "were fed since its reset"
-                )
+        if hasattr(self, "engine"):
+            self.engine.check("the last step")
 
 
 def check_stateful(
