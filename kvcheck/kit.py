@@ -9,6 +9,7 @@ class attributes a user sets.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -116,6 +117,12 @@ def path_for(drawn: str, factory: CacheFactory) -> str:
     """The path a plan that drew ``drawn`` takes through ``factory``'s caches: attend only
     where they offer it (a plan's path is drawn before the factory is known)."""
     return drawn if drawn in paths_offered(factory) else "append"
+
+
+def on_both_paths(plans: tuple) -> tuple:
+    """Each pinned plan (one with a drawn ``path``) on the append path and on the attend
+    path, which it takes where the cache offers attend (``path_for``)."""
+    return (*plans, *(dataclasses.replace(plan, path="attend") for plan in plans))
 
 
 def kit_paths(prop: Property, factory: CacheFactory) -> tuple[str, ...]:

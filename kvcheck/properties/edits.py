@@ -23,7 +23,7 @@ from kvcheck import failures
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.harness import PATHS
-from kvcheck.kit import KitTests, Property, path_for, property_test
+from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
 from kvcheck.properties.rejection import check_refused
 from kvcheck.session import Engine
 from kvcheck.strategies import (
@@ -270,11 +270,6 @@ PINNED_REORDERS = (
         token_seed=0,
     ),
 )
-
-
-def on_both_paths(plans: tuple[EditPlan, ...]) -> tuple[EditPlan, ...]:
-    """Each pinned plan on the append path and on the attend path (where offered)."""
-    return (*plans, *(dataclasses.replace(plan, path="attend") for plan in plans))
 
 
 def check_edits(factory: CacheFactory, plan: EditPlan) -> None:

@@ -19,7 +19,6 @@ every event (``kvcheck.pool_books``).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -31,7 +30,7 @@ from torch import Tensor
 from kvcheck import failures
 from kvcheck import strategies as kvst
 from kvcheck.harness import PATHS
-from kvcheck.kit import KitTests, Property, path_for, property_test
+from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
 from kvcheck.session import Engine, Request
 from kvref import BlockPool, CacheContractError, CacheFactory, ModelConfig
 
@@ -482,11 +481,6 @@ PINNED = (
         token_seed=3,
     ),
 )
-
-
-def on_both_paths(plans: tuple[RequestPlan, ...]) -> tuple[RequestPlan, ...]:
-    """Each pinned plan on the append path and on the attend path (where offered)."""
-    return (*plans, *(dataclasses.replace(plan, path="attend") for plan in plans))
 
 
 REQUESTS = Property(
