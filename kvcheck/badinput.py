@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from kvcheck.asserts import dtype_name
-from kvcheck.harness import Recorder, record, recorded
+from kvcheck.harness import Recorder, builder, record, recorded
 from kvcheck.strategies import ModelPlan, build_model, random_rows
 from kvref import CacheFactory, CacheSpec, ReferenceTransformer
 
@@ -253,7 +253,8 @@ def build_model_state(factory: CacheFactory, plan: ModelPlan) -> ModelState:
     model = build_model(plan.config, plan.dtype)
     fed = sum(plan.chunks)
     # Room for a bad call that lengthens one layer, then one more token to read back.
-    caches = record(model.new_caches(factory, batch=plan.batch, max_length=fed + 3), plan.config)
+    built = model.new_caches(builder(factory), batch=plan.batch, max_length=fed + 3)
+    caches = record(built, plan.config)
     generator = torch.Generator().manual_seed(plan.token_seed)
     history = torch.randint(0, plan.config.vocab_size, (plan.batch, fed + 2), generator=generator)
     history = history.to(model.device)

@@ -21,7 +21,9 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from kvcheck.strategies import DTYPES, CachePlan, random_rows
+from kvcheck import failures
+from kvcheck import sizes as kvsizes
+from kvcheck.strategies import DTYPES, CachePlan, random_rows, supported_dtypes
 from kvref import (
     CacheContractError,
     CacheFactory,
@@ -38,6 +40,34 @@ PATHS = ("append", "attend")
 
 def offers_attend(cache: object) -> bool:
     return "attend" in capabilities(cache)
+
+
+def build(factory: CacheFactory, spec: CacheSpec) -> LayerCache:
+    """``factory(spec)``: the one way the kit builds a cache. Never outside the domain the
+    cache declares (``kvsizes.OutsideDomain``); inside a declared one, a refusal blames the
+    declaration; with none declared, the error says how to declare one."""
+    domain = kvsizes.domain()
+    if why := domain.refuses(spec):
+        raise kvsizes.OutsideDomain(f"a cache for {spec}: {why}")
+    try:
+        return factory(spec)
+    except Exception as error:
+        if not domain.declared:
+            error.add_note(
+                f"(the factory refused {spec}; if the cache is not built for this, declare what "
+                "it supports: kv_sizes = {'supports': {...}}, docs/contract.md section 7)"
+            )
+            raise
+        raise failures.RefusesValidInput(
+            f"the factory refused to build a cache for {spec}, which is inside the domain the "
+            f"cache declares ({domain.describe()}): the declaration is wider than what the "
+            f"cache supports, or the cache has a bug there\n  {type(error).__name__}: {error}"
+        ) from error
+
+
+def builder(factory: CacheFactory):
+    """``factory``, built through ``build`` (for ``ReferenceTransformer.new_caches``)."""
+    return lambda spec: build(factory, spec)
 
 
 class Recorder:
@@ -129,6 +159,8 @@ class Recorder:
         return all_keys, all_values
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        if why := kvsizes.domain().refuses_group(query.shape[1] // max(1, key.shape[1])):
+            raise kvsizes.OutsideDomain(f"an attend of {why}")
         self.views = self.returned = None
         lent_query, *lent = self._lend(query, key, value)
         output = self.cache.attend(lent_query, *lent)
@@ -201,7 +233,7 @@ def record(caches: Iterable[LayerCache], config: ModelConfig, path: str = "appen
 
 def recorded(factory: CacheFactory, spec: CacheSpec, path: str = "append") -> Recorder:
     """A recorded cache from ``factory`` for ``spec``."""
-    return Recorder(factory(spec), spec.window, path)
+    return Recorder(build(factory, spec), spec.window, path)
 
 
 def warm(factory: CacheFactory, plan: CachePlan) -> Recorder:
@@ -256,7 +288,8 @@ def full_precision(spec: CacheSpec, path: str) -> CacheSpec:
     from kvcheck.asserts import needs_reference
 
     if path == "attend" and needs_reference(spec.dtype):
-        return dataclasses.replace(spec, dtype=DTYPES[-1])
+        exact = supported_dtypes(DTYPES[::-1], DTYPES)  # float32 first, within the domain
+        return dataclasses.replace(spec, dtype=exact[0])
     return spec
 
 

@@ -28,21 +28,29 @@ from kvcheck.session import young_objects_only
 from kvref import BlockPool, CacheFactory, CacheSpec, capabilities
 
 NOT_OFFERED = "not offered"
+OUTSIDE = "outside the declared domain"
 # Capabilities of the factory itself, not of its caches.
 FACTORY_CAPABILITIES = {"block pool": BlockPool}
 
 
 def probe_spec() -> CacheSpec:
     """The spec a factory is asked for once, to see which optional capabilities its caches
-    offer: on the kit's device, in its first dtype there."""
-    dtype = kvdevices.usable(kvst.DTYPES)[0]
-    return CacheSpec(1, 1, 2, max_length=8, dtype=dtype, device=kvdevices.current())
+    offer: the smallest inside its declared domain, on the kit's device, in the first dtype
+    there."""
+    domain = kvsizes.domain()
+    dtype = (kvst.supported_dtypes(kvst.DTYPES) or kvdevices.usable(kvst.DTYPES))[0]
+    head_dim = domain.head_dims[0] if domain.head_dims else 2
+    kv_heads = domain.kv_heads[0] if domain.kv_heads else 1
+    device = kvdevices.current()
+    return CacheSpec(1, kv_heads, head_dim, max_length=8, dtype=dtype, device=device)
 
 
 def paths_offered(factory: CacheFactory) -> tuple[str, ...]:
     """The paths the model may take through ``factory``'s caches: append, and attend where
-    they have it. A factory that cannot build the probe gets append only: its own test then
-    shows the crash."""
+    they have it. A factory that cannot build the probe (or is declared for another device)
+    gets append only: its own test then shows why."""
+    if outside_domain(factory):
+        return PATHS[:1]
     try:
         return PATHS if offers_attend(factory(probe_spec())) else PATHS[:1]
     except Exception:  # the test reports it, with the property's context
@@ -54,6 +62,36 @@ def offered(factory: CacheFactory) -> set[str]:
     names = set(capabilities(factory(probe_spec())))
     names.update(name for name, kind in FACTORY_CAPABILITIES.items() if isinstance(factory, kind))
     return names
+
+
+def outside_domain(
+    factory: CacheFactory, prop: Property | None = None, path: str = "append"
+) -> str | None:
+    """Why nothing of ``prop`` on ``path`` (of any property, without one) can be drawn
+    inside the domain ``factory`` declares, or None."""
+    domain = kvsizes.domain()
+    if not domain.declared:
+        return None
+    device = kvdevices.current()
+    if domain.devices is not None and device.type not in domain.devices:
+        return f"the cache supports devices {', '.join(domain.devices)}; this run is on {device}"
+    pages = domain.pages
+    if isinstance(factory, BlockPool) and pages is not None and factory.block_size not in pages:
+        supported = ", ".join(map(str, pages))
+        return (
+            f"the pool's block_size is {factory.block_size}; the cache supports pages {supported}"
+        )
+    if prop is None:
+        return None
+    judges = prop.attend_dtypes if path == "attend" else prop.dtypes
+    if not kvst.supported_dtypes(judges, judges):
+        judged = ", ".join(map(kvsizes.dtype_name, judges))
+        on = " on the attend path" if path == "attend" else ""
+        dtypes = ", ".join(sorted(map(kvsizes.dtype_name, domain.dtypes)))
+        return f"it judges {judged} only{on}; the cache supports {dtypes}"
+    if domain.max_batch is not None and prop.min_batch > domain.max_batch:
+        return f"it needs a batch of {prop.min_batch}; the cache supports up to {domain.max_batch}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -75,17 +113,22 @@ class Property:
     # The share of the profile's examples each test searches: below 1 for a table of many
     # cases that mostly share one path (the model's own guards).
     examples_share: float = 1.0
+    # The dtypes its check can judge (where a cache supports none of them: not offered), on
+    # the attend path too, and the smallest batch its plans need.
+    dtypes: tuple = kvst.WITH_HALF
+    attend_dtypes: tuple = kvst.WITH_HALF
+    min_batch: int = 1
     pinned: tuple = ()  # inputs tried first on every run (@example): past regressions
     # Inputs run as plain tests by name, not as @example, so that a search still shrinks.
     edges: dict[str, Any] = field(default_factory=dict)
 
     def not_offered(self, factory: CacheFactory, path: str = "append") -> str | None:
-        """Why ``factory`` cannot be tested for this property on ``path`` (the capabilities
-        it lacks), or None when it offers them all."""
+        """Why ``factory`` cannot be tested for this property on ``path``: the capabilities
+        it lacks, or the domain it declares leaves nothing to draw; None when neither."""
+        if why := outside_domain(factory):  # its device or pool: no cache can be built
+            return f"{OUTSIDE}: {why}"
         needed = (*self.requires, *(("attend",) if path == "attend" else ()))
-        if not needed:
-            return None
-        lacks = [name for name in needed if name not in offered(factory)]
+        lacks = [name for name in needed if name not in offered(factory)] if needed else []
         methods = [f"{name}()" for name in lacks if name not in FACTORY_CAPABILITIES]
         reasons = [f"the cache has no {' or '.join(methods)} method"] if methods else []
         if "block pool" in lacks:
@@ -93,6 +136,8 @@ class Property:
                 "the factory is not a kvref.BlockPool (block_size, blocks_in_use, "
                 "blocks_free, with_blocks)"
             )
+        if not reasons and (why := outside_domain(factory, self, path)):
+            reasons.append(f"{OUTSIDE}: {why}")
         return "; ".join(reasons) or None
 
     def run(self, factory: CacheFactory, drawn: Any, case: Any = None, path: str = "append"):
@@ -139,8 +184,9 @@ def property_test(prop: Property):
     it, and the kit changes none."""
 
     def body(self, cache_factory, case, path):
-        skip_unless_offered(prop, cache_factory, path)
         sizes = kvsizes.declared_by(cache_factory, type(self))
+        with kvsizes.aiming_at(sizes):
+            skip_unless_offered(prop, cache_factory, path)
         if prop.strategy is None:  # a state machine: it draws for itself
             paths = {"path": path} if prop.paths else {}
             with kvprofiles.torch_threads(), kvsizes.aiming_at(sizes), young_objects_only():
@@ -201,12 +247,19 @@ def search(
     kit's, then the test class's own (``pinned[prop.name]``); the draws aim at ``sizes``;
     ``examples_scale`` times the profile's examples (and the property's share)."""
 
+    explicit = (*prop.pinned, *(pinned or {}).get(prop.name, ()))
+
     def falsify(drawn):
-        check(drawn)
+        try:
+            check(drawn)
+        except kvsizes.OutsideDomain:
+            if not any(drawn is given for given in explicit):
+                raise
+            # A pinned input outside the cache's declared domain: left out, not run.
 
     falsify.__name__ = falsify.__qualname__ = prop.name.replace(" ", "_")
     test = falsify
-    for drawn in (*prop.pinned, *(pinned or {}).get(prop.name, ())):
+    for drawn in explicit:
         test = example(drawn=drawn)(test)
     kit = kvprofiles.current()
     examples = max(1, math.ceil(kit.max_examples * prop.examples_share * examples_scale))
@@ -219,10 +272,14 @@ def edge_test(prop: Property):
 
     @pytest.mark.parametrize("edge", prop.edges.values(), ids=list(prop.edges))
     def test(self, cache_factory, edge):
-        skip_unless_offered(prop, cache_factory)
-        with kvprofiles.torch_threads():
-            for path in kit_paths(prop, cache_factory):
-                prop.run(cache_factory, edge, path=path)
+        with kvsizes.aiming_at(kvsizes.declared_by(cache_factory, type(self))):
+            skip_unless_offered(prop, cache_factory)
+            with kvprofiles.torch_threads():
+                try:
+                    for path in kit_paths(prop, cache_factory):
+                        prop.run(cache_factory, edge, path=path)
+                except kvsizes.OutsideDomain as error:
+                    pytest.skip(f"{NOT_OFFERED}: {OUTSIDE}: {error}")
 
     test.__doc__ = f"{prop.title} (hand-picked edges)"
     return pytest.mark.kv_property(prop.name)(test)

@@ -51,7 +51,7 @@ class KitRun:
 
     profile: str | None
     threads: str | None
-    sizes: dict[str, int | tuple[int, ...] | None]
+    sizes: dict[str, object]  # kvcheck.Sizes's fields; supports: kvcheck.Domain's
     device: str | None
     names: list[str]  # the caches for classes without a factory (kvcheck.selection)
     prepared: bool = False
@@ -119,6 +119,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="the largest batch the caches serve: batches up to it are drawn (default 8)",
     )
     group.addoption(
+        "--kv-supports",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUES",
+        help="what the caches under test support: nothing is drawn outside it (repeatable; "
+        "e.g. dtypes=float16,bfloat16 head_dims=64,128 max_batch=8 windows=false; the fields "
+        "of kvcheck.Domain, docs/contract.md section 7)",
+    )
+    group.addoption(
         "--kv-device",
         metavar="DEVICE",
         default=None,
@@ -155,6 +164,7 @@ def read_options(config: pytest.Config) -> KitRun:
         )
     try:
         sizes = read_sizes(config)
+        sizes["supports"] = read_supports(config.getoption("--kv-supports"))
     except ValueError as error:
         raise pytest.UsageError(f"kv sizes: {error}") from None
     names = selection.names_given(
@@ -191,6 +201,48 @@ def read_sizes(config: pytest.Config) -> dict[str, int | tuple[int, ...] | None]
         "kv_heads": numbers("--kv-heads"),
         "max_batch": number("--kv-max-batch", config.getoption("--kv-max-batch")),
     }
+
+
+# The fields of kvcheck.Domain, by how --kv-supports reads their values (no torch here).
+SUPPORT_FIELDS = {
+    "dtypes": "names",
+    "devices": "names",
+    "head_dims": "ints",
+    "kv_heads": "ints",
+    "groups": "ints",
+    "pages": "ints",
+    "max_batch": "int",
+    "max_length": "int",
+    "windows": "bool",
+}
+
+
+def read_supports(given: list[str]) -> dict:
+    """``--kv-supports FIELD=VALUES`` options as a ``kvcheck.Domain``'s fields."""
+    fields: dict = {}
+    for text in given:
+        field, _, values = text.partition("=")
+        field = field.strip()
+        kind = SUPPORT_FIELDS.get(field)
+        if kind is None or not values.strip():
+            raise ValueError(
+                f"--kv-supports {text!r}: expected FIELD=VALUES, FIELD one of "
+                f"{', '.join(SUPPORT_FIELDS)}"
+            )
+        items = [item.strip() for item in values.split(",") if item.strip()]
+        if kind == "bool":
+            if values.strip().lower() not in ("true", "false"):
+                raise ValueError(f"--kv-supports {text!r}: windows is true or false")
+            fields[field] = values.strip().lower() == "true"
+        elif kind == "names":
+            fields[field] = tuple(items)
+        else:
+            if not all(item.isdigit() for item in items) or (kind == "int" and len(items) > 1):
+                many = "positive ints" if kind == "ints" else "one positive int"
+                raise ValueError(f"--kv-supports {text!r}: {field} takes {many}")
+            numbers = tuple(int(item) for item in items)
+            fields[field] = numbers[0] if kind == "int" else numbers
+    return fields
 
 
 def prepare(config: pytest.Config) -> None:
@@ -251,6 +303,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             caches = [(label, f"{module}:{label}", cls.factory)]
         else:
             caches = [(label, name, f) for label, (name, f) in selected(metafunc.config).items()]
+        declared = {label: declaration(label, factory, cls) for label, _, factory in caches}
     except pytest.UsageError as error:
         # Collection turns any exception into an error of this class: the message alone,
         # which a worker of pytest-xdist reports as that; elsewhere a usage error (below).
@@ -268,13 +321,27 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     # A property run once per path of the model through the cache: append, and attend
     # where the cache offers it (the id names the path only then).
     params = []
+    from kvcheck import sizes
+
     for label, name, factory in caches:
-        paths = kit.paths_offered(factory)
+        with sizes.aiming_at(declared[label]):
+            paths = kit.paths_offered(factory)
         for path in paths:
             marks = [pytest.mark.kv_cache(label, name), pytest.mark.kv_path(path, paths)]
             ident = label if len(paths) == 1 else f"{label}-{path}"
             params.append(pytest.param(factory, path, id=ident, marks=marks))
     metafunc.parametrize(("cache_factory", "path"), params)
+
+
+def declaration(label: str, factory: object, cls: type):
+    """The sizes and domain in force for a cache (``kvcheck.sizes.declared_by``); a usage
+    error where its declaration cannot be read."""
+    from kvcheck import sizes
+
+    try:
+        return sizes.declared_by(factory, cls)
+    except (TypeError, ValueError) as error:
+        raise pytest.UsageError(f"the sizes {label} declares (kv_sizes, sizes): {error}") from None
 
 
 @pytest.hookimpl(wrapper=True)
@@ -301,12 +368,13 @@ def kit_lines(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
     run = config.stash[RUN]
     if run.lines is not None:
         return run.lines
-    caches: dict[str, tuple[str, object]] = {}  # label -> (name, factory), in test order
+    caches: dict[str, tuple[str, tuple]] = {}  # label -> (name, (factory, class)), in order
     for item in items:
         mark = item.get_closest_marker("kv_cache")
         callspec = getattr(item, "callspec", None)
         if mark is not None and callspec is not None and mark.args[0] not in caches:
-            caches[mark.args[0]] = (mark.args[1], callspec.params.get("cache_factory"))
+            factory = callspec.params.get("cache_factory")
+            caches[mark.args[0]] = (mark.args[1], (factory, getattr(item, "cls", None)))
     run.lines = []
     if not caches:
         return run.lines
@@ -321,13 +389,16 @@ def kit_lines(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
     )
     if sizes.from_options() != sizes.NONE:
         run.lines.append(f"kv sizes from the command line: {sizes.from_options().describe()}")
-    declared = [
-        f"{label} {sizes.declared_on(factory).describe()}"
-        for label, (_, factory) in caches.items()
-        if sizes.declared_on(factory) != sizes.NONE
+    aims = [
+        f"{label} {own.describe()}"
+        for label, (_, (factory, _)) in caches.items()
+        if (own := sizes.declared_on(factory)).describe() != sizes.NONE.describe()
     ]
-    if declared:
-        run.lines.append(f"kv sizes the caches declare: {'; '.join(declared)}")
+    if aims:
+        run.lines.append(f"kv sizes the caches declare: {'; '.join(aims)}")
+    for label, (_, (factory, cls)) in caches.items():
+        if (domain := sizes.declared_by(factory, cls).supports).declared:
+            run.lines.append(f"kv domain of {label}: {domain.describe()}")
     return run.lines
 
 

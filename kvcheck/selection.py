@@ -29,6 +29,7 @@ BUILTINS = {
     "chunked": "kvimpl.chunked:ChunkedCache",
     "window": "kvimpl.window:WindowCache",
     "paged": "kvimpl.paged:pool",  # one pool of blocks shared by every cache it makes
+    "sdpa": "kvimpl.sdpa:SdpaCache",
 }
 
 NO_CACHE = (

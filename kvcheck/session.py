@@ -34,7 +34,7 @@ from kvcheck import asserts as kvassert
 from kvcheck import devices as kvdevices
 from kvcheck import failures, pool_books
 from kvcheck import strategies as kvst
-from kvcheck.harness import Recorder, assert_views_kept, record
+from kvcheck.harness import Recorder, assert_views_kept, builder, record
 from kvref import (
     BlockPool,
     CacheContractError,
@@ -115,7 +115,9 @@ class Engine:
     def start(self, name: str, batch: int, reuse: Request | None = None) -> Request:
         """A request on fresh caches from the factory, or on the reset caches of ``reuse``."""
         if reuse is None:
-            built = self.model.new_caches(self.factory, batch=batch, max_length=self.max_length)
+            built = self.model.new_caches(
+                builder(self.factory), batch=batch, max_length=self.max_length
+            )
             caches = record(built, self.model.config, self.path)
         else:
             caches, reuse.caches = reuse.caches, None
@@ -156,11 +158,22 @@ class Engine:
         return logits
 
     def _compare(self, request: Request, logits: Tensor, start: int, where: str) -> None:
-        expected = self.model(request.history)[:, start:]
-        history = request.history
-        reference = lambda: self.truth(history)[:, start:]  # noqa: E731
+        uncached = self.model(request.history)
+        truth = functools.cache(lambda: self.truth(request.history))
+        expected = uncached[:, start:]
+        reference = lambda: truth()[:, start:]  # noqa: E731
+        # The budget of half precision knows the uncached run's rounding at earlier positions.
+        earlier = lambda: (uncached, truth())  # noqa: E731
         try:
-            assert_logits(logits, expected, reference, where=where, start=start, path=request.path)
+            assert_logits(
+                logits,
+                expected,
+                reference,
+                where=where,
+                start=start,
+                path=request.path,
+                earlier=earlier,
+            )
         except failures.WrongResults as error:
             error.add_note(first_wrong_layer(self.model, request, start))
             raise
@@ -286,6 +299,7 @@ def assert_logits(
     where: str,
     start: int,
     path: str,
+    earlier: Callable[[], tuple[Tensor, Tensor]] | None = None,
 ) -> None:
     """Cached ``logits`` against the uncached model's ``expected``: at the dtype's tolerance
     (in half precision, its error budget against the float64 model's logits, ``reference()``);
@@ -302,6 +316,7 @@ def assert_logits(
             position_axis=1,
             first_position=start,
             reference=reference() if half else None,
+            earlier=earlier() if half and earlier is not None else None,
         )
     except failures.WrongResults as error:
         if half or path != "attend" or logits.shape != expected.shape:

@@ -29,9 +29,11 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+import torch
 from hypothesis import strategies as st
 
 from kvcheck import profiles
+from kvref import CacheSpec
 
 
 def _positive(name: str, value: object) -> int:
@@ -40,14 +42,225 @@ def _positive(name: str, value: object) -> int:
     return value
 
 
+def _positives(name: str, values: object) -> tuple[int, ...]:
+    if isinstance(values, int):  # Sizes(head_dims=128) means (128,)
+        values = (values,)
+    return tuple(_positive(name, value) for value in values)
+
+
+def _even(name: str, values: tuple[int, ...]) -> None:
+    if odd := [d for d in values if d % 2]:
+        raise ValueError(f"{name} must be even (RoPE pairs channels), got {odd}")
+
+
+def _fields(cls: type, declared: Mapping, what: str) -> None:
+    unknown = set(declared) - {field.name for field in dataclasses.fields(cls)}
+    if unknown:
+        known = ", ".join(field.name for field in dataclasses.fields(cls))
+        raise ValueError(
+            f"unknown {what} {', '.join(sorted(map(str, unknown)))}; a declaration may give {known}"
+        )
+
+
+def _dtype(value: object) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    dtype = getattr(torch, str(value).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"supports.dtypes: {value!r} is not a floating torch dtype")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# The kit needs this much room in a cache: an exhausted pool's plan needs up to 169 rows.
+LEAST_MAX_LENGTH = 256
+
+
+@dataclass(frozen=True)
+class Domain:
+    """What a cache can be built for (``supports``): nothing is drawn outside it. Every
+    field is optional; None (the default) is everything the kit draws."""
+
+    dtypes: tuple[torch.dtype, ...] | None = None
+    head_dims: tuple[int, ...] | None = None
+    kv_heads: tuple[int, ...] | None = None
+    groups: tuple[int, ...] | None = None  # query heads per kv head
+    pages: tuple[int, ...] | None = None  # rows per page or block it runs with
+    max_batch: int | None = None
+    max_length: int | None = None
+    windows: bool | None = None  # False: sliding windows are not supported
+    devices: tuple[str, ...] | None = None  # device types: "cpu", "cuda", "mps"
+
+    def __post_init__(self) -> None:
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        if self.dtypes is not None:
+            names = (self.dtypes,) if isinstance(self.dtypes, str | torch.dtype) else self.dtypes
+            put("dtypes", tuple(dict.fromkeys(_dtype(value) for value in names)))
+        for name in ("head_dims", "kv_heads", "groups", "pages"):
+            if getattr(self, name) is not None:
+                put(name, tuple(sorted(set(_positives(f"supports.{name}", getattr(self, name))))))
+        if self.head_dims is not None:
+            _even("supports.head_dims", self.head_dims)
+        if self.max_batch is not None:
+            _positive("supports.max_batch", self.max_batch)
+        if self.max_length is not None:
+            _positive("supports.max_length", self.max_length)
+            if self.max_length < LEAST_MAX_LENGTH:
+                raise ValueError(
+                    f"supports.max_length {self.max_length}: the kit's plans need a max_length "
+                    f"of at least {LEAST_MAX_LENGTH}"
+                )
+        if self.windows is not None and not isinstance(self.windows, bool):
+            raise ValueError(f"supports.windows must be True or False, got {self.windows!r}")
+        if self.devices is not None:
+            devices = (self.devices,) if isinstance(self.devices, str) else self.devices
+            put("devices", tuple(torch.device(str(d)).type for d in devices))
+        for name in ("dtypes", "head_dims", "kv_heads", "groups", "pages", "devices"):
+            if getattr(self, name) == ():
+                raise ValueError(f"supports.{name} is empty: the cache supports nothing")
+
+    @classmethod
+    def of(cls, declared: object) -> Domain:
+        """A ``Domain`` from a declaration: a Domain, a mapping of its fields, or None."""
+        if declared is None:
+            return ANY
+        if isinstance(declared, Domain):
+            return declared
+        if isinstance(declared, Mapping):
+            _fields(cls, declared, "supports field")
+            return cls(**declared)
+        raise TypeError(
+            f"supports must be a kvcheck.Domain or a dict, got {type(declared).__name__}"
+        )
+
+    def over(self, other: Domain) -> Domain:
+        """This domain, with ``other``'s for the fields this leaves unset."""
+        return Domain(**{f.name: _first_set(self, other, f.name) for f in dataclasses.fields(self)})
+
+    @property
+    def declared(self) -> bool:
+        return self != ANY
+
+    def refuses(self, spec: CacheSpec) -> str | None:
+        """What puts ``spec`` outside this domain, or None."""
+        checks = (
+            (self.dtypes, spec.dtype, "dtype"),
+            (self.head_dims, spec.head_dim, "head_dim"),
+            (self.kv_heads, spec.kv_heads, "kv_heads"),
+            (self.devices, torch.device(spec.device).type, "device"),
+        )
+        for supported, value, name in checks:
+            if supported is not None and value not in supported:
+                return f"{name} {_shown(value)} (supports {', '.join(map(_shown, supported))})"
+        for bound, value, name in (
+            (self.max_batch, spec.batch, "batch"),
+            (self.max_length, spec.max_length, "max_length"),
+        ):
+            if bound is not None and value > bound:
+                return f"{name} {value} (supports up to {bound})"
+        if self.windows is False and spec.window is not None:
+            return f"window {spec.window} (supports no windows)"
+        return None
+
+    def refuses_group(self, group: int) -> str | None:
+        if self.groups is not None and group not in self.groups:
+            supported = ", ".join(map(str, self.groups))
+            return f"{group} query heads per kv head (supports {supported})"
+        return None
+
+    def tested(self) -> list[str]:
+        """What the draws cover, field by field: "dtypes: bfloat16, float16", ..."""
+        dtypes = None if self.dtypes is None else sorted(map(dtype_name, self.dtypes))
+        parts = []
+        for name, values in (
+            ("dtypes", dtypes),
+            ("head_dim", self.head_dims),
+            ("kv_heads", self.kv_heads),
+            ("query heads per kv head", self.groups),
+            ("pages", self.pages),
+            ("devices", self.devices),
+        ):
+            if values is not None:
+                parts.append(f"{name}: {', '.join(map(str, values))}")
+        if self.max_batch is not None:
+            parts.append(f"batch: up to {self.max_batch}")
+        if self.max_length is not None:
+            parts.append(f"max_length: up to {self.max_length}")
+        if self.windows is False:
+            parts.append("windows: none")
+        return parts
+
+    def left_out(self) -> list[str]:
+        """What the kit would draw and this domain leaves out: "float32", "other head widths"."""
+        from kvcheck import devices as kvdevices
+
+        out = []
+        if self.dtypes is not None:
+            out += sorted(dtype_name(d) for d in kvdevices.ALL_DTYPES if d not in self.dtypes)
+        for values, what in (
+            (self.head_dims, "other head widths"),
+            (self.kv_heads, "other kv-head counts"),
+            (self.groups, "other query heads per kv head"),
+            (self.pages, "other pages"),
+            (self.devices, "other devices"),
+        ):
+            if values is not None:
+                out.append(what)
+        if self.max_batch is not None:
+            out.append(f"batches past {self.max_batch}")
+        if self.max_length is not None:
+            out.append(f"max_length past {self.max_length}")
+        if self.windows is False:
+            out.append("sliding windows")
+        return out
+
+    def describe(self) -> str:
+        """ "dtypes: bfloat16, float16; head_dim: 64, 128; not tested: float32, float64, ..."."""
+        if not self.declared:
+            return "everything the kit draws"
+        left_out = self.left_out()
+        tail = [f"not tested: {', '.join(left_out)}"] if left_out else []
+        return "; ".join([*self.tested(), *tail])
+
+    def as_json(self) -> dict:
+        fields = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
+        if self.dtypes is not None:
+            fields["dtypes"] = [dtype_name(d) for d in self.dtypes]
+        return {"supports": fields, "tested": self.tested(), "not tested": self.left_out()}
+
+
+def _shown(value: object) -> str:
+    return dtype_name(value) if isinstance(value, torch.dtype) else str(value)
+
+
+def _first_set(mine: object, other: object, name: str):
+    value = getattr(mine, name)
+    return value if value not in (None, ()) else getattr(other, name)
+
+
+ANY = Domain()
+
+
 @dataclass(frozen=True)
 class Sizes:
-    """The sizes a cache is designed around; every field is optional."""
+    """What a cache declares about sizes: where the draws aim (``page``, ``head_dims``,
+    ``kv_heads``, ``max_batch``: extra draws there) and what it supports (``supports``, a
+    ``Domain``: nothing is drawn outside it). Every field is optional."""
 
     page: int | None = None  # rows per page, block or chunk: boundaries to hit on purpose
     head_dims: tuple[int, ...] = ()  # head widths the cache has a path for (even: RoPE)
     kv_heads: tuple[int, ...] = ()  # kv head counts it is built for
     max_batch: int | None = None  # the largest batch it serves
+    supports: Domain = ANY  # what it can be built for
 
     def __post_init__(self) -> None:
         if self.page is not None:
@@ -55,13 +268,24 @@ class Sizes:
         if self.max_batch is not None:
             _positive("max_batch", self.max_batch)
         for name in ("head_dims", "kv_heads"):
-            values = getattr(self, name)
-            if isinstance(values, int):  # Sizes(head_dims=128) means (128,)
-                values = (values,)
-            values = tuple(_positive(name, value) for value in values)
-            object.__setattr__(self, name, values)
-        if odd := [d for d in self.head_dims if d % 2]:
-            raise ValueError(f"Sizes.head_dims must be even (RoPE pairs channels), got {odd}")
+            object.__setattr__(self, name, _positives(name, getattr(self, name)))
+        _even("Sizes.head_dims", self.head_dims)
+        object.__setattr__(self, "supports", Domain.of(self.supports))
+        if why := self.aims_outside():
+            raise ValueError(f"the sizes aim outside what they support: {why}")
+
+    def aims_outside(self) -> str | None:
+        domain = self.supports
+        for aimed, supported, name in (
+            (self.head_dims, domain.head_dims, "head_dims"),
+            (self.kv_heads, domain.kv_heads, "kv_heads"),
+            ((self.page,) if self.page else (), domain.pages, "page"),
+        ):
+            if supported is not None and (outside := [v for v in aimed if v not in supported]):
+                return f"{name} {outside} (supports {', '.join(map(str, supported))})"
+        if domain.max_batch is not None and (self.max_batch or 0) > domain.max_batch:
+            return f"max_batch {self.max_batch} (supports up to {domain.max_batch})"
+        return None
 
     @classmethod
     def of(cls, declared: object) -> Sizes:
@@ -71,12 +295,7 @@ class Sizes:
         if isinstance(declared, Sizes):
             return declared
         if isinstance(declared, Mapping):
-            unknown = set(declared) - {field.name for field in dataclasses.fields(cls)}
-            if unknown:
-                raise ValueError(
-                    f"unknown size {', '.join(sorted(map(str, unknown)))}; a declaration may "
-                    "give page, head_dims, kv_heads and max_batch"
-                )
+            _fields(cls, declared, "size")
             return cls(**declared)
         raise TypeError(
             f"kv_sizes must be a kvcheck.Sizes or a dict, got {type(declared).__name__}"
@@ -84,14 +303,20 @@ class Sizes:
 
     def over(self, other: Sizes) -> Sizes:
         """These sizes, with ``other``'s for the fields these leave unset."""
-        return Sizes(
-            **{
-                field.name: getattr(self, field.name) or getattr(other, field.name)
-                for field in dataclasses.fields(self)
-            }
-        )
+        fields = {
+            f.name: _first_set(self, other, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "supports"
+        }
+        return Sizes(**fields, supports=self.supports.over(other.supports))
+
+    def pages(self) -> tuple[int, ...]:
+        """The pages whose boundaries the draws hit: the aimed one, else the supported."""
+        return (self.page,) if self.page else self.supports.pages or ()
 
     def describe(self) -> str:
+        """Where the draws aim ("page 128, head dims 64/128"); ``supports.describe()`` says
+        what they are bounded to."""
         parts = []
         if self.page:
             parts.append(f"page {self.page}")
@@ -119,10 +344,15 @@ def from_options() -> Sizes:
 
 
 def declared_on(factory: object) -> Sizes:
-    """The factory's own ``kv_sizes`` (looked up through functools.partial)."""
+    """The factory's own ``kv_sizes`` (looked up through functools.partial); a function of
+    the kit's device (``kv_sizes(device)``) is called with it."""
     own = getattr(factory, "kv_sizes", None)
     if own is None and isinstance(factory, functools.partial):
         own = getattr(factory.func, "kv_sizes", None)
+    if callable(own) and not isinstance(own, Sizes | Mapping):
+        from kvcheck import devices as kvdevices
+
+        own = own(kvdevices.current())
     return Sizes.of(own)
 
 
@@ -192,12 +422,33 @@ def declared_first(declared: tuple[int, ...], usual: tuple[int, ...]) -> st.Sear
     return st.one_of(st.sampled_from(declared), usual_ones) if declared else usual_ones
 
 
+class OutsideDomain(Exception):
+    """The kit was about to build a cache outside the domain it declares: a bug of the kit's
+    draws (a pinned input or a hand-picked edge outside the domain is left out instead)."""
+
+
+def domain() -> Domain:
+    """What the cache under test supports right now (everything outside ``aiming_at``)."""
+    return current().supports
+
+
+def edge(draw, label: str) -> bool:
+    """A coin that lands one time in four: hit an edge of the domain (its largest batch,
+    its largest max_length) on purpose."""
+    return draw(st.integers(0, 3), label=f"{label} at the domain's edge?") == 3
+
+
+def longest(limit: int) -> int:
+    """``limit``, or the domain's largest max_length where that is smaller."""
+    bound = domain().max_length
+    return limit if bound is None else min(limit, bound)
+
+
 def boundary_lengths(limit: int, low: int = 1) -> st.SearchStrategy[int]:
-    """Lengths k x page - 1, k x page and k x page + 1 within [low, limit], for the declared
+    """Lengths k x page - 1, k x page and k x page + 1 within [low, limit], for a declared
     page (half the time) or one of the usual page sizes."""
-    page = current().page
     fitting = tuple(p for p in PAGES if p - 1 <= limit)
-    declared = (page,) if page and page - 1 <= limit else ()
+    declared = tuple(p for p in current().pages() if p - 1 <= limit)
     if not fitting and not declared:
         return st.integers(low, limit)
     return _boundary_lengths(declared_first(declared, fitting or declared), low, limit)
@@ -220,10 +471,20 @@ def _at_most(most: int, room: int | None) -> int:
     return max(1, most if room is None else min(most, room))
 
 
+def _supported(draw, supported: tuple[int, ...], aimed: tuple[int, ...], room, label: str):
+    """One of the domain's values, each as often (the narrowest where none fits ``room``:
+    inside the domain comes before the cost budget), an aimed one half the time."""
+    fitting = tuple(_within(room, supported)) or supported[:1]
+    return draw(declared_first(tuple(v for v in aimed if v in fitting), fitting), label=label)
+
+
 @st.composite
 def head_dims(draw, small=(2, 4, 6, 8), *, room: int | None = None) -> int:
     """A head width: mostly one of ``small``; with a coin, a real one (a declared one
-    first). None wider than ``room`` (but always the narrowest small one)."""
+    first). None wider than ``room`` (but always the narrowest small one). Where the cache
+    declares the widths it supports, one of those."""
+    if (supported := domain().head_dims) is not None:
+        return _supported(draw, supported, current().head_dims, room, "head_dim")
     declared = tuple(_within(room, current().head_dims))
     wide = tuple(_within(room, LARGE_HEAD_DIMS))
     if (wide or declared) and large(draw, "head_dim"):
@@ -233,7 +494,10 @@ def head_dims(draw, small=(2, 4, 6, 8), *, room: int | None = None) -> int:
 
 @st.composite
 def kv_head_counts(draw, small_max: int = 3, *, room: int | None = None) -> int:
-    """Kv heads: mostly 1 to ``small_max``; with a coin, 4 to 8 or a declared count."""
+    """Kv heads: mostly 1 to ``small_max``; with a coin, 4 to 8 or a declared count; the
+    supported counts only, where the cache declares them."""
+    if (supported := domain().kv_heads) is not None:
+        return _supported(draw, supported, current().kv_heads, room, "kv_heads")
     declared = tuple(_within(room, current().kv_heads))
     wide = tuple(_within(room, LARGE_KV_HEADS))
     if (wide or declared) and large(draw, "kv_heads"):
@@ -244,7 +508,9 @@ def kv_head_counts(draw, small_max: int = 3, *, room: int | None = None) -> int:
 @st.composite
 def groups(draw, *, room: int | None = None) -> int:
     """Query heads per kv head: mostly 1 (plain multi-head attention) to 3; with a coin,
-    up to 8."""
+    up to 8; the supported ones only, where the cache declares them."""
+    if (supported := domain().groups) is not None:
+        return _supported(draw, supported, (), room, "heads per kv head")
     wide = _within(room, LARGE_GROUPS)
     if wide and large(draw, "heads per kv head"):
         return draw(st.sampled_from(wide), label="heads per kv head")
@@ -254,8 +520,16 @@ def groups(draw, *, room: int | None = None) -> int:
 @st.composite
 def batches(draw, low: int = 1, small_max: int = 4, *, room: int | None = None) -> int:
     """A batch: mostly ``low`` to ``small_max``; with a coin, up to 8 or the declared
-    largest, that largest itself often. Never above ``room`` unless ``low`` is."""
+    largest, that largest itself often. Never above ``room`` unless ``low`` is, nor above
+    the domain's largest batch, which a quarter of the draws hit."""
+    bound = domain().max_batch
+    if bound is not None and low > bound:
+        raise OutsideDomain(f"a plan needs batch {low} or more; the cache supports up to {bound}")
     most = max(current().max_batch or LARGE_BATCH, small_max)
+    if bound is not None:
+        most = bound
+        if low < bound and edge(draw, "batch"):
+            return max(low, min(bound, room or bound))
     most = max(low, min(most, room)) if room is not None else most
     if most > small_max and large(draw, "batch"):
         return draw(st.one_of(st.just(most), st.integers(small_max + 1, most)), label="batch")

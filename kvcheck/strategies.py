@@ -45,6 +45,9 @@ MAX_SESSION = 100
 # A long-lived set of caches runs a model through 9 to this many sessions (8 resets and
 # more); the cache-level stale-rows property takes one cache through dozens.
 LIVED_SESSIONS = 12
+# A cache-level spec is built at the domain's largest max_length up to this (filling more
+# rows than this one by one costs more than the edge is worth).
+LARGEST_EXACT = 2**15
 
 
 def poison_value(kind: str, dtype: torch.dtype) -> float:
@@ -150,8 +153,16 @@ def _build_model(config: ModelConfig, dtype: torch.dtype, device) -> ReferenceTr
 
 # Windows around the chunk sizes drawn (so that lengths cross W - 1, W and W + 1, chunks
 # straddle the window's edge and prefills outrun it), and often none at all.
-windows = st.one_of(
-    st.none(), st.integers(1, 4), st.sampled_from(BOUNDARY_SIZES), st.integers(5, 2 * EDGE + 1)
+@st.composite
+def window_from(draw, strategy: st.SearchStrategy) -> int | None:
+    """A window from ``strategy``, or none where the cache supports no windows."""
+    return None if kvsizes.domain().windows is False else draw(strategy, label="window")
+
+
+windows = window_from(
+    st.one_of(
+        st.none(), st.integers(1, 4), st.sampled_from(BOUNDARY_SIZES), st.integers(5, 2 * EDGE + 1)
+    )
 )
 
 
@@ -195,9 +206,11 @@ def attention_room(config: ModelConfig, tokens: int) -> int:
 
 @st.composite
 def sessions(draw, start: str, poison: bool = False, max_chunks: int = 10) -> Session:
-    chunks = [draw(prompt_sizes, label="prompt")]
+    # Room for the poison rows and a slack of 7 within the domain's largest max_length.
+    most = kvsizes.longest(MAX_SESSION + 11) - 11
+    chunks = [min(most, draw(prompt_sizes, label="prompt"))]
     for size in draw(st.lists(chunk_sizes, max_size=max_chunks), label="decode chunks"):
-        if sum(chunks) + size > MAX_SESSION:
+        if sum(chunks) + size > most:
             break
         chunks.append(size)
     return finish_session(draw, chunks, start, poison)
@@ -224,7 +237,9 @@ def long_sessions(draw, start: str, poison: bool = False) -> Session:
     """A session of up to ``kvsizes.LONG`` tokens: a prompt and chunks of up to hundreds of
     tokens on a warm cache, each ending at or around a page boundary or anywhere (so that
     chunks straddle pages), then a few decode steps."""
-    ends = draw(st.lists(cuts(kvsizes.LONG), min_size=1, max_size=5, unique=True), label="ends")
+    # Within the domain's largest max_length, with room for decode steps, poison and slack.
+    limit = kvsizes.longest(kvsizes.LONG + 11) - 11
+    ends = draw(st.lists(cuts(limit), min_size=1, max_size=5, unique=True), label="ends")
     ends.sort()
     chunks = [end - before for before, end in zip([0, *ends], ends, strict=False)]
     chunks += draw(st.lists(st.integers(1, 4), max_size=3), label="decode steps")
@@ -267,8 +282,12 @@ def scenarios(
         else:
             session = sessions(start, poison=leaves_poison, max_chunks=1 if long_lived else 10)
         drawn.append(draw(session, label="session"))
+    needed = max(s.length + s.poison_rows for s in drawn)
     slack = draw(st.sampled_from((0, 0, 1, 7)), label="slack")
-    tokens = max(s.length + s.poison_rows for s in drawn) + slack
+    largest = kvsizes.domain().max_length
+    if largest is not None and largest - needed <= kvsizes.LONG and kvsizes.edge(draw, "slack"):
+        slack = largest - needed  # caches built for the domain's largest max_length
+    tokens = needed + slack
     config = draw(model_configs(tokens=tokens), label="config")
     return Scenario(
         config=config,
@@ -308,16 +327,21 @@ EDGES = {"boundaries": BOUNDARIES, "poisoned_reset": POISONED_RESET}
 
 @st.composite
 def cache_specs(
-    draw, dtypes: tuple[torch.dtype, ...] = WITH_HALF, min_length: int = 1
+    draw,
+    dtypes: tuple[torch.dtype, ...] = WITH_HALF,
+    min_length: int = 1,
+    judged: tuple[torch.dtype, ...] = WITH_HALF,
 ) -> CacheSpec:
     """A spec for cache-level properties (no model, so they can go long cheaply): mostly
     small; a share up to ``kvsizes.LONG`` rows, at and around page boundaries, and a share
     wide, within ``kvsizes.ROWS_BUDGET`` numbers per key tensor."""
     low = max(1, min_length)
-    if kvsizes.large(draw, "max_length", kvsizes.LONG_ONE_IN):
-        long = st.one_of(
-            kvsizes.boundary_lengths(kvsizes.LONG, low), st.integers(low, kvsizes.LONG)
-        )
+    largest = kvsizes.domain().max_length
+    limit = kvsizes.longest(kvsizes.LONG)
+    if largest is not None and kvsizes.edge(draw, "max_length"):
+        max_length = min(largest, LARGEST_EXACT)  # the domain's largest
+    elif kvsizes.large(draw, "max_length", kvsizes.LONG_ONE_IN):
+        long = st.one_of(kvsizes.boundary_lengths(limit, low), st.integers(low, limit))
         max_length = draw(long, label="max_length")
     else:
         max_length = draw(st.integers(low, max(low, 3 * EDGE)), label="max_length")
@@ -329,15 +353,33 @@ def cache_specs(
         kv_heads=kv_heads,
         head_dim=head_dim,
         max_length=max_length,
-        dtype=draw(dtypes_on_device(dtypes), label="dtype"),
+        dtype=draw(dtypes_on_device(dtypes, judged), label="dtype"),
         device=kvdevices.current(),
         window=draw(windows, label="window"),
     )
 
 
-def dtypes_on_device(dtypes: tuple[torch.dtype, ...]) -> st.SearchStrategy[torch.dtype]:
-    """One of ``dtypes`` that the kit's device computes in (chosen when the run starts)."""
-    return st.sampled_from(kvdevices.usable(dtypes))
+@st.composite
+def dtypes_on_device(
+    draw, dtypes: tuple[torch.dtype, ...], judged: tuple[torch.dtype, ...] = WITH_HALF
+) -> torch.dtype:
+    """One of ``dtypes`` that the kit's device computes in and the cache supports; where it
+    supports none of them, one of ``judged`` (the dtypes the property can judge)."""
+    return draw(st.sampled_from(supported_dtypes(dtypes, judged)), label="dtype")
+
+
+def supported_dtypes(
+    dtypes: tuple[torch.dtype, ...], judged: tuple[torch.dtype, ...] = WITH_HALF
+) -> tuple[torch.dtype, ...]:
+    """``dtypes`` on the kit's device within the cache's domain, else ``judged`` there; ()
+    where neither has one."""
+    supported = kvsizes.domain().dtypes
+
+    def fitting(candidates):
+        usable = kvdevices.usable(tuple(dict.fromkeys(candidates)))
+        return tuple(d for d in usable if supported is None or d in supported)
+
+    return fitting(dtypes) or fitting(judged)
 
 
 def chunk_plans(max_total: int, min_chunks: int = 0, max_chunks: int = 6) -> st.SearchStrategy:
@@ -359,7 +401,10 @@ def _chunk_plans(draw, max_total: int, min_chunks: int, max_chunks: int) -> list
         # anywhere), so that lengths land on them and chunks of hundreds straddle them.
         size = max(min_chunks, 1)
         ends = st.lists(cuts(max_total), min_size=size, max_size=max(size, max_chunks), unique=True)
-        drawn = sorted(draw(ends, label="chunk ends"))
+        drawn = draw(ends, label="chunk ends")
+        if kvsizes.domain().max_length is not None and kvsizes.edge(draw, "filled"):
+            drawn = [end for end in drawn if end != max_total] + [max_total]  # to the end
+        drawn = sorted(drawn)
         return [end - before for before, end in zip([0, *drawn], drawn, strict=False)]
     plan: list[int] = []
     sizes = st.lists(st.integers(1, 2 * EDGE + 1), min_size=min_chunks, max_size=max_chunks)

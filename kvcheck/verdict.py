@@ -46,7 +46,12 @@ def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestRepor
     entry["test"] = item.nodeid
     if path := item.get_closest_marker("kv_path"):  # the model's path, of those offered
         entry.update(path=path.args[0], paths=list(path.args[1]))
-    from kvcheck import failures  # here: the plugin imports this module in every run
+    # Here: the plugin imports this module in every run.
+    from kvcheck import failures, sizes
+
+    factory = item.callspec.params.get("cache_factory") if hasattr(item, "callspec") else None
+    if (domain := sizes.declared_by(factory, getattr(item, "cls", None)).supports).declared:
+        entry["domain"] = domain.as_json()
 
     if report.passed:
         return {**entry, "outcome": PASS}
@@ -132,6 +137,8 @@ def tabulate(entries: list[dict]) -> dict[str, dict]:
     # Sorted by test id, so that the first failure named is the same under any -n.
     for entry in sorted(entries, key=lambda e: e["test"]):
         cache = caches.setdefault(entry["cache"], {"name": entry["name"], "properties": {}})
+        if "domain" in entry:  # what the cache declares it supports: all that was drawn
+            cache["domain"] = entry["domain"]
         row = cache["properties"].setdefault(
             entry["property"], {"result": PASS, "tests": 0, "failed": 0}
         )
@@ -157,8 +164,9 @@ def tabulate(entries: list[dict]) -> dict[str, dict]:
     for cache in caches.values():
         rows = cache["properties"]
         for row in rows.values():
+            # A path outside the cache's declared domain is not offered, as a capability is.
             if row["result"] == PASS and any(
-                outcome != PASS for outcome in row.get("paths", {}).values()
+                outcome not in (PASS, NOT_OFFERED) for outcome in row.get("paths", {}).values()
             ):
                 row["result"] = PARTLY
         cache["properties"] = dict(sorted(rows.items(), key=lambda kv: order.get(kv[0], 99)))
@@ -191,14 +199,22 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
             verdict = f"{cache['failed']} FAIL"
         elif skipped:  # skipped (an unavailable device, say): not shown to hold
             verdict = f"{skipped} skipped"
+        elif not cache["run"]:  # nothing offered (outside its domain, say): nothing holds
+            verdict = "no property run"
         else:
             verdict = "holds every property" if every else ran
         line = f"{named}: {verdict} ({cache['holds']} of {offered} pass)"
         lines.append(line if every or verdict == ran else f"{line}; {ran}")
+        if domain := cache.get("domain"):
+            lines.append(f"  domain       {'; '.join(domain['tested'])}")
+            if domain["not tested"]:
+                lines.append(f"  not tested   {', '.join(domain['not tested'])}")
         passed = [_with_paths(name, row) for name, row in rows.items() if row["result"] == PASS]
         if passed:
             lines.append(f"  pass         {', '.join(passed)}")
-        absent = [name for name, row in rows.items() if row["result"] == NOT_OFFERED]
+        absent = [
+            _with_domain(name, row) for name, row in rows.items() if row["result"] == NOT_OFFERED
+        ]
         if absent:
             lines.append(f"  not offered  {', '.join(absent)}")
         for name, row in rows.items():
@@ -214,10 +230,21 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
     return lines
 
 
+def _with_domain(name: str, row: dict) -> str:
+    """A property not offered, with why where that is the cache's declared domain."""
+    reason = row.get("reason", "")
+    outside = reason.partition("outside the declared domain: ")[2]
+    return f"{name} (outside the declared domain: {outside})" if outside else name
+
+
 def _with_paths(name: str, row: dict) -> str:
     """A property's name, with the paths it ran on where the cache offers more than one."""
     paths = row.get("paths", {})
-    return f"{name} ({', '.join(paths)})" if len(paths) > 1 else name
+    if len(paths) < 2:
+        return name
+    ran = [path for path, outcome in paths.items() if outcome == PASS]
+    absent = [f"{path} not offered" for path, outcome in paths.items() if outcome == NOT_OFFERED]
+    return f"{name} ({', '.join([*ran, *absent])})"
 
 
 def _version() -> str:

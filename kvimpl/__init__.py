@@ -8,6 +8,7 @@ from kvimpl.concat import ConcatCache
 from kvimpl.paged import PagedCache, PagedPool
 from kvimpl.paged import pool as paged_pool
 from kvimpl.preallocated import PreallocatedCache
+from kvimpl.sdpa import SdpaCache
 from kvimpl.window import WindowCache
 from kvref.protocol import CacheFactory
 
@@ -17,6 +18,7 @@ CACHES: dict[str, CacheFactory] = {
     "chunked": ChunkedCache,
     "window": WindowCache,
     "paged": paged_pool,  # one pool of blocks shared by every cache it makes
+    "sdpa": SdpaCache,  # attend by torch's fused attention, declaring its backend's domain
 }
 
 __all__ = [
@@ -26,5 +28,6 @@ __all__ = [
     "PagedCache",
     "PagedPool",
     "PreallocatedCache",
+    "SdpaCache",
     "WindowCache",
 ]

@@ -9,6 +9,7 @@ from kvcheck import CacheTests
 from kvcheck import badinput as kvbad
 from tests.independent.deque_window_cache import DequeWindowCache
 from tests.independent.fifo_paged_pool import FifoPagedPool
+from tests.independent.half_kernel_cache import HalfKernelCache
 from tests.independent.list_cache import ListCache
 from tests.independent.paged_cache import PagedCache
 from tests.independent.pooled_ring_cache import RingCache
@@ -72,6 +73,13 @@ class TestSdpaCache(Independent):
     by copying the list; truncate and reorder."""
 
     factory = SdpaCache
+
+
+class TestHalfKernelCache(Independent):
+    """Built for float16 and bfloat16 and head widths 64 and 128 only, as a fused kernel is,
+    refusing every other spec and declaring that domain: the kit draws inside it."""
+
+    factory = HalfKernelCache
 
 
 BY_NAME = {case.name: case for case in kvbad.BAD_APPENDS}

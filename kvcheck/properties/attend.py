@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 
 from kvcheck import asserts as kvassert
 from kvcheck import failures
+from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
+from kvcheck.harness import build
 from kvcheck.kit import KitTests, Property, property_test
 from kvref import CacheFactory, CacheSpec, attention
 
@@ -53,8 +55,10 @@ def attend_plans(draw) -> AttendPlan:
     # roundings from one that accumulates in float32 (head_dim 256, scores in the
     # hundreds). The logits and reset properties hold a half-precision attend to the
     # model's error budget on their attend path.
-    spec = draw(kvst.cache_specs(dtypes=kvst.DTYPES, min_length=2), label="spec")
-    group = draw(st.integers(1, 3), label="query heads per kv head")
+    spec = draw(
+        kvst.cache_specs(dtypes=kvst.DTYPES, judged=kvst.DTYPES, min_length=2), label="spec"
+    )
+    group = draw(kvsizes.groups(room=3), label="query heads per kv head")
     sizes = draw(kvst.chunk_plans(spec.max_length, min_chunks=1, max_chunks=5), label="calls")
     # The last call attends, so that every plan attends at least once on a warm cache.
     kinds = draw(
@@ -74,7 +78,7 @@ def attend_plans(draw) -> AttendPlan:
 def check_attend(factory: CacheFactory, plan: AttendPlan) -> None:
     """Every attend returns the reference attention over the rows given since the reset."""
     spec = plan.spec
-    cache = factory(spec)
+    cache = build(factory, spec)
     scale = LARGE[spec.dtype] if plan.large else 1.0
     keys = values = kvst.random_rows(spec, 0, seed=0)
     for index, (kind, rows) in enumerate(plan.calls):
@@ -121,6 +125,7 @@ ATTEND = Property(
     attend_plans(),
     failures.WRONG_RESULTS,
     requires=("attend",),
+    dtypes=kvst.DTYPES,
 )
 
 

@@ -35,6 +35,7 @@ from kvcheck.strategies import (
     describe_config,
     dtypes_on_device,
     model_configs,
+    window_from,
     windows,
 )
 from kvref import CacheFactory, ModelConfig
@@ -172,7 +173,7 @@ def edit_plans(draw, *, rollbacks: bool = True, reorder: bool = False) -> EditPl
     reorders (batch 2 to 4)."""
     config = draw(model_configs(max_layers=3, tokens=EDIT_TOKENS), label="config")
     # Small windows fill up within a few steps, so that rewinds meet dropped positions.
-    window = draw(st.one_of(st.integers(1, 6), windows), label="edit window")
+    window = draw(window_from(st.one_of(st.integers(1, 6), windows)), label="edit window")
     config = dataclasses.replace(config, window=window)
     room = attention_room(config, EDIT_TOKENS)
     batch = draw(kvsizes.batches(low=2 if reorder else 1, room=room), label="batch")
@@ -197,7 +198,7 @@ def edit_plans(draw, *, rollbacks: bool = True, reorder: bool = False) -> EditPl
         kinds += [reorders(batch), reorders(batch)]
     kinds.append(st.builds(ForkHere, st.integers(1, 3)))
     steps = draw(st.lists(st.one_of(kinds), min_size=2, max_size=10), label="steps")
-    return EditPlan(
+    plan = EditPlan(
         config=config,
         batch=batch,
         dtype=draw(dtypes_on_device(DTYPES), label="dtype"),
@@ -207,6 +208,9 @@ def edit_plans(draw, *, rollbacks: bool = True, reorder: bool = False) -> EditPl
         token_seed=draw(st.integers(0, 2**16), label="token seed"),
         path=draw(st.sampled_from(PATHS), label="path"),
     )
+    while len(plan.steps) > 2 and plan.max_length > kvsizes.longest(plan.max_length):
+        plan = dataclasses.replace(plan, steps=plan.steps[:-1])  # within the domain
+    return plan
 
 
 _one_layer = ModelConfig(
@@ -358,6 +362,7 @@ REORDER = Property(
     edit_plans(rollbacks=False, reorder=True),
     failures.WRONG_RESULTS,
     requires=("reorder",),
+    min_batch=2,
     pinned=on_both_paths(PINNED_REORDERS),
 )
 BAD_REORDER = Property(
@@ -376,6 +381,7 @@ EDITS = Property(
     edit_plans(rollbacks=True, reorder=True),
     failures.WRONG_RESULTS,
     requires=("truncate", "reorder"),
+    min_batch=2,
     pinned=on_both_paths(PINNED_MIXED_EDITS),
     examples_share=0.5,  # truncate and reorder each have their own full search
 )

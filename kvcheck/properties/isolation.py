@@ -72,6 +72,7 @@ ISOLATION = Property(
     isolation_plans(),
     failures.DATA_LOSS,
     paths=True,
+    attend_dtypes=kvst.DTYPES,  # attend's output judged at the dtype's tolerance
 )
 
 

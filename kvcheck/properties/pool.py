@@ -25,7 +25,9 @@ from hypothesis import strategies as st
 
 from kvcheck import asserts as kvassert
 from kvcheck import failures
+from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
+from kvcheck.harness import build
 from kvcheck.kit import KitTests, Property, offered, property_test
 from kvcheck.properties.requests import PINNED, request_plans, serve
 from kvref import BlockTables, CacheFactory, CacheSpec
@@ -95,21 +97,25 @@ def _state(pool, caches: dict[str, _Given]) -> dict:
     return state
 
 
-def fill(pool, spec: CacheSpec, left: int, where: str):
-    """A cache of batch 1 that takes a block per append until the pool has ``left`` free."""
+def fill(pool, spec: CacheSpec, left: int, where: str) -> list:
+    """Caches of batch 1 that take a block per append until the pool has ``left`` free (one
+    cache, unless the domain's largest max_length holds fewer rows than the pool)."""
     size = pool.block_size
-    filler_spec = dataclasses.replace(spec, batch=1, max_length=pool.blocks_free * size + 1)
-    filler = pool(filler_spec)
+    longest = kvsizes.longest(pool.blocks_free * size + 1)
+    filler_spec = dataclasses.replace(spec, batch=1, max_length=longest)
+    fillers = []
     while pool.blocks_free > left:
+        if not fillers or fillers[-1].length + size > longest:
+            fillers.append(build(pool, filler_spec))
         free = pool.blocks_free
         rows = kvst.random_rows(filler_spec, size, seed=free)
-        error = kvassert.raised_by(lambda: filler.append(rows, rows.clone()))  # noqa: B023
+        error = kvassert.raised_by(lambda: fillers[-1].append(rows, rows.clone()))  # noqa: B023
         if error is not None:
             raise failures.RefusesValidInput(
                 f"the pool: blocks_free is {free}, yet an append that needs one block was "
                 f"refused with {type(error).__name__}: {error}\n  at {where}"
             ) from error
-    return filler
+    return fillers
 
 
 def check_exhausted_pool(factory: CacheFactory, plan: ExhaustionPlan) -> None:
@@ -121,7 +127,7 @@ def check_exhausted_pool(factory: CacheFactory, plan: ExhaustionPlan) -> None:
     # Room for A, a full copy of A (a pool may copy at fork), and a filler of two blocks per
     # batch row at least, so that dropping the filler leaves room to read A and F back.
     pool = factory.with_blocks(2 * held + 2 * spec.batch + 1 + plan.left)
-    caches = {"A": _Given(pool(spec), spec)}
+    caches = {"A": _Given(build(pool, spec), spec)}
     for step, rows in enumerate(plan.chunks):
         keys = kvst.random_rows(spec, rows, seed=step)
         caches["A"].append(keys, kvst.random_rows(spec, rows, seed=50 + step))

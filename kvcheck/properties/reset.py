@@ -109,6 +109,7 @@ STALE_ROWS = Property(
     stale_rows_plans(),
     failures.DATA_LOSS,
     paths=True,
+    attend_dtypes=kvst.DTYPES,  # attend's output judged at the dtype's tolerance
 )
 
 

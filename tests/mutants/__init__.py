@@ -3,7 +3,8 @@
 ``MUTANTS`` lists them all. A cache mutant is a factory with one bug, run on the reference
 model (those of ``tests/mutants/paged.py`` are broken paged pools and a broken chunked
 ``attend``, those of ``tests/mutants/attend.py`` a wrong ``attend`` beside a right ``append``,
-those of ``tests/mutants/interplay.py`` a bug that shows only where capabilities mix); a
+those of ``tests/mutants/interplay.py`` a bug that shows only where capabilities mix, those
+of ``tests/mutants/domain.py`` a bug inside the domain a cache declares); a
 model mutant is a patch of the reference model with one bug, run on ``ConcatCache``.
 ``tests/test_mutants.py`` checks that some property catches each one, and
 ``python -m tests.mutants.report`` prints which property does and the shrunk counterexample.
@@ -19,6 +20,7 @@ from kvimpl import ConcatCache
 from kvref import CacheFactory
 from tests.mutants.attend import ATTEND_MUTANTS
 from tests.mutants.caches import CACHE_MUTANTS
+from tests.mutants.domain import DOMAIN_MUTANTS
 from tests.mutants.interplay import INTERPLAY_MUTANTS
 from tests.mutants.model import MODEL_MUTANTS
 from tests.mutants.paged import PAGED_MUTANTS
@@ -51,5 +53,6 @@ MUTANTS = (
     *(Mutant(factory) for factory in PAGED_MUTANTS),
     *(Mutant(factory) for factory in ATTEND_MUTANTS),
     *(Mutant(factory) for factory in INTERPLAY_MUTANTS),
+    *(Mutant(factory) for factory in DOMAIN_MUTANTS),
     *(Mutant(ConcatCache, patch) for patch in MODEL_MUTANTS),
 )

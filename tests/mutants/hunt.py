@@ -75,7 +75,7 @@ def hunt(
             for prop in properties:
                 if prop.strategy is None:  # a state machine: it draws for itself
                     continue
-                if prop.requires and prop.not_offered(mutant.factory):
+                if prop.not_offered(mutant.factory):
                     continue  # as in a run of the kit: "not offered", neither pass nor catch
                 catch = search(
                     mutant.factory, prop, max_examples=budget, shrink=shrink, pinned=pinned
@@ -106,10 +106,13 @@ def search(
         return False
 
     # Every run of the kit tries a property's pinned inputs (past catches) first: so does
-    # the hunt, and only then searches.
+    # the hunt, and only then searches; those outside the cache's domain are left out.
     for example in prop.pinned if pinned else ():
-        if fails(example):
-            return Catch(prop.name, example, errors[-1])
+        try:
+            if fails(example):
+                return Catch(prop.name, example, errors[-1])
+        except kvsizes.OutsideDomain:
+            continue
     # No example database: a catch must come from this run's search, not a replay of an
     # earlier one. Shrinking is off unless asked for: a test only needs to know it failed.
     phases = [Phase.explicit, Phase.generate, *([Phase.shrink] if shrink else [])]
