@@ -35,6 +35,7 @@ __all__ = [
     "AttendTests",
     "CacheTests",
     "CoreTests",
+    "Domain",
     "ForkTests",
     "IsolationTests",
     "MemoryTests",
@@ -54,10 +55,10 @@ def __getattr__(name: str):
     # for, so that the plugin (kvcheck.plugin, loaded by every pytest run where this is
     # installed) imports none of them in a run without kit tests, nor does
     # `python -m kvcheck.verdict`.
-    if name == "Sizes":
-        from kvcheck.sizes import Sizes
+    if name in ("Sizes", "Domain"):
+        from kvcheck import sizes
 
-        return Sizes
+        return getattr(sizes, name)
     if name in __all__:
         from kvcheck import base
 

@@ -294,7 +294,8 @@ class KitTests:
     # `drawn=` of a falsifying example pasted from a failure.
     pinned: ClassVar[dict[str, tuple]] = {}
     # The sizes your cache is built around (kvcheck.Sizes: page, head_dims, kv_heads,
-    # max_batch), for the draws to hit on purpose; the factory's own `kv_sizes` otherwise.
+    # max_batch), for the draws to hit on purpose, and what it supports (supports=: nothing
+    # is drawn outside it); the factory's own `kv_sizes` otherwise, field by field.
     sizes: ClassVar[kvsizes.Sizes | None] = None
     # Examples per property, as a multiple of the profile's (--kv-profile): more for a
     # nightly job on one cache, fewer for caches that only guard against false alarms.

@@ -12,13 +12,15 @@ It adds, wherever the package is installed:
 - ``--kv-torch-threads N|keep``: torch threads while a kit test runs (default 1);
 - ``--kv-page N``, ``--kv-head-dim D``, ``--kv-heads H``, ``--kv-max-batch B``: the sizes
   the caches under test are built around (``kvcheck.Sizes``), for the draws to hit on
-  purpose; they win over a cache's own ``kv_sizes`` and a test class's ``sizes``;
+  purpose; ``--kv-supports FIELD=VALUES``: what they support (``kvcheck.Domain``: nothing is
+  drawn outside it); they win over a cache's own ``kv_sizes`` and a test class's ``sizes``;
 - ``--kv-device DEVICE`` (or ``KV_DEVICE``, or the ``kv_device`` ini option): where the kit
   builds every model, cache and row (default cpu); on a device this machine lacks, the kit's
   tests skip with the reason (``kvcheck.devices``);
-- after collection, the lines naming the caches under test, the kit's profile, device and
-  sizes (under pytest-xdist, where only the workers collect, at the top of the verdict);
-  and the verdict per cache at the end of the run (``--kv-report PATH`` writes it as JSON).
+- after collection, the lines naming the caches under test, the kit's profile, device,
+  sizes and each cache's domain (under pytest-xdist, where only the workers collect, at the
+  top of the verdict); and the verdict per cache at the end of the run (``--kv-report PATH``
+  writes it as JSON).
 
 A run that collects no kit test pays for importing this module, ``kvcheck.selection`` and
 ``kvcheck.verdict`` (none of them imports torch, Hypothesis or a cache), and the plugin
@@ -387,7 +389,7 @@ def kit_lines(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
         f"kv caches under test: {', '.join(described)}; kit profile: {profiles.current_name()}; "
         f"kv device: {devices.describe()}"
     )
-    if sizes.from_options() != sizes.NONE:
+    if sizes.from_options().describe() != sizes.NONE.describe():  # aims; the domain below
         run.lines.append(f"kv sizes from the command line: {sizes.from_options().describe()}")
     aims = [
         f"{label} {own.describe()}"

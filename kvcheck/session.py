@@ -158,22 +158,11 @@ class Engine:
         return logits
 
     def _compare(self, request: Request, logits: Tensor, start: int, where: str) -> None:
-        uncached = self.model(request.history)
-        truth = functools.cache(lambda: self.truth(request.history))
-        expected = uncached[:, start:]
-        reference = lambda: truth()[:, start:]  # noqa: E731
-        # The budget of half precision knows the uncached run's rounding at earlier positions.
-        earlier = lambda: (uncached, truth())  # noqa: E731
+        expected = self.model(request.history)[:, start:]
+        history = request.history
+        reference = lambda: self.truth(history)[:, start:]  # noqa: E731
         try:
-            assert_logits(
-                logits,
-                expected,
-                reference,
-                where=where,
-                start=start,
-                path=request.path,
-                earlier=earlier,
-            )
+            assert_logits(logits, expected, reference, where=where, start=start, path=request.path)
         except failures.WrongResults as error:
             error.add_note(first_wrong_layer(self.model, request, start))
             raise
@@ -299,7 +288,6 @@ def assert_logits(
     where: str,
     start: int,
     path: str,
-    earlier: Callable[[], tuple[Tensor, Tensor]] | None = None,
 ) -> None:
     """Cached ``logits`` against the uncached model's ``expected``: at the dtype's tolerance
     (in half precision, its error budget against the float64 model's logits, ``reference()``);
@@ -316,7 +304,6 @@ def assert_logits(
             position_axis=1,
             first_position=start,
             reference=reference() if half else None,
-            earlier=earlier() if half and earlier is not None else None,
         )
     except failures.WrongResults as error:
         if half or path != "attend" or logits.shape != expected.shape:

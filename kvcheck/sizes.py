@@ -18,6 +18,16 @@ kit), or on a test class (``sizes = Sizes(...)``), or on the command line (``--k
 ``--kv-head-dim``, ``--kv-heads``, ``--kv-max-batch``; these win, field by field). The
 draws then hit lengths k x page - 1, k x page and k x page + 1, chunks that straddle pages,
 the declared head widths and kv heads, and batches up to the declared largest.
+
+Those fields aim; ``supports`` (a ``Domain``, or a dict of its fields) bounds. A cache built
+for part of the space only (a fused kernel's dtypes and head widths) declares it there::
+
+    kv_sizes = {"supports": {"dtypes": ("float16", "bfloat16"), "head_dims": (64, 128)}}
+
+and every draw then stays inside it (the helpers below read it while a search runs,
+``aiming_at``), its edges hit on purpose (``edge``): each declared value, the largest batch,
+the largest max_length. ``kvcheck.harness.build`` never builds a cache outside it
+(``OutsideDomain``). The rules are in docs/contract.md, section 7.
 """
 
 from __future__ import annotations

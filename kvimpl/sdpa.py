@@ -1,9 +1,9 @@
 """A preallocated cache whose ``attend`` is torch's ``scaled_dot_product_attention``.
 
 The storage is ``PreallocatedCache``'s; ``attend`` writes the new rows, then runs one fused
-attention over the rows its queries can see, with a boolean mask by absolute position (the
-causal edge of a warm cache, and the window). Which kernel runs is pinned, never left to
-torch's fallback, so that a run holds that kernel to the contract:
+attention over the rows its queries can see, masked by absolute position (``mask``: the causal
+edge of a warm cache, and the window). Which kernel runs is pinned, never left to torch's
+fallback, so that a run holds that kernel to the contract:
 
 - on CUDA, the flash or the memory-efficient backend (``SDPBackend.FLASH_ATTENTION``,
   ``EFFICIENT_ATTENTION``): float16 and bfloat16 only, and head widths that are multiples of
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from kvimpl.preallocated import PreallocatedCache
 from kvref.protocol import check_attend
@@ -51,13 +52,8 @@ class SdpaCache(PreallocatedCache):
         end = start + new
         window = self.spec.window
         first = 0 if window is None else max(0, start - window + 1)  # the oldest key seen
-        asking = torch.arange(start, end, device=query.device)[:, None]
-        seen = torch.arange(first, end, device=query.device)[None, :]
-        visible = seen <= asking
-        if window is not None:
-            visible &= seen > asking - window
-        group = query.shape[1] // keys.shape[1]
         keys, values = keys[:, :, first:], values[:, :, first:]
+        group = query.shape[1] // keys.shape[1]
         if group > 1:  # one kv head per group of query heads, for every backend
             keys = keys.repeat_interleave(group, dim=1)
             values = values.repeat_interleave(group, dim=1)
@@ -65,6 +61,21 @@ class SdpaCache(PreallocatedCache):
         wide = query.dtype if fused else torch.promote_types(query.dtype, torch.float32)
         with sdpa_kernel(list(backends(query.device))):
             output = F.scaled_dot_product_attention(
-                query.to(wide), keys.to(wide), values.to(wide), attn_mask=visible
+                query.to(wide),
+                keys.to(wide),
+                values.to(wide),
+                attn_mask=mask(start, end, first, window, query.device),
             )
         return output.to(query.dtype)
+
+
+def mask(start: int, end: int, first: int, window: int | None, device: torch.device):
+    """Which keys (positions ``first`` to ``end`` - 1) each query (``start`` to ``end`` - 1)
+    sees: all of them for one query without a window (no mask: the flash kernel takes it),
+    the causal edge of a warm cache for a chunk (``causal_lower_right``, which flash takes
+    too), and with a window a boolean mask (the memory-efficient kernel takes it)."""
+    if window is None:
+        return None if end - start == 1 else causal_lower_right(end - start, end - first)
+    asking = torch.arange(start, end, device=device)[:, None]
+    seen = torch.arange(first, end, device=device)[None, :]
+    return (seen <= asking) & (seen > asking - window)

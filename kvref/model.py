@@ -138,17 +138,24 @@ def attention(
         # group is 1, and at long contexts that copy costs more than the attention.
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
-    # In half precision, scores, softmax and sums in float32, rounded once at the end.
-    wide = at_least_float32(query.dtype)
+    # In half precision, scores, softmax and sums in float64, rounded once at the end: in
+    # float32 a chunk of 5 queries sums in another order than the 37 of the uncached pass,
+    # and a rounding flip that no cache caused would reach the logits (measured: 2.8 x the
+    # uncached run's error at a position, float16, head_dim 128). float64 sums round to the
+    # same half-precision value whatever the chunk; a cache's attend still sums in float32.
+    wide = torch.float64 if query.dtype in HALF_DTYPES else query.dtype
     scores = (query.to(wide) @ keys.to(wide).transpose(-2, -1)) / math.sqrt(query.shape[-1])
     allowed = causal_mask(query_positions, key_positions, window)
     weights = F.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     return (weights @ values.to(wide)).to(query.dtype)
 
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def at_least_float32(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half precision, else ``dtype``: half-precision models take attention and
-    norms in float32, as real ones (and fused attention kernels) do. It also keeps their
+    """float32 for half precision, else ``dtype``: half-precision models take norms in
+    float32, as real ones do (attention, in float64: ``attention``). It also keeps their
     results independent of how many tokens a call holds (torch's half-precision rsqrt and exp
     take other paths for other sizes), so that a cached run differs from an uncached one only
     by what its cache did; and torch's half-precision matmuls on the CPU are slow."""

@@ -15,10 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvimpl
-from kvcheck import CacheTests
+from kvcheck import CacheTests, Sizes
 from kvcheck import strategies as kvst
 from kvcheck.properties import core
-from kvimpl import ChunkedCache
+from kvimpl import ChunkedCache, sdpa
 from kvref import ModelConfig, ReferenceTransformer, min_nbytes
 
 # Built on the kit's device (--kv-device): skipped where this machine lacks it.
@@ -26,7 +26,20 @@ pytestmark = pytest.mark.kv_device
 
 
 class TestSelectedCaches(CacheTests):
-    pass
+    # Half the profile's examples in this repository's run: the built-ins are also the
+    # controls of every mutant hunt, held by dev seeds, and searched in full by a user's
+    # `pytest --pyargs kvcheck --kv-impl NAME` (the kit's own class, at the profile's count).
+    examples_scale = 0.5
+
+
+class TestSdpaWithItsCudaDomain(CacheTests):
+    """``sdpa`` held to the domain it declares on CUDA (half precision, its fused kernels'
+    head widths), here on whatever backend this device has: the draws a GPU run makes."""
+
+    factory = kvimpl.SdpaCache
+    cache_name = "sdpa_cuda_domain"
+    sizes = Sizes.of(sdpa.supported(torch.device("cuda")))
+    examples_scale = 0.25  # the whole kit runs on sdpa above; this checks the domain's draws
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 5])

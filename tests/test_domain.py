@@ -4,6 +4,9 @@ offered"; refusals inside it are crashes, one of them blamed on the declaration.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
 from hypothesis import Phase, find, given, settings
@@ -12,13 +15,16 @@ from hypothesis import strategies as st
 from kvcheck import Sizes, failures, verdict
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
+from kvcheck.harness import build
 from kvcheck.kit import search
 from kvcheck.plugin import read_supports
 from kvcheck.properties import ALL, BY_NAME
 from kvcheck.sizes import Domain
 from kvimpl import sdpa
+from kvref import CacheSpec, ModelConfig
 from tests.independent.half_kernel_cache import HalfKernelCache
 from tests.mutants.domain import DeclaresHeadDim256, RefusesLongChunks
+from tests.pytest_run import ROOT, run_pytest
 
 SEARCH = settings(max_examples=1_000, database=None, deadline=None, phases=[Phase.generate])
 HALF = {"dtypes": ("float16", "bfloat16"), "head_dims": (64, 128)}
@@ -172,29 +178,50 @@ def test_pinned_inputs_outside_the_domain_are_left_out():
     assert all(sizes.supports.refuses(spec) is None for spec in built)
 
 
-def first_failure(factory) -> BaseException:
-    """The error of the first property, searched as the kit does, that fails on ``factory``."""
-    sizes = kvsizes.declared_by(factory)
-    for prop in ALL:
-        if prop.strategy is None or prop.not_offered(factory):
-            continue
-        with kvsizes.aiming_at(sizes):
-            try:
-                search(prop, lambda drawn, p=prop: p.check_all_cases(factory, drawn), {}, sizes)
-            except Exception as error:
-                return error
-    raise AssertionError(f"no property failed on {factory.__name__}")
-
-
 def test_a_refusal_of_valid_input_inside_the_domain_is_a_crash():
-    error = first_failure(RefusesLongChunks)
-    assert failures.worst(error, failures.WRONG_RESULTS)[0] == failures.CRASH
+    # A prompt of 100 tokens, inside the domain: refused, it fails as a crash.
+    config = ModelConfig(vocab_size=11, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=64)
+    session = kvst.Session((100,), token_seed=1, start="fresh")
+    scenario = kvst.Scenario(config, 1, torch.float16, (session,))
+    lengths = BY_NAME["lengths"]
+    with kvsizes.aiming_at(kvsizes.declared_by(RefusesLongChunks)):
+        assert lengths.not_offered(RefusesLongChunks) is None
+        with pytest.raises(ValueError, match="at most 64 rows") as raised:
+            lengths.run(RefusesLongChunks, scenario)
+    assert failures.worst(raised.value, failures.DATA_LOSS)[0] == failures.CRASH
 
 
 def test_a_domain_wider_than_the_cache_is_blamed_on_the_declaration():
-    error = first_failure(DeclaresHeadDim256)
-    severity, culprit = failures.worst(error, failures.WRONG_RESULTS)
-    assert severity == failures.CRASH
-    assert isinstance(culprit, failures.RefusesValidInput)
-    assert "inside the domain the cache declares" in str(culprit)
-    assert "the declaration is wider than what the cache supports" in str(culprit)
+    spec = CacheSpec(1, 1, 256, max_length=256, dtype=torch.bfloat16, device="cpu")
+    with kvsizes.aiming_at(kvsizes.declared_by(DeclaresHeadDim256)):
+        with pytest.raises(failures.RefusesValidInput) as raised:
+            build(DeclaresHeadDim256, spec)
+        # Outside it the kit builds nothing, and says it was the kit's draw.
+        with pytest.raises(kvsizes.OutsideDomain, match="head_dim 96"):
+            build(DeclaresHeadDim256, dataclasses.replace(spec, head_dim=96))
+    assert failures.worst(raised.value, failures.DATA_LOSS)[0] == failures.CRASH
+    assert "inside the domain the cache declares" in str(raised.value)
+    assert "the declaration is wider than what the cache supports" in str(raised.value)
+
+
+def test_the_header_the_verdict_and_the_json_name_the_domain(tmp_path):
+    report = tmp_path / "verdict.json"
+    result = run_pytest(
+        *["--pyargs", "kvcheck", "-k", "length_invariants or attend_equals", "-p", "no:xdist"],
+        *["--kv-impl", "tests.independent.half_kernel_cache:HalfKernelCache"],
+        *["--kv-supports", "max_batch=4", "--kv-report", str(report)],
+        cwd=tmp_path,
+        extra_path=ROOT,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    domain = "dtypes: bfloat16, float16; head_dim: 64, 128; batch: up to 4"
+    left_out = "float32, float64, other head widths, batches past 4"
+    assert f"kv domain of HalfKernelCache: {domain}; not tested: {left_out}" in output, output
+    assert f"  domain       {domain}" in output, output
+    assert f"  not tested   {left_out}" in output, output
+    cache = json.loads(report.read_text())["caches"]["HalfKernelCache"]
+    assert cache["domain"]["supports"]["max_batch"] == 4
+    assert cache["domain"]["not tested"] == left_out.split(", ")
+    attend = cache["properties"]["attend"]
+    assert attend["result"] == "not offered", attend
