@@ -61,8 +61,8 @@ class Budget:
 
 # Half precision is too coarse for any fixed tolerance (one that hides float64 bugs cries
 # wolf here): a cached run must stay about as close to the float64 model as the uncached
-# run in the same dtype. Measured on every built-in and independent cache (README, "Half
-# precision"): at most 1.28 x the uncached error, and 0.78 roundings above it.
+# run in the same dtype. Measured on every built-in and independent cache
+# (docs/half-precision.md): at most 1.73 x the uncached error, and 0.97 roundings above it.
 BUDGETS = {
     torch.bfloat16: Budget(factor=2.0, floor=1.0),
     torch.float16: Budget(factor=2.0, floor=1.0),
