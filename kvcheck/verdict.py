@@ -259,6 +259,9 @@ def compare(old: dict, new: dict) -> tuple[list[str], bool]:
     that held and now fails or is gone, or a failure of a worse severity."""
     lines, regressed = [], False
     for label in sorted(set(old["caches"]) | set(new["caches"])):
+        was_in, now_in = (_domain(report["caches"].get(label, {})) for report in (old, new))
+        if was_in != now_in:  # what was drawn changed: say so before the results it explains
+            lines.append(f"{label}: domain: {was_in} -> {now_in}")
         before = old["caches"].get(label, {}).get("properties", {})
         after = new["caches"].get(label, {}).get("properties", {})
         for name in [*before, *(name for name in after if name not in before)]:
@@ -269,6 +272,15 @@ def compare(old: dict, new: dict) -> tuple[list[str], bool]:
             lines.append(f"{label}: {name}: {_state(was)} -> {_state(now)}{why}")
             regressed |= _got_worse(was, now)
     return lines, regressed
+
+
+def _domain(cache: dict) -> str:
+    """What a report's cache declared it supports, as the verdict prints it."""
+    domain = cache.get("domain")
+    if domain is None:
+        return "everything the kit draws"
+    left_out = f"; not tested: {', '.join(domain['not tested'])}" if domain["not tested"] else ""
+    return "; ".join(domain["tested"]) + left_out
 
 
 def _state(row: dict | None) -> str:

@@ -121,6 +121,11 @@ def test_the_edges_of_the_domain_are_hit():
         find(kvst.cache_specs(), lambda spec: spec.batch == 4, settings=SEARCH)
         find(kvst.scenarios(), lambda s: s.batch == 4, settings=SEARCH)
         find(kvst.scenarios(), lambda s: s.max_length == 512, settings=SEARCH)
+        # Lengths at the boundaries of a supported page (no page aimed at).
+    with kvsizes.aiming_at(Sizes.of({"supports": {"pages": (100,)}})):
+        for length in (199, 200, 201):
+            find(kvst.cache_plans(), lambda p, n=length: p.warm_length == n, settings=SEARCH)
+    with kvsizes.aiming_at(EDGES):
         # Filled to its end at the largest max_length, with no model.
         find(
             kvst.cache_plans(room=1),
@@ -225,3 +230,16 @@ def test_the_header_the_verdict_and_the_json_name_the_domain(tmp_path):
     assert cache["domain"]["not tested"] == left_out.split(", ")
     attend = cache["properties"]["attend"]
     assert attend["result"] == "not offered", attend
+
+
+def test_comparing_two_reports_says_when_the_domain_changed():
+    row = {"result": "pass", "tests": 1, "failed": 0}
+    wide = {"caches": {"k": {"properties": {"logits": row}}}}
+    half = Domain(**HALF).as_json()
+    narrow = {"caches": {"k": {"domain": half, "properties": {"logits": row}}}}
+    lines, regressed = verdict.compare(wide, narrow)
+    assert lines == [
+        "k: domain: everything the kit draws -> dtypes: bfloat16, float16; head_dim: 64, 128; "
+        "not tested: float32, float64, other head widths"
+    ]
+    assert not regressed
