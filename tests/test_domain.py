@@ -5,6 +5,7 @@ offered"; refusals inside it are crashes, one of them blamed on the declaration.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -123,8 +124,15 @@ def test_the_edges_of_the_domain_are_hit():
         find(kvst.scenarios(), lambda s: s.max_length == 512, settings=SEARCH)
         # Lengths at the boundaries of a supported page (no page aimed at).
     with kvsizes.aiming_at(Sizes.of({"supports": {"pages": (100,)}})):
-        for length in (199, 200):
-            find(kvst.cache_plans(), lambda p, n=length: p.warm_length == n, settings=SEARCH)
+        for near in (-1, 0, 1):  # k x 100 - 1, k x 100, k x 100 + 1, as no usual page has
+            find(
+                kvst.cache_plans(),
+                lambda p, d=near: any(
+                    (end - d) % 100 == 0 and (end - d) % 16
+                    for end in itertools.accumulate(p.chunks)
+                ),
+                settings=SEARCH,
+            )
     with kvsizes.aiming_at(EDGES):
         # Filled to its end at the largest max_length, with no model.
         find(
