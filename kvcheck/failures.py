@@ -7,6 +7,8 @@ severity the verdict reports. Anything else escaping a property means something 
 - ``kvref.CacheContractError``: the reference model refused what the cache handed it (rows
   of the wrong count, layers of different lengths, one object for two layers): the cache
   broke the protocol, reported as data loss or corruption;
+- ``OutsideDomain``: the kit was about to build a cache outside the domain the cache
+  declares: a bug of the kit, never counted against the cache ("kit error");
 - any other exception: the cache (or a user's override) crashed on valid input.
 """
 
@@ -21,6 +23,7 @@ CRASH = "crash"
 REFUSAL_CHANGED_STATE = "refusal changed state"
 ACCEPTS_BAD_INPUT = "accepts bad input"
 UNCLEAR_ERROR = "unclear error"
+KIT_ERROR = "kit error"  # the kit's own fault: shown after anything the cache did
 SEVERITIES = (
     WRONG_RESULTS,
     DATA_LOSS,
@@ -28,6 +31,7 @@ SEVERITIES = (
     REFUSAL_CHANGED_STATE,
     ACCEPTS_BAD_INPUT,
     UNCLEAR_ERROR,
+    KIT_ERROR,
 )
 
 
@@ -63,6 +67,18 @@ class RefusesValidInput(PropertyFailure):
     severity = CRASH
 
 
+class OutsideDomain(Exception):
+    """The kit was about to build a cache outside the domain it declares: a bug of the kit's
+    draws (a pinned input or a hand-picked edge outside the domain is left out instead)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        super().__init__(
+            f"the kit drew outside the domain the cache declares (a bug of the kit, not of "
+            f"the cache): {what}"
+        )
+
+
 def worst(error: BaseException, default: str) -> tuple[str, BaseException]:
     """The severity of ``error`` escaping a property whose plain assertions mean ``default``,
     and the exception it comes from (the worst one, when Hypothesis found several)."""
@@ -70,6 +86,8 @@ def worst(error: BaseException, default: str) -> tuple[str, BaseException]:
         return min((worst(e, default) for e in error.exceptions), key=_rank)
     if isinstance(error, PropertyFailure):
         return error.severity, error
+    if isinstance(error, OutsideDomain):
+        return KIT_ERROR, error
     if isinstance(error, CacheContractError):
         return DATA_LOSS, error
     if isinstance(error, AssertionError):  # e.g. a check a user overrode with plain asserts

@@ -247,13 +247,21 @@ def warm(factory: CacheFactory, plan: CachePlan) -> Recorder:
 
 def give(cache: Recorder, key: Tensor, value: Tensor, seed: int) -> None:
     """``key`` and ``value`` to a recorded cache on its path: appended, or attended by a
-    query of one head per kv head from ``seed``."""
+    query from ``seed`` of the fewest query heads per kv head the cache supports (one)."""
     if cache.path == "append":
         cache.append(key, value)
         return
+    cache.attend(random_query(key, seed), key, value)
+
+
+def random_query(key: Tensor, seed: int) -> Tensor:
+    """A query for ``key``'s rows: normal noise from ``seed``, of the fewest query heads per
+    kv head the cache's domain supports (one where it says nothing)."""
+    batch, kv_heads, rows, head_dim = key.shape
+    shape = (batch, kv_heads * kvsizes.domain().fewest_group, rows, head_dim)
     generator = torch.Generator().manual_seed(seed)
-    query = torch.randn(key.shape, generator=generator, dtype=torch.float64)
-    cache.attend(query.to(device=key.device, dtype=key.dtype), key, value)
+    query = torch.randn(shape, generator=generator, dtype=torch.float64)
+    return query.to(device=key.device, dtype=key.dtype)
 
 
 def assert_served(cache: Recorder, *, who: str, where: str) -> None:

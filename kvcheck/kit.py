@@ -38,7 +38,7 @@ def probe_spec() -> CacheSpec:
     offer: the smallest inside its declared domain, on the kit's device, in the first dtype
     there."""
     domain = kvsizes.domain()
-    dtype = (kvst.supported_dtypes(kvst.DTYPES) or kvdevices.usable(kvst.DTYPES))[0]
+    dtype = kvst.supported_dtypes(kvst.DTYPES)[0]  # one at least, or nothing is offered
     head_dim = domain.head_dims[0] if domain.head_dims else 2
     kv_heads = domain.kv_heads[0] if domain.kv_heads else 1
     device = kvdevices.current()
@@ -75,6 +75,9 @@ def outside_domain(
     device = kvdevices.current()
     if domain.devices is not None and device.type not in domain.devices:
         return f"the cache supports devices {', '.join(domain.devices)}; this run is on {device}"
+    if not kvst.supported_dtypes(kvst.WITH_HALF):
+        dtypes = ", ".join(sorted(map(kvsizes.dtype_name, domain.dtypes)))
+        return f"the cache supports dtypes {dtypes}, none of which {device} computes in"
     pages = domain.pages
     if isinstance(factory, BlockPool) and pages is not None and factory.block_size not in pages:
         supported = ", ".join(map(str, pages))
@@ -279,7 +282,7 @@ def edge_test(prop: Property):
                     for path in kit_paths(prop, cache_factory):
                         prop.run(cache_factory, edge, path=path)
                 except kvsizes.OutsideDomain as error:
-                    pytest.skip(f"{NOT_OFFERED}: {OUTSIDE}: {error}")
+                    pytest.skip(f"{NOT_OFFERED}: {OUTSIDE}: {error.what}")
 
     test.__doc__ = f"{prop.title} (hand-picked edges)"
     return pytest.mark.kv_property(prop.name)(test)

@@ -43,6 +43,7 @@ import torch
 from hypothesis import strategies as st
 
 from kvcheck import profiles
+from kvcheck.failures import OutsideDomain
 from kvref import CacheSpec
 
 
@@ -87,6 +88,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 # The kit needs this much room in a cache: an exhausted pool's plan needs up to 169 rows.
 LEAST_MAX_LENGTH = 256
+# Caches are built at the domain's largest max_length up to this; past it, a cache's rows
+# and a model's allocation cost more than the edge is worth, and the verdict says so.
+LARGEST_BUILT = 4096
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,8 @@ class Domain:
                 )
         if self.windows is not None and not isinstance(self.windows, bool):
             raise ValueError(f"supports.windows must be True or False, got {self.windows!r}")
+        if self.windows:
+            put("windows", None)  # windows supported: what the kit draws anyway
         if self.devices is not None:
             devices = (self.devices,) if isinstance(self.devices, str) else self.devices
             put("devices", tuple(torch.device(str(d)).type for d in devices))
@@ -177,6 +183,11 @@ class Domain:
             return f"window {spec.window} (supports no windows)"
         return None
 
+    @property
+    def fewest_group(self) -> int:
+        """The fewest query heads per kv head the domain supports (1 where it says nothing)."""
+        return 1 if self.groups is None else self.groups[0]
+
     def refuses_group(self, group: int) -> str | None:
         if self.groups is not None and group not in self.groups:
             supported = ", ".join(map(str, self.groups))
@@ -200,7 +211,7 @@ class Domain:
         if self.max_batch is not None:
             parts.append(f"batch: up to {self.max_batch}")
         if self.max_length is not None:
-            parts.append(f"max_length: up to {self.max_length}")
+            parts.append(f"max_length: up to {min(self.max_length, LARGEST_BUILT)}")
         if self.windows is False:
             parts.append("windows: none")
         return parts
@@ -224,6 +235,8 @@ class Domain:
         if self.max_batch is not None:
             out.append(f"batches past {self.max_batch}")
         if self.max_length is not None:
+            if self.max_length > LARGEST_BUILT:  # supported, but past what the kit builds
+                out.append(f"max_length {LARGEST_BUILT + 1} to {self.max_length}")
             out.append(f"max_length past {self.max_length}")
         if self.windows is False:
             out.append("sliding windows")
@@ -244,7 +257,7 @@ class Domain:
             if getattr(self, f.name) is not None
         }
         if self.dtypes is not None:
-            fields["dtypes"] = [dtype_name(d) for d in self.dtypes]
+            fields["dtypes"] = sorted(dtype_name(d) for d in self.dtypes)
         return {"supports": fields, "tested": self.tested(), "not tested": self.left_out()}
 
 
@@ -432,11 +445,6 @@ def declared_first(declared: tuple[int, ...], usual: tuple[int, ...]) -> st.Sear
     return st.one_of(st.sampled_from(declared), usual_ones) if declared else usual_ones
 
 
-class OutsideDomain(Exception):
-    """The kit was about to build a cache outside the domain it declares: a bug of the kit's
-    draws (a pinned input or a hand-picked edge outside the domain is left out instead)."""
-
-
 def domain() -> Domain:
     """What the cache under test supports right now (everything outside ``aiming_at``)."""
     return current().supports
@@ -537,9 +545,9 @@ def batches(draw, low: int = 1, small_max: int = 4, *, room: int | None = None) 
         raise OutsideDomain(f"a plan needs batch {low} or more; the cache supports up to {bound}")
     most = max(current().max_batch or LARGE_BATCH, small_max)
     if bound is not None:
-        most = bound
+        most = min(current().max_batch or bound, bound)  # an aimed largest, within the bound
         if low < bound and edge(draw, "batch"):
-            return max(low, min(bound, room or bound))
+            return max(low, bound if room is None else min(bound, room))
     most = max(low, min(most, room)) if room is not None else most
     if most > small_max and large(draw, "batch"):
         return draw(st.one_of(st.just(most), st.integers(small_max + 1, most)), label="batch")

@@ -45,9 +45,10 @@ MAX_SESSION = 100
 # A long-lived set of caches runs a model through 9 to this many sessions (8 resets and
 # more); the cache-level stale-rows property takes one cache through dozens.
 LIVED_SESSIONS = 12
-# A cache-level spec is built at the domain's largest max_length up to this (filling more
-# rows than this one by one costs more than the edge is worth).
-LARGEST_EXACT = 2**15
+# What a session may bring past its chunks, within the domain's largest max_length: poison
+# rows (up to 4) and slack (up to 7); and a long session's decode steps (up to 3 x 4).
+AFTER_SESSION = 4 + 7
+AFTER_LONG = 3 * 4 + AFTER_SESSION
 
 
 def poison_value(kind: str, dtype: torch.dtype) -> float:
@@ -206,8 +207,8 @@ def attention_room(config: ModelConfig, tokens: int) -> int:
 
 @st.composite
 def sessions(draw, start: str, poison: bool = False, max_chunks: int = 10) -> Session:
-    # Room for the poison rows and a slack of 7 within the domain's largest max_length.
-    most = kvsizes.longest(MAX_SESSION + 11) - 11
+    # Room for the poison rows and the slack within the domain's largest max_length.
+    most = kvsizes.longest(MAX_SESSION + AFTER_SESSION) - AFTER_SESSION
     chunks = [min(most, draw(prompt_sizes, label="prompt"))]
     for size in draw(st.lists(chunk_sizes, max_size=max_chunks), label="decode chunks"):
         if sum(chunks) + size > most:
@@ -238,7 +239,7 @@ def long_sessions(draw, start: str, poison: bool = False) -> Session:
     tokens on a warm cache, each ending at or around a page boundary or anywhere (so that
     chunks straddle pages), then a few decode steps."""
     # Within the domain's largest max_length, with room for decode steps, poison and slack.
-    limit = kvsizes.longest(kvsizes.LONG + 11) - 11
+    limit = kvsizes.longest(kvsizes.LONG + AFTER_LONG) - AFTER_LONG
     ends = draw(st.lists(cuts(limit), min_size=1, max_size=5, unique=True), label="ends")
     ends.sort()
     chunks = [end - before for before, end in zip([0, *ends], ends, strict=False)]
@@ -285,7 +286,7 @@ def scenarios(
     needed = max(s.length + s.poison_rows for s in drawn)
     slack = draw(st.sampled_from((0, 0, 1, 7)), label="slack")
     largest = kvsizes.domain().max_length
-    if largest is not None and largest - needed <= kvsizes.LONG and kvsizes.edge(draw, "slack"):
+    if largest is not None and largest <= kvsizes.LARGEST_BUILT and kvsizes.edge(draw, "slack"):
         slack = largest - needed  # caches built for the domain's largest max_length
     tokens = needed + slack
     config = draw(model_configs(tokens=tokens), label="config")
@@ -339,7 +340,7 @@ def cache_specs(
     largest = kvsizes.domain().max_length
     limit = kvsizes.longest(kvsizes.LONG)
     if largest is not None and kvsizes.edge(draw, "max_length"):
-        max_length = min(largest, LARGEST_EXACT)  # the domain's largest
+        max_length = min(largest, kvsizes.LARGEST_BUILT)  # the domain's largest
     elif kvsizes.large(draw, "max_length", kvsizes.LONG_ONE_IN):
         long = st.one_of(kvsizes.boundary_lengths(limit, low), st.integers(low, limit))
         max_length = draw(long, label="max_length")
@@ -375,9 +376,8 @@ def supported_dtypes(
     where neither has one."""
     supported = kvsizes.domain().dtypes
 
-    def fitting(candidates):
-        usable = kvdevices.usable(tuple(dict.fromkeys(candidates)))
-        return tuple(d for d in usable if supported is None or d in supported)
+    def fitting(candidates):  # repeats kept: they weight the draw (WITH_HALF)
+        return tuple(d for d in kvdevices.usable(candidates) if supported is None or d in supported)
 
     return fitting(dtypes) or fitting(judged)
 

@@ -143,7 +143,8 @@ def attention(
     # and a rounding flip that no cache caused would reach the logits (measured: 2.8 x the
     # uncached run's error at a position, float16, head_dim 128). float64 sums round to the
     # same half-precision value whatever the chunk; a cache's attend still sums in float32.
-    wide = torch.float64 if query.dtype in HALF_DTYPES else query.dtype
+    exact = query.dtype in HALF_DTYPES and query.device.type != "mps"  # MPS has no float64
+    wide = torch.float64 if exact else at_least_float32(query.dtype)
     scores = (query.to(wide) @ keys.to(wide).transpose(-2, -1)) / math.sqrt(query.shape[-1])
     allowed = causal_mask(query_positions, key_positions, window)
     weights = F.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)

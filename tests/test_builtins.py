@@ -42,6 +42,40 @@ class TestSdpaWithItsCudaDomain(CacheTests):
     examples_scale = 0.25  # the whole kit runs on sdpa above; this checks the domain's draws
 
 
+class TestSdpaInATightDomain(CacheTests):
+    """``sdpa`` declaring a domain that bounds every field a plan draws (one head width, two
+    kv heads, two query heads per kv head, batch 2, max_length 256, no windows): a draw of
+    any property that escaped it would fail here as a kit error."""
+
+    factory = kvimpl.SdpaCache
+    cache_name = "sdpa_tight_domain"
+    sizes = Sizes.of(
+        {
+            "supports": {
+                "dtypes": ("float32", "bfloat16"),
+                "head_dims": (64,),
+                "kv_heads": (2,),
+                "groups": (2,),
+                "max_batch": 2,
+                "max_length": 256,
+                "windows": False,
+            }
+        }
+    )
+    examples_scale = 0.25
+
+
+class TestPagedInATightDomain(TestSdpaInATightDomain):
+    """The same for a pool (fork, copy-on-write, an exhausted pool), of its own page size."""
+
+    factory = kvimpl.CACHES["paged"]
+    cache_name = "paged_tight_domain"
+    sizes = dataclasses.replace(
+        TestSdpaInATightDomain.sizes,
+        supports=dataclasses.replace(TestSdpaInATightDomain.sizes.supports, pages=(16,)),
+    )
+
+
 @pytest.mark.parametrize("chunk_size", [1, 3, 5])
 @given(scenario=kvst.scenarios(max_sessions=2))
 def test_chunked_cache_at_any_chunk_size(chunk_size, scenario):

@@ -27,7 +27,7 @@ from kvcheck import asserts as kvassert
 from kvcheck import failures
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
-from kvcheck.harness import build
+from kvcheck.harness import build, random_query
 from kvcheck.kit import KitTests, Property, offered, property_test
 from kvcheck.properties.requests import PINNED, request_plans, serve
 from kvref import BlockTables, CacheFactory, CacheSpec
@@ -146,7 +146,7 @@ def check_exhausted_pool(factory: CacheFactory, plan: ExhaustionPlan) -> None:
     key = kvst.random_rows(spec, rows, seed=99)
     before = _state(pool, caches)
     if call == "attend":
-        query = kvst.random_rows(spec, rows, seed=98)
+        query = random_query(key, seed=98)
         attempt = lambda: target.cache.attend(query, key.clone(), key.clone() * 2)  # noqa: E731
     else:
         attempt = lambda: target.cache.append(key.clone(), key.clone() * 2)  # noqa: E731

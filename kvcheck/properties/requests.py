@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from kvcheck import failures
+from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.harness import PATHS
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
@@ -291,7 +292,7 @@ def _start(draw, state: _Drawing) -> None:
         reuse = draw(st.sampled_from(sorted(state.reusable)), label="reused")
         batch = state.reusable.pop(reuse)
     else:
-        batch = draw(st.integers(1, 3), label="batch")
+        batch = draw(kvsizes.batches(small_max=3, room=3), label="batch")
     state.events.append(Start(request, batch, reuse))
     state.live[request] = [batch, 0]
     _feed(draw, state, request)

@@ -28,6 +28,7 @@ from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
 from kvcheck import failures
 from kvcheck import profiles as kvprofiles
+from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.harness import recorded
 from kvcheck.kit import KitTests, Property, offered, property_test
@@ -54,7 +55,7 @@ class CachedDecoding(RuleBasedStateMachine):
         # Every step runs the uncached model over the whole history: wide models only as
         # wide as a fraction of the attention budget allows.
         config=kvst.model_configs(max_layers=3, tokens=4 * MAX_TOKENS),
-        batch=st.integers(1, 3),
+        batch=kvsizes.batches(small_max=3, room=3),
         dtype=kvst.dtypes_on_device(kvst.DTYPES),
     )
     def first_cache_set(self, config, batch, dtype):
