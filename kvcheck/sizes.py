@@ -64,13 +64,24 @@ def _even(name: str, values: tuple[int, ...]) -> None:
         raise ValueError(f"{name} must be even (RoPE pairs channels), got {odd}")
 
 
-def _fields(cls: type, declared: Mapping, what: str) -> None:
+def _read(cls: type, declared: object, what: str, name: str):
+    """A ``cls`` from a declaration: one already, a mapping of its fields, or None (all
+    unset), refusing a field ``cls`` does not have (a ``what``) by name."""
+    if declared is None:
+        return cls()
+    if isinstance(declared, cls):
+        return declared
+    if not isinstance(declared, Mapping):
+        raise TypeError(
+            f"{name} must be a kvcheck.{cls.__name__} or a dict, got {type(declared).__name__}"
+        )
     unknown = set(declared) - {field.name for field in dataclasses.fields(cls)}
     if unknown:
         known = ", ".join(field.name for field in dataclasses.fields(cls))
         raise ValueError(
             f"unknown {what} {', '.join(sorted(map(str, unknown)))}; a declaration may give {known}"
         )
+    return cls(**declared)
 
 
 def _dtype(value: object) -> torch.dtype:
@@ -143,16 +154,7 @@ class Domain:
     @classmethod
     def of(cls, declared: object) -> Domain:
         """A ``Domain`` from a declaration: a Domain, a mapping of its fields, or None."""
-        if declared is None:
-            return ANY
-        if isinstance(declared, Domain):
-            return declared
-        if isinstance(declared, Mapping):
-            _fields(cls, declared, "supports field")
-            return cls(**declared)
-        raise TypeError(
-            f"supports must be a kvcheck.Domain or a dict, got {type(declared).__name__}"
-        )
+        return _read(cls, declared, "supports field", "supports")
 
     def over(self, other: Domain) -> Domain:
         """This domain, with ``other``'s for the fields this leaves unset."""
@@ -313,16 +315,7 @@ class Sizes:
     @classmethod
     def of(cls, declared: object) -> Sizes:
         """A ``Sizes`` from a declaration: a Sizes, a mapping of its fields, or None."""
-        if declared is None:
-            return cls()
-        if isinstance(declared, Sizes):
-            return declared
-        if isinstance(declared, Mapping):
-            _fields(cls, declared, "size")
-            return cls(**declared)
-        raise TypeError(
-            f"kv_sizes must be a kvcheck.Sizes or a dict, got {type(declared).__name__}"
-        )
+        return _read(cls, declared, "size", "kv_sizes")
 
     def over(self, other: Sizes) -> Sizes:
         """These sizes, with ``other``'s for the fields these leave unset."""
