@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvcheck.devices import dtype_name
 from kvcheck.failures import (
     AcceptsBadInput,
     DataLoss,
@@ -30,11 +31,6 @@ TOLERANCES = {
     torch.float64: {"rtol": 1e-9, "atol": 1e-9},
     torch.float32: {"rtol": 1e-4, "atol": 1e-4},
 }
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``float64`` for ``torch.float64``: a dtype as messages show it."""
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)

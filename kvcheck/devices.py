@@ -33,6 +33,11 @@ def choose(value: str | None) -> torch.device:
     return device
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float64`` for ``torch.float64``: a dtype as messages show it."""
+    return str(dtype).removeprefix("torch.")
+
+
 def current() -> torch.device:
     return _chosen[0]
 
@@ -42,7 +47,7 @@ def describe() -> str:
     device = current()
     if reason := unavailable(device):
         return f"{device} (unavailable: {reason})"
-    return f"{device} ({', '.join(str(d).removeprefix('torch.') for d in usable(ALL_DTYPES))})"
+    return f"{device} ({', '.join(dtype_name(d) for d in usable(ALL_DTYPES))})"
 
 
 def unavailable(device: torch.device | None = None) -> str | None:

@@ -64,11 +64,9 @@ def offered(factory: CacheFactory) -> set[str]:
     return names
 
 
-def outside_domain(
-    factory: CacheFactory, prop: Property | None = None, path: str = "append"
-) -> str | None:
-    """Why nothing of ``prop`` on ``path`` (of any property, without one) can be drawn
-    inside the domain ``factory`` declares, or None."""
+def outside_domain(factory: CacheFactory) -> str | None:
+    """Why no cache of ``factory`` can be built inside the domain it declares (its device,
+    dtypes this device lacks, a pool's block size), or None."""
     domain = kvsizes.domain()
     if not domain.declared:
         return None
@@ -76,7 +74,7 @@ def outside_domain(
     if domain.devices is not None and device.type not in domain.devices:
         return f"the cache supports devices {', '.join(domain.devices)}; this run is on {device}"
     if not kvst.supported_dtypes(kvst.WITH_HALF):
-        dtypes = ", ".join(sorted(map(kvsizes.dtype_name, domain.dtypes)))
+        dtypes = ", ".join(domain.dtype_names)
         return f"the cache supports dtypes {dtypes}, none of which {device} computes in"
     pages = domain.pages
     if isinstance(factory, BlockPool) and pages is not None and factory.block_size not in pages:
@@ -84,14 +82,20 @@ def outside_domain(
         return (
             f"the pool's block_size is {factory.block_size}; the cache supports pages {supported}"
         )
-    if prop is None:
+    return None
+
+
+def nothing_to_draw(prop: Property, path: str) -> str | None:
+    """Why ``prop`` on ``path`` has no input inside the declared domain (the dtypes it
+    judges, the batch it needs), or None."""
+    domain = kvsizes.domain()
+    if not domain.declared:
         return None
     judges = prop.attend_dtypes if path == "attend" else prop.dtypes
     if not kvst.supported_dtypes(judges, judges):
-        judged = ", ".join(map(kvsizes.dtype_name, judges))
+        judged = ", ".join(map(kvdevices.dtype_name, judges))
         on = " on the attend path" if path == "attend" else ""
-        dtypes = ", ".join(sorted(map(kvsizes.dtype_name, domain.dtypes)))
-        return f"it judges {judged} only{on}; the cache supports {dtypes}"
+        return f"it judges {judged} only{on}; the cache supports {', '.join(domain.dtype_names)}"
     if domain.max_batch is not None and prop.min_batch > domain.max_batch:
         return f"it needs a batch of {prop.min_batch}; the cache supports up to {domain.max_batch}"
     return None
@@ -139,7 +143,7 @@ class Property:
                 "the factory is not a kvref.BlockPool (block_size, blocks_in_use, "
                 "blocks_free, with_blocks)"
             )
-        if not reasons and (why := outside_domain(factory, self, path)):
+        if not reasons and (why := nothing_to_draw(self, path)):
             reasons.append(f"{OUTSIDE}: {why}")
         return "; ".join(reasons) or None
 

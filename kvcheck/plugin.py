@@ -389,12 +389,12 @@ def kit_lines(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
         f"kv caches under test: {', '.join(described)}; kit profile: {profiles.current_name()}; "
         f"kv device: {devices.describe()}"
     )
-    if sizes.from_options().describe() != sizes.NONE.describe():  # aims; the domain below
+    if sizes.from_options().aimed:  # where the draws aim; each cache's domain below
         run.lines.append(f"kv sizes from the command line: {sizes.from_options().describe()}")
     aims = [
         f"{label} {own.describe()}"
         for label, (_, (factory, _)) in caches.items()
-        if (own := sizes.declared_on(factory)).describe() != sizes.NONE.describe()
+        if (own := sizes.declared_on(factory)).aimed
     ]
     if aims:
         run.lines.append(f"kv sizes the caches declare: {'; '.join(aims)}")

@@ -42,7 +42,9 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
+from kvcheck import devices as kvdevices
 from kvcheck import profiles
+from kvcheck.devices import dtype_name
 from kvcheck.failures import OutsideDomain
 from kvref import CacheSpec
 
@@ -91,10 +93,6 @@ def _dtype(value: object) -> torch.dtype:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"supports.dtypes: {value!r} is not a floating torch dtype")
     return dtype
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # The kit needs this much room in a cache: an exhausted pool's plan needs up to 169 rows.
@@ -196,20 +194,17 @@ class Domain:
             return f"{group} query heads per kv head (supports {supported})"
         return None
 
+    @property
+    def dtype_names(self) -> list[str]:
+        """The supported dtypes by name, sorted ([] where any dtype is)."""
+        return sorted(map(dtype_name, self.dtypes or ()))
+
     def tested(self) -> list[str]:
         """What the draws cover, field by field: "dtypes: bfloat16, float16", ..."""
-        dtypes = None if self.dtypes is None else sorted(map(dtype_name, self.dtypes))
-        parts = []
-        for name, values in (
-            ("dtypes", dtypes),
-            ("head_dim", self.head_dims),
-            ("kv_heads", self.kv_heads),
-            ("query heads per kv head", self.groups),
-            ("pages", self.pages),
-            ("devices", self.devices),
-        ):
-            if values is not None:
-                parts.append(f"{name}: {', '.join(map(str, values))}")
+        parts = [f"dtypes: {', '.join(self.dtype_names)}"] if self.dtypes is not None else []
+        for field, label, _ in _LISTED:
+            if (values := getattr(self, field)) is not None:
+                parts.append(f"{label}: {', '.join(map(str, values))}")
         if self.max_batch is not None:
             parts.append(f"batch: up to {self.max_batch}")
         if self.max_length is not None:
@@ -220,20 +215,10 @@ class Domain:
 
     def left_out(self) -> list[str]:
         """What the kit would draw and this domain leaves out: "float32", "other head widths"."""
-        from kvcheck import devices as kvdevices
-
         out = []
         if self.dtypes is not None:
             out += sorted(dtype_name(d) for d in kvdevices.ALL_DTYPES if d not in self.dtypes)
-        for values, what in (
-            (self.head_dims, "other head widths"),
-            (self.kv_heads, "other kv-head counts"),
-            (self.groups, "other query heads per kv head"),
-            (self.pages, "other pages"),
-            (self.devices, "other devices"),
-        ):
-            if values is not None:
-                out.append(what)
+        out += [others for field, _, others in _LISTED if getattr(self, field) is not None]
         if self.max_batch is not None:
             out.append(f"batches past {self.max_batch}")
         if self.max_length is not None:
@@ -259,8 +244,23 @@ class Domain:
             if getattr(self, f.name) is not None
         }
         if self.dtypes is not None:
-            fields["dtypes"] = sorted(dtype_name(d) for d in self.dtypes)
-        return {"supports": fields, "tested": self.tested(), "not tested": self.left_out()}
+            fields["dtypes"] = self.dtype_names
+        return {
+            "supports": fields,
+            "tested": self.tested(),
+            "not tested": self.left_out(),
+            "described": self.describe(),
+        }
+
+
+# The listed fields as the verdict names them: (field, what was tested, what was left out).
+_LISTED = (
+    ("head_dims", "head_dim", "other head widths"),
+    ("kv_heads", "kv_heads", "other kv-head counts"),
+    ("groups", "query heads per kv head", "other query heads per kv head"),
+    ("pages", "pages", "other pages"),
+    ("devices", "devices", "other devices"),
+)
 
 
 def _shown(value: object) -> str:
@@ -326,6 +326,11 @@ class Sizes:
         }
         return Sizes(**fields, supports=self.supports.over(other.supports))
 
+    @property
+    def aimed(self) -> bool:
+        """Whether these sizes aim anywhere (page, head_dims, kv_heads or max_batch)."""
+        return bool(self.page or self.head_dims or self.kv_heads or self.max_batch)
+
     def pages(self) -> tuple[int, ...]:
         """The pages whose boundaries the draws hit: the aimed one, else the supported."""
         return (self.page,) if self.page else self.supports.pages or ()
@@ -366,8 +371,6 @@ def declared_on(factory: object) -> Sizes:
     if own is None and isinstance(factory, functools.partial):
         own = getattr(factory.func, "kv_sizes", None)
     if callable(own) and not isinstance(own, Sizes | Mapping):
-        from kvcheck import devices as kvdevices
-
         own = own(kvdevices.current())
     return Sizes.of(own)
 

@@ -109,7 +109,7 @@ class Scenario:
 
     def describe(self) -> str:
         return f"{describe_config(self.config)}, batch {self.batch}, " + (
-            f"{str(self.dtype).removeprefix('torch.')}, max_length {self.max_length}"
+            f"{kvdevices.dtype_name(self.dtype)}, max_length {self.max_length}"
         )
 
     def summary(self) -> tuple[str, str, str]:
@@ -484,7 +484,7 @@ class ModelPlan:
     def describe(self) -> str:
         return (
             f"{describe_config(self.config)}, batch {self.batch}, "
-            f"{str(self.dtype).removeprefix('torch.')}, caches fed chunks {list(self.chunks)}; "
+            f"{kvdevices.dtype_name(self.dtype)}, caches fed chunks {list(self.chunks)}; "
             f"the layer a case may lengthen or empty: {self.layer}"
         )
 

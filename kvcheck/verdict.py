@@ -276,11 +276,7 @@ def compare(old: dict, new: dict) -> tuple[list[str], bool]:
 
 def _domain(cache: dict) -> str:
     """What a report's cache declared it supports, as the verdict prints it."""
-    domain = cache.get("domain")
-    if domain is None:
-        return "everything the kit draws"
-    left_out = f"; not tested: {', '.join(domain['not tested'])}" if domain["not tested"] else ""
-    return "; ".join(domain["tested"]) + left_out
+    return cache["domain"]["described"] if "domain" in cache else "everything the kit draws"
 
 
 def _state(row: dict | None) -> str:

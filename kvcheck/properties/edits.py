@@ -22,6 +22,7 @@ from kvcheck import badinput as kvbad
 from kvcheck import failures
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
+from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
 from kvcheck.properties.rejection import check_refused
@@ -144,7 +145,7 @@ class EditPlan:
         steps = [describe_step(step) for step in self.steps]
         return (
             f"prompt {self.prompt}, then {steps}\n  model: {describe_config(self.config)}, "
-            f"batch {self.batch}, {str(self.dtype).removeprefix('torch.')}"
+            f"batch {self.batch}, {dtype_name(self.dtype)}"
         )
 
     def summary(self) -> tuple[str, str, str]:

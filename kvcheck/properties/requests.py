@@ -30,6 +30,7 @@ from torch import Tensor
 from kvcheck import failures
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
+from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
 from kvcheck.session import Engine, Request
@@ -143,7 +144,7 @@ class RequestPlan:
         more = f" ({left} of {len(self.events)} events not yet run)" if left else ""
         return (
             f"model: {kvst.describe_config(self.config)}, "
-            f"{str(self.dtype).removeprefix('torch.')}\n  interleaving so "
+            f"{dtype_name(self.dtype)}\n  interleaving so "
             f"far{more}: " + "; ".join(lines)
         )
 
