@@ -5,6 +5,9 @@
   sets the same for everything else (``examples/`` included).
 - ``kv_device``: a test with this mark builds on the kit's device (``--kv-device``) and is
   skipped where this machine lacks it, as the kit's own tests are.
+- ``--soak``: this repository's kit classes search at their full depth (``tests.depth``), and
+  the tests marked ``soak`` run (else they are skipped, saying so): what the default run
+  leaves to ``.ci/run`` to stay within a minute on two cores.
 
 The caches that the kit's classes without a factory test here are named in pyproject.toml
 (``kv_impl``). The kit's options and ini keys are the plugin's (``kvcheck.plugin``).
@@ -24,22 +27,53 @@ def ours(config: pytest.Config) -> bool:
     return config.rootpath.resolve() == HERE
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--soak",
+        action="store_true",
+        help="this repository's kit classes search at their full depth, not the default "
+        "run's share of it (tests/depth.py); .ci/run runs it",
+    )
+
+
+def controls_workers(config: pytest.Config) -> bool:
+    """Whether this process is pytest-xdist's controller, whose workers run the tests."""
+    return not hasattr(config, "workerinput") and getattr(config.option, "dist", "no") != "no"
+
+
 @pytest.hookimpl(trylast=True)  # after the kit's plugin has read its options
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "kv_device: a test that runs on --kv-device (skipped where it is unavailable)"
     )
+    config.addinivalue_line("markers", f"soak: {SOAK_ONLY} (tests/depth.py)")
     if not ours(config) or not config.pluginmanager.has_plugin("kvcheck"):
+        return
+    if controls_workers(config):  # it runs no test: torch, some 2 s, only in the workers
         return
     import torch
     from hypothesis import settings
 
     from kvcheck import plugin, profiles
+    from tests import depth
 
+    depth.SOAK = config.getoption("--soak")
     plugin.prepare(config)  # the kit's profile and device, before any test module imports
     settings.register_profile("kvcheck", profiles.current())
     settings.load_profile("kvcheck")
     torch.set_num_threads(1)  # tiny tensors; see kvcheck.profiles
+
+
+SOAK_ONLY = "runs with --soak only, as .ci/run runs it"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not ours(config) or config.getoption("--soak"):
+        return
+    skip = pytest.mark.skip(reason=f"soak tier: {SOAK_ONLY}")
+    for item in items:
+        if item.get_closest_marker("soak"):
+            item.add_marker(skip)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from kvimpl.preallocated import PreallocatedCache
 from kvref.protocol import check_attend
@@ -75,7 +74,13 @@ def mask(start: int, end: int, first: int, window: int | None, device: torch.dev
     the causal edge of a warm cache for a chunk (``causal_lower_right``, which flash takes
     too), and with a window a boolean mask (the memory-efficient kernel takes it)."""
     if window is None:
-        return None if end - start == 1 else causal_lower_right(end - start, end - first)
+        if end - start == 1:
+            return None
+        # Imported here: torch.nn.attention.bias imports torch._dynamo, some 1.5 s that every
+        # process importing kvimpl would pay, a run that never builds this cache included.
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(end - start, end - first)
     asking = torch.arange(start, end, device=device)[:, None]
     seen = torch.arange(first, end, device=device)[None, :]
     return (seen <= asking) & (seen > asking - window)

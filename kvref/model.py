@@ -13,6 +13,7 @@ a chunk of several new tokens on a warm cache is masked correctly.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -95,7 +96,34 @@ class ModelConfig:
 
 
 def rope_cos_sin(positions: Tensor, head_dim: int, base: float, dtype: torch.dtype):
-    """cos and sin of the rotation angles, each shaped (T, head_dim // 2)."""
+    """cos and sin of the rotation angles, each shaped (T, head_dim // 2): rows of a table
+    of every position below a power of two (``rope_table``), or computed for these positions
+    alone where they reach past ``ROPE_TABLE_POSITIONS``."""
+    low, high = (int(end) for end in positions.aminmax())
+    if low < 0 or high >= ROPE_TABLE_POSITIONS:
+        return rope_angles_cos_sin(positions, head_dim, base, dtype)
+    rows = max(64, 1 << high.bit_length())
+    cos, sin = rope_table(rows, head_dim, base, dtype, positions.device)
+    return cos[positions], sin[positions]
+
+
+# A model's step recomputed cos and sin for every position, a fifth of a small model's step;
+# a table per width, base, dtype and device serves every step, and a position's rotation is
+# then one value whichever call computes it. Positions from this one on are computed per call
+# (a table of them would take 32 MiB and more at head_dim 64).
+ROPE_TABLE_POSITIONS = 1 << 16
+
+
+@functools.lru_cache(maxsize=64)
+def rope_table(rows: int, head_dim: int, base: float, dtype: torch.dtype, device: torch.device):
+    """``rope_angles_cos_sin`` of positions 0 to ``rows`` - 1."""
+    with torch.inference_mode(False), torch.no_grad():  # a plain tensor, whoever asks first
+        positions = torch.arange(rows, device=device)
+        return rope_angles_cos_sin(positions, head_dim, base, dtype)
+
+
+def rope_angles_cos_sin(positions: Tensor, head_dim: int, base: float, dtype: torch.dtype):
+    """cos and sin of the rotation angles of ``positions``, computed in float64."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
     inverse_frequencies = base ** (-exponents / head_dim)
     angles = positions.to(torch.float64)[:, None] * inverse_frequencies[None, :]

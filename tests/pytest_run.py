@@ -12,7 +12,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_pytest(*args: str, cwd: Path = ROOT, extra_path: Path | None = None):
     """pytest in one process (no xdist unless asked), ci profile, no KV_IMPL from outside."""
-    env = {k: v for k, v in os.environ.items() if k not in ("KV_IMPL", "PYTEST_XDIST_WORKER")}
+    # Bytecode is written even where this shell says not to: each of these runs would else
+    # compile the whole kit from source again (over a second each).
+    dropped = ("KV_IMPL", "PYTEST_XDIST_WORKER", "PYTHONDONTWRITEBYTECODE")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env["CI"] = "true"
     if extra_path is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(extra_path), env.get("PYTHONPATH")]))

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvimpl
@@ -20,16 +20,17 @@ from kvcheck import strategies as kvst
 from kvcheck.properties import core
 from kvimpl import ChunkedCache, sdpa
 from kvref import ModelConfig, ReferenceTransformer, min_nbytes
+from tests import depth
 
 # Built on the kit's device (--kv-device): skipped where this machine lacks it.
 pytestmark = pytest.mark.kv_device
 
 
 class TestSelectedCaches(CacheTests):
-    # Half the profile's examples in this repository's run: the built-ins are also the
-    # controls of every mutant hunt, held by dev seeds, and searched in full by a user's
-    # `pytest --pyargs kvcheck --kv-impl NAME` (the kit's own class, at the profile's count).
-    examples_scale = 0.5
+    # Half the profile's examples under --soak: the built-ins are also the controls of every
+    # mutant hunt, held by dev seeds, and searched in full by a user's `pytest --pyargs
+    # kvcheck --kv-impl NAME` (the kit's own class, at the profile's count).
+    examples_scale = depth.pick(0.15, soak=0.5)
 
 
 class TestSdpaWithItsCudaDomain(CacheTests):
@@ -39,7 +40,8 @@ class TestSdpaWithItsCudaDomain(CacheTests):
     factory = kvimpl.SdpaCache
     cache_name = "sdpa_cuda_domain"
     sizes = Sizes.of(sdpa.supported(torch.device("cuda")))
-    examples_scale = 0.25  # the whole kit runs on sdpa above; this checks the domain's draws
+    # The whole kit runs on sdpa above; this checks the domain's draws.
+    examples_scale = depth.pick(0.1, soak=0.25)
 
 
 class TestSdpaInATightDomain(CacheTests):
@@ -62,7 +64,7 @@ class TestSdpaInATightDomain(CacheTests):
             }
         }
     )
-    examples_scale = 0.25
+    examples_scale = depth.pick(0.1, soak=0.25)
 
 
 class TestPagedInATightDomain(TestSdpaInATightDomain):
@@ -77,6 +79,7 @@ class TestPagedInATightDomain(TestSdpaInATightDomain):
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 5])
+@settings(max_examples=depth.pick(5, soak=20))
 @given(scenario=kvst.scenarios(max_sessions=2))
 def test_chunked_cache_at_any_chunk_size(chunk_size, scenario):
     factory = functools.partial(ChunkedCache, chunk_size=chunk_size)

@@ -10,6 +10,7 @@ import torch
 
 from examples.doubling_cache import DoublingCache
 from kvcheck import CacheTests
+from tests import depth
 from tests.pytest_run import run_pytest
 
 # Built on the kit's device (--kv-device): skipped where this machine lacks it.
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.kv_device
 
 class TestDoublingCache(CacheTests):
     factory = DoublingCache
+    examples_scale = depth.pick(0.25, soak=1.0)  # tests/depth.py
 
 
 NO_RESET = '''
@@ -55,7 +57,7 @@ def test_a_users_broken_cache_fails_by_either_route_with_a_verdict(tmp_path):
     (tmp_path / "test_host.py").write_text(HOST_TEST_FILE)
     report = tmp_path / "verdict.json"
     result = run_pytest(
-        *["-n", "2", "test_my_cache.py", "test_host.py", "--pyargs", "kvcheck"],
+        *["-n", "1", "test_my_cache.py", "test_host.py", "--pyargs", "kvcheck"],
         *["--kv-impl", "users_cache:NoReset", "--kv-report", str(report), *ONLY],
         cwd=tmp_path,
         extra_path=tmp_path,

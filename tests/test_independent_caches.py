@@ -7,6 +7,7 @@ import torch
 
 from kvcheck import CacheTests
 from kvcheck import badinput as kvbad
+from tests import depth
 from tests.independent.deque_window_cache import DequeWindowCache
 from tests.independent.fifo_paged_pool import FifoPagedPool
 from tests.independent.half_kernel_cache import HalfKernelCache
@@ -22,37 +23,46 @@ from tests.independent.view_cache import ViewCache
 pytestmark = pytest.mark.kv_device
 
 
+# The default run holds three of these caches (a fused-kernel domain, a paged pool, attend by
+# torch's fused kernel), --soak every one: each runs some 70 tests, whatever its examples.
 class Independent(CacheTests):
-    # A quarter of the profile's examples in the default run: these caches guard against
-    # false alarms and have held over 20 dev seeds and searches of 100 to 150 extra examples;
-    # the thorough profile still gives them 500 per property.
-    examples_scale = 0.25
+    # A quarter of the profile's examples under --soak: these caches guard against false
+    # alarms and have held over 20 dev seeds and searches of 100 to 150 extra examples; the
+    # thorough profile still gives them 500 per property.
+    examples_scale = depth.pick(0.1, soak=0.25)
 
 
+@pytest.mark.soak
 class TestListCache(Independent):
     factory = ListCache
 
 
+@pytest.mark.soak
 class TestStackedCache(Independent):
     factory = StackedCache
 
 
+@pytest.mark.soak
 class TestPagedCache(Independent):
     factory = PagedCache
 
 
+@pytest.mark.soak
 class TestSlotCache(Independent):
     factory = SlotCache
 
 
+@pytest.mark.soak
 class TestViewCache(Independent):
     factory = ViewCache
 
 
+@pytest.mark.soak
 class TestRingCache(Independent):
     factory = RingCache
 
 
+@pytest.mark.soak
 class TestDequeWindowCache(Independent):
     """Windows, truncate and reorder, written without reading the built-in window cache."""
 
@@ -80,7 +90,8 @@ class TestHalfKernelCache(Independent):
     refusing every other spec and declaring that domain: the kit draws inside it."""
 
     factory = HalfKernelCache
-    examples_scale = 1.0  # every draw in half precision: the budget's hardest case
+    # Every draw in half precision: the budget's hardest case.
+    examples_scale = depth.pick(0.25, soak=1.0)
 
 
 BY_NAME = {case.name: case for case in kvbad.BAD_APPENDS}

@@ -18,21 +18,26 @@ from kvcheck.properties.core import LOGITS
 from tests import mutants as kvmut
 from tests.mutants import sizes as kvsizes_mutants
 from tests.mutants.caches import StoresFloat16AsBfloat16
-from tests.mutants.hunt import HUNT_ORDER, hunt, search
+from tests.mutants.hunt import (
+    EXAMPLES_PER_PROPERTY,
+    FIRST_CATCHES,
+    HUNT_ORDER,
+    hunt,
+    hunt_as_tested,
+    search,
+)
 
 # Built on the kit's device (--kv-device): skipped where this machine lacks it.
 pytestmark = pytest.mark.kv_device
 
-# A first pass of a few examples through every property catches most mutants cheaply; only
-# the rest pay for the full search of each property in turn.
-QUICK_EXAMPLES = 3
-EXAMPLES_PER_PROPERTY = 20
-CONTROL_EXAMPLES = 3  # the built-ins' own property tests search them in full
+# A hunt that flags everything flags the first example, so one a property (after its pinned
+# inputs) is control enough; the built-ins' own kit tests search them deeper.
+CONTROL_EXAMPLES = 1
 
 
 @pytest.mark.parametrize("mutant", kvmut.MUTANTS, ids=lambda mutant: mutant.name)
 def test_suite_catches_mutant(mutant, record_property):
-    catch = hunt(mutant, HUNT_ORDER, max_examples=EXAMPLES_PER_PROPERTY, quick=QUICK_EXAMPLES)
+    catch = hunt_as_tested(mutant)
     assert catch is not None, (
         f"no property caught mutant {mutant.name} ({mutant.bug}) in "
         f"{EXAMPLES_PER_PROPERTY} examples each of {[prop.name for prop in HUNT_ORDER]}: "
@@ -40,6 +45,18 @@ def test_suite_catches_mutant(mutant, record_property):
     )
     record_property("caught_by", catch.describe())
     print(f"{mutant.name} caught by {catch.describe()}\n{catch.example!r}")
+
+
+def test_every_mutant_has_its_last_catch_on_record():
+    # Else the hunt above still catches it, searching every property in turn: slower.
+    hunted = [mutant.name for mutant in kvmut.MUTANTS]
+    hunted += [variant.__name__ for variant in kvsizes_mutants.SIZE_VARIANTS]
+    missing = [name for name in hunted if name not in FIRST_CATCHES]
+    gone = sorted(set(FIRST_CATCHES) - set(hunted))
+    assert (missing, gone) == ([], []), (
+        f"tests/mutants/first_catches.json lacks {missing} and names {gone}, gone from the "
+        f"catalogue: run python -m tests.mutants.report --first-catches"
+    )
 
 
 @pytest.mark.parametrize("name", list(kvimpl.CACHES))
@@ -51,26 +68,11 @@ def test_hunt_spares_correct_caches(name):
     )
 
 
-# The size mutants with other thresholds: the search must reach the whole class of bug (a
-# page of 128 or of 512, heads from 80 wide, warm chunks from 100), not the catalogue's
-# thresholds alone. (Measured over seeds 1-10 too: see the README's Mutants section.)
-THRESHOLD_VARIANTS = (
-    type("PageStraddle128", (kvsizes_mutants.PageStraddle256,), {"page": 128}),
-    type("PageStraddle512", (kvsizes_mutants.PageStraddle256,), {"page": 512}),
-    type(
-        "HeadsFrom80DropLastChannel", (kvsizes_mutants.WideHeadsDropLastChannel,), {"wide_path": 80}
-    ),
-    type(
-        "WarmChunkFrom100WritesFromZero", (kvsizes_mutants.WarmChunkWritesFromZero,), {"bulk": 100}
-    ),
+@pytest.mark.parametrize(
+    "variant", kvsizes_mutants.SIZE_VARIANTS, ids=lambda variant: variant.__name__
 )
-
-
-@pytest.mark.parametrize("variant", THRESHOLD_VARIANTS, ids=lambda variant: variant.__name__)
 def test_suite_catches_size_mutants_at_other_thresholds(variant):
-    catch = hunt(
-        kvmut.Mutant(variant), HUNT_ORDER, max_examples=EXAMPLES_PER_PROPERTY, quick=QUICK_EXAMPLES
-    )
+    catch = hunt_as_tested(kvmut.Mutant(variant))
     assert catch is not None, (
         f"no property caught {variant.__name__}: the search reaches one threshold only"
     )

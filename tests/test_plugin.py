@@ -187,6 +187,7 @@ WITH_FACTORY = (
 )
 
 
+@pytest.mark.soak  # a pytest of its own, some 4 s
 @pytest.mark.parametrize(
     ("test_file", "args", "error"),
     [
@@ -211,6 +212,7 @@ def test_a_kit_class_without_a_factory_needs_a_cache_named(tmp_path, test_file, 
     assert errors == [f"ERROR: {error}"], result.stderr
 
 
+@pytest.mark.soak  # a pytest of its own, some 4 s
 @pytest.mark.parametrize(
     ("option", "error"),
     [
@@ -240,6 +242,7 @@ def missing_cuda_device() -> str:
     return f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
 
 
+@pytest.mark.soak  # a pytest of its own, some 4 s
 def test_a_device_this_machine_lacks_skips_every_kit_test_with_the_reason():
     device = missing_cuda_device()
     result = run_pytest(

@@ -15,8 +15,10 @@ since it says more about the mutant or the suite than about the property under t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hypothesis import Phase, find, settings
@@ -33,6 +35,20 @@ from tests.mutants import Mutant
 # then the capability properties (the core ones never call truncate or reorder, so a mutant
 # of those would otherwise pay for every core search first), then the rest in ALL's order.
 HUNT_ORDER = sorted(ALL, key=lambda prop: (prop is not LOGITS, not prop.requires))
+
+# The hunt of tests/test_mutants.py: a first pass of a few examples through every property
+# catches most mutants cheaply; only the rest pay for the full search of each in turn.
+QUICK_EXAMPLES = 3
+EXAMPLES_PER_PROPERTY = 20
+
+# The property that caught each mutant in the last run of that hunt, tried first in full:
+# most mutants then cost one search instead of a pass through every property. Written by
+# ``python -m tests.mutants.report --first-catches``; a mutant missing from it, or caught
+# since by another property, is hunted in the usual order, only slower.
+FIRST_CATCHES_FILE = Path(__file__).with_name("first_catches.json")
+FIRST_CATCHES: dict[str, str] = (
+    json.loads(FIRST_CATCHES_FILE.read_text()) if FIRST_CATCHES_FILE.exists() else {}
+)
 
 
 @dataclass(frozen=True)
@@ -63,26 +79,44 @@ def hunt(
     shrink: bool = False,
     pinned: bool = True,
     quick: int = 0,
+    first: str | None = None,
 ) -> Catch | None:
     """The first property, in order, under which Hypothesis finds the mutant out, or None
     when none does within ``max_examples`` examples each. With ``quick``, a first pass gives
     each property only that many examples: most mutants fall in it, and the full search
-    of every property is paid only by those that need it."""
+    of every property is paid only by those that need it. ``first`` names a property to
+    search in full before any other (the one that caught the mutant last time,
+    ``FIRST_CATCHES``): it orders the search and changes nothing else, so a stale name
+    costs time, never a catch."""
     passes = [budget for budget in (quick, max_examples) if 0 < budget <= max_examples]
+    leading = [(max_examples, prop) for prop in properties if prop.name == first]
+    searches = [
+        *leading,
+        *((budget, prop) for budget in dict.fromkeys(passes) for prop in properties),
+    ]
     # The sizes the factory declares, as every run of the kit aims at them.
     with mutant.patch(), kvsizes.aiming_at(kvsizes.declared_by(mutant.factory)):
-        for budget in dict.fromkeys(passes):
-            for prop in properties:
-                if prop.strategy is None:  # a state machine: it draws for itself
-                    continue
-                if prop.not_offered(mutant.factory):
-                    continue  # as in a run of the kit: "not offered", neither pass nor catch
-                catch = search(
-                    mutant.factory, prop, max_examples=budget, shrink=shrink, pinned=pinned
-                )
-                if catch is not None:
-                    return catch
+        for budget, prop in searches:
+            if prop.strategy is None:  # a state machine: it draws for itself
+                continue
+            if prop.not_offered(mutant.factory):
+                continue  # as in a run of the kit: "not offered", neither pass nor catch
+            catch = search(mutant.factory, prop, max_examples=budget, shrink=shrink, pinned=pinned)
+            if catch is not None:
+                return catch
     return None
+
+
+def hunt_as_tested(mutant: Mutant) -> Catch | None:
+    """The hunt of tests/test_mutants.py: the last catch first, then the quick pass, then the
+    full search."""
+    return hunt(
+        mutant,
+        HUNT_ORDER,
+        max_examples=EXAMPLES_PER_PROPERTY,
+        quick=QUICK_EXAMPLES,
+        first=FIRST_CATCHES.get(mutant.name),
+    )
 
 
 def search(

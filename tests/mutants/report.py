@@ -8,12 +8,17 @@ catch it too. The search is derandomized, so the table is the same on every run.
 ``python -m tests.mutants.report --markdown > docs/mutants.md`` writes the whole of
 ``docs/mutants.md``: a line saying it is generated (the command and the date), what the
 catalogue holds, how a mutant is hunted, and the table. That file is never edited by hand.
+
+``python -m tests.mutants.report --first-catches`` runs the hunt of tests/test_mutants.py
+instead (no shrinking, a few minutes) and writes which property caught each mutant to
+``tests/mutants/first_catches.json``, which that hunt then tries first.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 from collections.abc import Sequence
 
 import hypothesis
@@ -22,13 +27,17 @@ from hypothesis import settings
 
 from tests import mutants as kvmut
 from tests.mutants.caches import CACHE_MUTANTS
+from tests.mutants.hunt import (
+    EXAMPLES_PER_PROPERTY,
+    FIRST_CATCHES_FILE,
+    QUICK_EXAMPLES,
+    hunt,
+    search,
+)
 from tests.mutants.hunt import HUNT_ORDER as PROPERTIES
-from tests.mutants.hunt import hunt, search
 from tests.mutants.model import MODEL_MUTANTS
 from tests.mutants.paged import PAGED_MUTANTS
-from tests.mutants.sizes import SIZE_MUTANTS
-
-EXAMPLES_PER_PROPERTY = 20  # as tests/test_mutants.py
+from tests.mutants.sizes import SIZE_MUTANTS, SIZE_VARIANTS
 
 settings.register_profile("mutant-report", derandomize=True, deadline=None, database=None)
 
@@ -131,6 +140,18 @@ def preamble(today: datetime.date) -> str:
     )
 
 
+def write_first_catches() -> None:
+    """Hunt every mutant and size variant as tests/test_mutants.py does, with no earlier
+    catch to try first, and write which property caught each."""
+    catches = {}
+    for mutant in (*kvmut.MUTANTS, *(kvmut.Mutant(variant) for variant in SIZE_VARIANTS)):
+        catch = hunt(mutant, PROPERTIES, max_examples=EXAMPLES_PER_PROPERTY, quick=QUICK_EXAMPLES)
+        if catch is not None:
+            catches[mutant.name] = catch.property
+        print(f"{mutant.name}: {catch.property if catch else 'not caught'}", flush=True)
+    FIRST_CATCHES_FILE.write_text(json.dumps(catches, indent=1) + "\n")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m tests.mutants.report", description="the table of mutants, as Markdown"
@@ -140,8 +161,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help=f"print the whole of docs/mutants.md, with the date: {COMMAND}",
     )
+    parser.add_argument(
+        "--first-catches",
+        action="store_true",
+        help=f"hunt as tests/test_mutants.py does and write {FIRST_CATCHES_FILE.name}",
+    )
     args = parser.parse_args(argv)
     settings.load_profile("mutant-report")
+    if args.first_catches:
+        write_first_catches()
+        return
     if args.markdown:
         print(preamble(datetime.date.today()))
     print(HEADER)

@@ -1,0 +1,16 @@
+"""How hard this repository's own kit classes search.
+
+The default run (``pytest -n auto``, the README's quick start) gives each class a share of
+the kit profile's examples, so that the whole suite stays within a minute on two cores: every
+property, pinned input and edge still runs on every cache, on a few drawn examples. ``pytest
+--soak`` gives each class the depth it is held at (``.ci/run`` runs it on the kit classes),
+and the mutant hunt (tests/test_mutants.py) searches in full in both.
+"""
+
+SOAK = False  # set from --soak by the root conftest.py, before any test module is imported
+
+
+def pick(default: float, *, soak: float) -> float:
+    """A class's share of the profile's examples (or a test's count of them): ``default``
+    in the default run, ``soak`` under --soak."""
+    return soak if SOAK else default
