@@ -358,6 +358,8 @@ def pytest_make_collect_report(collector: pytest.Collector):
 def pytest_collection_finish(session: pytest.Session) -> None:
     if hasattr(session.config, "workerinput"):  # for the controller's verdict (xdist)
         session.config.workeroutput[verdict.KEY] = kit_lines(session.config, session.items)
+        if properties := sys.modules.get("kvcheck.properties"):  # kit tests were collected
+            session.config.workeroutput[verdict.PROPERTIES_KEY] = properties.NAMES
 
 
 def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Item]) -> list[str]:

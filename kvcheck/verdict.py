@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 KEY = "kvcheck"
+PROPERTIES_KEY = "kvcheck-properties"
 PASS, FAIL, SKIPPED, NOT_OFFERED = "pass", "FAIL", "skipped", "not offered"
 # A property that passed on some of the paths the cache offers and did not run on the others
 # (a -k or a deselect): never a pass.
@@ -93,6 +94,7 @@ class Verdict:
         self.config = config
         self.entries: list[dict] = []
         self.workers_lines: list[str] = []  # the kit's lines after collection, from a worker
+        self.kit_properties: list[str] | None = None  # kvcheck.properties.NAMES, from a worker
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.entries.extend(value for key, value in report.user_properties if key == KEY)
@@ -101,13 +103,16 @@ class Verdict:
     def pytest_testnodedown(self, node, error) -> None:
         # Under xdist only the workers collect, so the controller prints no lines after
         # collection: a worker sends the kit's (kvcheck.plugin) at its end, for the verdict.
-        self.workers_lines = self.workers_lines or getattr(node, "workeroutput", {}).get(KEY, [])
+        output = getattr(node, "workeroutput", {})
+        self.workers_lines = self.workers_lines or output.get(KEY, [])
+        # And the kit's properties in order: the controller need not import them (and torch).
+        self.kit_properties = self.kit_properties or output.get(PROPERTIES_KEY)
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if not self.entries:
             return
         terminalreporter.section("kv cache verdict")
-        for line in [*self.workers_lines, *render(tabulate(self.entries))]:
+        for line in [*self.workers_lines, *render(tabulate(self.entries, self.kit_properties))]:
             terminalreporter.write_line(line)
         path = self.config.getoption("--kv-report")
         if path:
@@ -121,18 +126,20 @@ class Verdict:
             report = {
                 "kvcache-verify": _version(),
                 "kit_profile": self.config.getoption("--kv-profile") or profiles.default_name(),
-                "caches": tabulate(self.entries),
+                "caches": tabulate(self.entries, self.kit_properties),
             }
             Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
 
-def tabulate(entries: list[dict]) -> dict[str, dict]:
-    """Per cache label: its name and, per property in the kit's order, the outcome; how many
-    properties hold, failed and are not offered; how many ran (passed or failed: not skipped,
-    not offered, nor left out by a -k or a deselect) of the kit's."""
-    from kvcheck.properties import ALL
+def tabulate(entries: list[dict], kit_properties: Sequence[str] | None = None) -> dict[str, dict]:
+    """Per cache label: its name and, per property in the kit's order (``kit_properties``,
+    else ``kvcheck.properties.NAMES``), the outcome; how many properties hold, failed and are
+    not offered; how many ran (passed or failed: not skipped, not offered, nor left out by a
+    -k or a deselect) of the kit's."""
+    if kit_properties is None:
+        from kvcheck.properties import NAMES as kit_properties
 
-    order = {prop.name: index for index, prop in enumerate(ALL)}
+    order = {name: index for index, name in enumerate(kit_properties)}
     caches: dict[str, dict] = {}
     # Sorted by test id, so that the first failure named is the same under any -n.
     for entry in sorted(entries, key=lambda e: e["test"]):
@@ -174,7 +181,7 @@ def tabulate(entries: list[dict]) -> dict[str, dict]:
         cache["failed"] = sum(row["result"] == FAIL for row in rows.values())
         cache["not offered"] = sum(row["result"] == NOT_OFFERED for row in rows.values())
         cache["run"] = sum(row["result"] in (PASS, FAIL) for row in rows.values())
-        cache["kit properties"] = len(ALL)
+        cache["kit properties"] = len(order)
     return caches
 
 

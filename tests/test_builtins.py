@@ -30,7 +30,7 @@ class TestSelectedCaches(CacheTests):
     # Half the profile's examples under --soak: the built-ins are also the controls of every
     # mutant hunt, held by dev seeds, and searched in full by a user's `pytest --pyargs
     # kvcheck --kv-impl NAME` (the kit's own class, at the profile's count).
-    examples_scale = depth.pick(0.15, soak=0.5)
+    examples_scale = depth.pick(0.1, soak=0.5)
 
 
 class TestSdpaWithItsCudaDomain(CacheTests):
@@ -41,7 +41,7 @@ class TestSdpaWithItsCudaDomain(CacheTests):
     cache_name = "sdpa_cuda_domain"
     sizes = Sizes.of(sdpa.supported(torch.device("cuda")))
     # The whole kit runs on sdpa above; this checks the domain's draws.
-    examples_scale = depth.pick(0.1, soak=0.25)
+    examples_scale = depth.pick(0.05, soak=0.25)
 
 
 class TestSdpaInATightDomain(CacheTests):
@@ -64,7 +64,7 @@ class TestSdpaInATightDomain(CacheTests):
             }
         }
     )
-    examples_scale = depth.pick(0.1, soak=0.25)
+    examples_scale = depth.pick(0.05, soak=0.25)
 
 
 class TestPagedInATightDomain(TestSdpaInATightDomain):
@@ -79,7 +79,7 @@ class TestPagedInATightDomain(TestSdpaInATightDomain):
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 5])
-@settings(max_examples=depth.pick(5, soak=20))
+@settings(max_examples=depth.pick(3, soak=20))
 @given(scenario=kvst.scenarios(max_sessions=2))
 def test_chunked_cache_at_any_chunk_size(chunk_size, scenario):
     factory = functools.partial(ChunkedCache, chunk_size=chunk_size)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.kv_device
 
 class TestDoublingCache(CacheTests):
     factory = DoublingCache
-    examples_scale = depth.pick(0.25, soak=1.0)  # tests/depth.py
+    examples_scale = depth.pick(0.1, soak=1.0)  # tests/depth.py
 
 
 NO_RESET = '''

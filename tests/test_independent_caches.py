@@ -91,7 +91,7 @@ class TestHalfKernelCache(Independent):
 
     factory = HalfKernelCache
     # Every draw in half precision: the budget's hardest case.
-    examples_scale = depth.pick(0.25, soak=1.0)
+    examples_scale = depth.pick(0.15, soak=1.0)
 
 
 BY_NAME = {case.name: case for case in kvbad.BAD_APPENDS}
