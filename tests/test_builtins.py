@@ -44,38 +44,38 @@ class TestSdpaWithItsCudaDomain(CacheTests):
     examples_scale = depth.pick(0.05, soak=0.25)
 
 
+# A domain that bounds every field a plan draws (one head width, two kv heads, two query
+# heads per kv head, batch 2, max_length 256, no windows): a draw of any property that escaped
+# it would fail as a kit error.
+TIGHT = {
+    "dtypes": ("float32", "bfloat16"),
+    "head_dims": (64,),
+    "kv_heads": (2,),
+    "groups": (2,),
+    "max_batch": 2,
+    "max_length": 256,
+    "windows": False,
+}
+
+
+@pytest.mark.soak  # the pool below runs the same domain in the default run
 class TestSdpaInATightDomain(CacheTests):
-    """``sdpa`` declaring a domain that bounds every field a plan draws (one head width, two
-    kv heads, two query heads per kv head, batch 2, max_length 256, no windows): a draw of
-    any property that escaped it would fail here as a kit error."""
+    """``sdpa`` declaring the tight domain."""
 
     factory = kvimpl.SdpaCache
     cache_name = "sdpa_tight_domain"
-    sizes = Sizes.of(
-        {
-            "supports": {
-                "dtypes": ("float32", "bfloat16"),
-                "head_dims": (64,),
-                "kv_heads": (2,),
-                "groups": (2,),
-                "max_batch": 2,
-                "max_length": 256,
-                "windows": False,
-            }
-        }
-    )
+    sizes = Sizes.of({"supports": TIGHT})
     examples_scale = depth.pick(0.05, soak=0.25)
 
 
-class TestPagedInATightDomain(TestSdpaInATightDomain):
-    """The same for a pool (fork, copy-on-write, an exhausted pool), of its own page size."""
+class TestPagedInATightDomain(CacheTests):
+    """The tight domain for a pool (fork, copy-on-write, an exhausted pool), of its own page
+    size."""
 
     factory = kvimpl.CACHES["paged"]
     cache_name = "paged_tight_domain"
-    sizes = dataclasses.replace(
-        TestSdpaInATightDomain.sizes,
-        supports=dataclasses.replace(TestSdpaInATightDomain.sizes.supports, pages=(16,)),
-    )
+    sizes = Sizes.of({"supports": {**TIGHT, "pages": (16,)}})
+    examples_scale = depth.pick(0.05, soak=0.25)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 5])

@@ -99,7 +99,7 @@ def test_a_domain_that_depends_on_the_device_is_read_for_the_kits_device():
     assert 100 not in on_cuda.head_dims
 
 
-@settings(max_examples=depth.pick(50, soak=300), database=None, deadline=None)
+@settings(max_examples=depth.pick(30, soak=300), database=None, deadline=None)
 @given(data=st.data())
 def test_every_draw_stays_inside_the_domain(data):
     with kvsizes.aiming_at(EDGES):

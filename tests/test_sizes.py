@@ -17,6 +17,7 @@ from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvimpl import ChunkedCache, ConcatCache
 from kvref import ModelConfig, ReferenceTransformer
+from tests import depth
 
 # Generation only: ``find`` returns the first example that reaches, without shrinking it.
 SEARCH = settings(max_examples=1_000, database=None, deadline=None, phases=[Phase.generate])
@@ -63,7 +64,7 @@ def ends(session: kvst.Session) -> list[int]:
     return list(itertools.accumulate(session.chunks))
 
 
-@pytest.mark.parametrize("page", [96, 200])
+@pytest.mark.parametrize("page", [pytest.param(96, marks=pytest.mark.soak), 200])
 def test_a_declared_page_is_hit_at_its_boundaries_and_straddled(page):
     """Lengths k x page - 1, k x page and k x page + 1, and a warm chunk across a page end,
     for a page that no power of two divides."""
@@ -102,7 +103,7 @@ def attention_cost(scenario: kvst.Scenario) -> int:
     return scenario.batch * c.num_heads * (c.head_dim + kvsizes.SCORE_COST) * scenario.max_length**2
 
 
-@settings(max_examples=100, database=None)
+@settings(max_examples=depth.pick(30, soak=100), database=None)
 @given(scenario=kvst.scenarios())
 def test_a_scenario_goes_large_only_within_its_attention_budget(scenario):
     c = scenario.config
