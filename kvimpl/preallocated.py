@@ -1,47 +1,179 @@
-"""One buffer of ``max_length`` rows per K and V and a write position; refuses to overflow."""
+"""One buffer of ``max_length`` rows per K and V and a write position per batch row; refuses
+to overflow.
+
+Rows may hold different numbers of tokens (contract, section 8.1): each row's tokens sit at
+the start of its buffer row, ``valid`` marking them; rows leave (``select_rows``) and join
+(``join``, up to the ``spec.batch`` rows the buffer was built for).
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import Tensor
 
-from kvref.protocol import CacheSpec, check_append, check_reorder, check_truncate
+from kvref.protocol import (
+    CacheSpec,
+    check_append,
+    check_append_rows,
+    check_reorder,
+    check_truncate,
+    is_count,
+)
 
 
 class PreallocatedCache:
+    padding = "right"  # append_rows: a row's new tokens in its first slots
+
     def __init__(self, spec: CacheSpec) -> None:
         self.spec = spec
         shape = (spec.batch, spec.kv_heads, spec.max_length, spec.head_dim)
         self.key = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
         self.value = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
-        self._length = 0
+        self._lengths = [0] * spec.batch  # per row: its tokens, at the start of its buffer row
+        self._firsts = [0] * spec.batch  # per row: the position of its first token
 
     @property
     def length(self) -> int:
-        return self._length
+        return max(self._lengths)
+
+    # Every row's length at once, for code that treats the batch as one length (the
+    # subclasses in tests/mutants, written before rows had lengths of their own).
+    @property
+    def _length(self) -> int:
+        return self.length
+
+    @_length.setter
+    def _length(self, length: int) -> None:
+        self._lengths = [length] * self._rows()
+
+    @property
+    def row_lengths(self) -> tuple[int, ...]:
+        return tuple(self._lengths)
+
+    @property
+    def first_position(self) -> tuple[int, ...]:
+        return tuple(self._firsts)
 
     @property
     def nbytes(self) -> int:
         return self.key.nbytes + self.value.nbytes
 
+    def _rows(self) -> int:
+        return len(self._lengths)
+
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        start = self._length
-        end = start + check_append(self.spec, start, key, value, capacity=self.spec.max_length)
-        self.key[:, :, start:end] = key
-        self.value[:, :, start:end] = value
-        self._length = end
+        start = self.length
+        if len(set(self._lengths)) > 1:
+            raise ValueError(
+                f"append: the rows hold different numbers of tokens {self._lengths}; "
+                f"append_rows takes a count per row"
+            )
+        spec = dataclasses.replace(self.spec, batch=self._rows())
+        end = start + check_append(spec, start, key, value, capacity=self.spec.max_length)
+        self.key[: self._rows(), :, start:end] = key
+        self.value[: self._rows(), :, start:end] = value
+        self._lengths = [end] * self._rows()
         # Only the rows written since the last reset: stale rows never leave the cache.
-        return self.key[:, :, :end], self.value[:, :, :end]
+        return self.key[: self._rows(), :, :end], self.value[: self._rows(), :, :end]
+
+    def append_rows(self, key: Tensor, value: Tensor, counts) -> tuple[Tensor, Tensor, Tensor]:
+        counts = check_append_rows(
+            self.spec, self._lengths, key, value, counts, capacity=self.spec.max_length
+        )
+        for row, count in enumerate(counts):
+            start = self._lengths[row]
+            self.key[row, :, start : start + count] = key[row, :, :count]
+            self.value[row, :, start : start + count] = value[row, :, :count]
+            self._lengths[row] = start + count
+        end = self.length
+        held = torch.tensor(self._lengths, device=self.key.device)
+        valid = torch.arange(end, device=self.key.device)[None, :] < held[:, None]
+        return self.key[: self._rows(), :, :end], self.value[: self._rows(), :, :end], valid
 
     def truncate(self, length: int) -> None:
-        check_truncate(self._length, length)
-        self._length = length  # the rows past it are never returned, and will be overwritten
+        if len(set(self._lengths)) > 1:
+            raise ValueError(
+                f"truncate: the rows hold different numbers of tokens {self._lengths}; "
+                f"truncate_rows takes a length per row"
+            )
+        check_truncate(self.length, length)
+        self._lengths = [length] * self._rows()  # rows past it are never returned again
+
+    def truncate_rows(self, lengths) -> None:
+        lengths = tuple(lengths) if isinstance(lengths, (list, tuple)) else lengths
+        if not isinstance(lengths, tuple) or len(lengths) != self._rows():
+            raise ValueError(f"truncate_rows: give one length per row ({self._rows()})")
+        for row, length in enumerate(lengths):
+            if not is_count(length) or length > self._lengths[row]:
+                raise ValueError(
+                    f"truncate_rows: row {row} holds {self._lengths[row]} tokens; it cannot "
+                    f"keep {length!r}"
+                )
+        self._lengths = list(lengths)
 
     def reorder(self, indices: Tensor) -> None:
-        check_reorder(self.spec, indices)
-        valid = self._length  # only the rows written, not the whole buffer
+        check_reorder(dataclasses.replace(self.spec, batch=self._rows()), indices)
+        self._take(indices)
+
+    def select_rows(self, indices: Tensor) -> None:
+        rows = self._rows()
+        if not isinstance(indices, Tensor):
+            raise TypeError(f"select_rows: indices must be a tensor, got {type(indices).__name__}")
+        shaped = indices.dtype == torch.int64 and indices.ndim == 1 and indices.numel() > 0
+        if not shaped or indices.device != self.key.device:
+            raise ValueError(
+                f"select_rows: indices must be int64 of shape (rows kept,), at least one, on "
+                f"{self.key.device}; got {indices.dtype} {tuple(indices.shape)} on {indices.device}"
+            )
+        picked = indices.tolist()
+        if min(picked) < 0 or max(picked) >= rows or len(set(picked)) != len(picked):
+            raise ValueError(
+                f"select_rows: indices must be distinct rows of the {rows} held, got {picked}"
+            )
+        self._take(indices)
+
+    def _take(self, indices: Tensor) -> None:
+        """Rows ``indices`` (repeats allowed) become rows 0, 1, ... with their lengths."""
+        picked = indices.tolist()
+        written = self.length  # only the rows written, not the whole buffer
         for buffer in (self.key, self.value):
-            buffer[:, :, :valid] = buffer[:, :, :valid].index_select(0, indices)
+            buffer[: len(picked), :, :written] = buffer[:, :, :written].index_select(0, indices)
+        self._lengths = [self._lengths[row] for row in picked]
+        self._firsts = [self._firsts[row] for row in picked]
+
+    def join(self, other: PreallocatedCache) -> None:
+        if not isinstance(other, PreallocatedCache) or other is self:
+            raise ValueError(f"join: needs another PreallocatedCache, got {type(other).__name__}")
+        mine, theirs = (dataclasses.replace(s, batch=1) for s in (self.spec, other.spec))
+        if mine != theirs:
+            raise ValueError(f"join: built for {other.spec}, this cache for {self.spec}")
+        rows, more = self._rows(), other._rows()
+        if rows + more > self.spec.batch:
+            raise ValueError(
+                f"join: {rows} rows and {more} more exceed the {self.spec.batch} this cache "
+                f"was built for"
+            )
+        written = other.length
+        self.key[rows : rows + more, :, :written] = other.key[:more, :, :written]
+        self.value[rows : rows + more, :, :written] = other.value[:more, :, :written]
+        self._lengths += other._lengths
+        self._firsts += other._firsts
 
     def reset(self) -> None:
-        self._length = 0
+        self._lengths = [0] * self._rows()
+        self._firsts = [0] * self._rows()
+
+    def reset_at(self, first_position) -> None:
+        rows = self._rows()
+        firsts = (first_position,) * rows if is_count(first_position) else first_position
+        if not isinstance(firsts, (list, tuple)) or len(firsts) != rows:
+            raise ValueError(
+                f"reset_at: first_position must be an int >= 0 or {rows} of them, got "
+                f"{first_position!r}"
+            )
+        if not all(is_count(first) for first in firsts):
+            raise ValueError(f"reset_at: positions must be ints >= 0, got {list(firsts)}")
+        self.reset()
+        self._firsts = list(firsts)

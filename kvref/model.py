@@ -28,8 +28,10 @@ from kvref.protocol import (
     CacheFactory,
     CacheSpec,
     LayerCache,
+    check_counts,
     check_reorder,
     check_truncate,
+    is_count,
     rows_needed,
 )
 
@@ -126,13 +128,16 @@ def rope_angles_cos_sin(positions: Tensor, head_dim: int, base: float, dtype: to
     """cos and sin of the rotation angles of ``positions``, computed in float64."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
     inverse_frequencies = base ** (-exponents / head_dim)
-    angles = positions.to(torch.float64)[:, None] * inverse_frequencies[None, :]
+    angles = positions.to(torch.float64)[..., None] * inverse_frequencies
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rope(x: Tensor, positions: Tensor, base: float) -> Tensor:
-    """Rotate x (..., T, head_dim) by its absolute positions; channel i pairs with i + D/2."""
+    """Rotate x (B, H, T, head_dim) by its absolute positions, (T,) shared by every batch row
+    or (B, T) a row's own; channel i pairs with i + D/2."""
     cos, sin = rope_cos_sin(positions, x.shape[-1], base, x.dtype)
+    if positions.ndim == 2:  # per row: broadcast over the heads
+        cos, sin = cos[:, None], sin[:, None]
     first, second = x.chunk(2, dim=-1)
     return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
 
@@ -140,12 +145,14 @@ def apply_rope(x: Tensor, positions: Tensor, base: float) -> Tensor:
 def causal_mask(
     query_positions: Tensor, key_positions: Tensor, window: int | None = None
 ) -> Tensor:
-    """(T, keys) booleans: a query at absolute position p sees the keys at positions <= p,
-    wherever its chunk starts (a tril over the chunk alone is wrong on a warm cache), and
-    with a window only those > p - window."""
-    allowed = key_positions[None, :] <= query_positions[:, None]
+    """(T, keys) booleans, or (B, T, keys) for positions of each batch row's own ((B, T) and
+    (B, keys)): a query at absolute position p sees the keys at positions <= p, wherever its
+    chunk starts (a tril over the chunk alone is wrong on a warm cache), and with a window only
+    those > p - window."""
+    keys, queries = key_positions[..., None, :], query_positions[..., :, None]
+    allowed = keys <= queries
     if window is not None:
-        allowed &= key_positions[None, :] > query_positions[:, None] - window
+        allowed &= keys > queries - window
     return allowed
 
 
@@ -156,10 +163,14 @@ def attention(
     query_positions: Tensor,
     key_positions: Tensor,
     window: int | None = None,
+    valid: Tensor | None = None,
 ) -> Tensor:
     """Softmax attention of ``query`` (B, H, T, D) over ``keys`` and ``values`` (B, H_kv,
-    rows, D) at the given absolute positions: causal, windowed if ``window``, scaled by
-    1/sqrt(D). Query head h reads kv head h // (H // H_kv) (grouped-query attention)."""
+    rows, D) at the given absolute positions, (T,) and (rows,) or each batch row's own (B, T)
+    and (B, rows): causal, windowed if ``window``, scaled by 1/sqrt(D). Query head h reads kv
+    head h // (H // H_kv) (grouped-query attention). With ``valid`` (B, rows) booleans, the
+    rows it marks False are no keys at all: masked, and their values zeroed, so that a pad of
+    nan a cache keeps costs nothing (0 x nan is nan). A query that sees no key gives nan."""
     group = query.shape[1] // keys.shape[1]
     if group > 1:
         # Skipped for ordinary multi-head attention: repeat_interleave copies even when
@@ -175,6 +186,11 @@ def attention(
     wide = torch.float64 if exact else at_least_float32(query.dtype)
     scores = (query.to(wide) @ keys.to(wide).transpose(-2, -1)) / math.sqrt(query.shape[-1])
     allowed = causal_mask(query_positions, key_positions, window)
+    if allowed.ndim == 3:  # per row: broadcast over the heads
+        allowed = allowed[:, None]
+    if valid is not None:
+        allowed = allowed & valid[:, None, None, :]
+        values = values.masked_fill(~valid[:, None, :, None], 0)
     weights = F.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     return (weights @ values.to(wide)).to(query.dtype)
 
@@ -203,6 +219,19 @@ class RMSNorm(nn.Module):
         return normed.to(x.dtype) * self.weight
 
 
+@dataclass(frozen=True)
+class RowBatch:
+    """How one call of ``ReferenceTransformer.forward_rows`` lays its rows out (contract,
+    section 8.1): row b brings ``counts[b]`` new tokens, in the slots ``real`` marks, after
+    the ``lengths[b]`` its caches hold from position ``firsts[b]``; pad slots carry ``pad``."""
+
+    counts: tuple[int, ...]
+    real: Tensor  # (B, T) booleans: the slots that hold a row's new tokens
+    lengths: tuple[int, ...]
+    firsts: tuple[int, ...]
+    pad: float
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -216,9 +245,10 @@ class Attention(nn.Module):
         self.out = nn.Linear(config.attention_width, config.d_model, bias=False)
 
     def forward(
-        self, x: Tensor, positions: Tensor, cache: LayerCache | None
+        self, x: Tensor, positions: Tensor, cache: LayerCache | None, rows: RowBatch | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Return the attention output and the new tokens' rotated keys and values."""
+        """Return the attention output and the new tokens' rotated keys and values; with
+        ``rows``, through ``append_rows`` with each row's own positions (``positions`` (B, T))."""
         c = self.config
         batch, new_tokens, _ = x.shape
         q = self.query(x).view(batch, new_tokens, c.num_heads, c.head_dim).transpose(1, 2)
@@ -226,22 +256,91 @@ class Attention(nn.Module):
         v = self.value(x).view(batch, new_tokens, c.num_kv_heads, c.head_dim).transpose(1, 2)
         q = apply_rope(q, positions, c.rope_base)
         k = apply_rope(k, positions, c.rope_base)  # stored rotated: never rotate them again
+        if rows is not None:
+            mixed = self._attend_rows(q, k, v, positions, cache, rows)
+            mixed = mixed.transpose(1, 2).reshape(batch, new_tokens, c.attention_width)
+            return self.out(mixed), k, v
         end = int(positions[-1]) + 1
         if cache is not None and callable(getattr(cache, "attend", None)):
             # The cache computes attention itself (a paged kernel, say): no rows come back.
             mixed = cache.attend(q, k, v)
             self._check_attended(mixed, q)
         else:
+            # Rows, not positions: a cache's first position need not be 0 (section 8.3).
+            before = 0 if cache is None else cache.length
             all_k, all_v = (k, v) if cache is None else cache.append(k, v)
             if cache is not None:
-                self._check_returned_rows(all_k, all_v, batch, start=int(positions[0]), end=end)
+                self._check_returned_rows(
+                    all_k, all_v, batch, start=before, end=before + new_tokens
+                )
             # The keys held are the most recent ones, ending at the last new position
-            # (without a window and with caches they start at 0).
+            # (without a window and with caches they start at the first position).
             held = all_k.shape[-2]
             key_positions = torch.arange(end - held, end, device=x.device)
             mixed = attention(q, all_k, all_v, positions, key_positions, self.window)
         mixed = mixed.transpose(1, 2).reshape(batch, new_tokens, c.attention_width)
         return self.out(mixed), k, v
+
+    def _attend_rows(
+        self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cache, rows: RowBatch
+    ) -> Tensor:
+        """Hand the new rows to ``append_rows``, pads poisoned, and attend each batch row over
+        the rows it marks valid, at that row's positions."""
+        pads = ~rows.real[:, None, :, None]
+        all_k, all_v, valid = cache.append_rows(
+            k.masked_fill(pads, rows.pad), v.masked_fill(pads, rows.pad), rows.counts
+        )
+        held = self._check_returned_row_batch(all_k, all_v, valid, q.shape[0], rows)
+        # A row's valid rows are its most recent ones, ending at its last new position.
+        ends = torch.tensor(
+            [
+                first + length + count
+                for first, length, count in zip(rows.firsts, rows.lengths, rows.counts, strict=True)
+            ],
+            device=q.device,
+        )
+        key_positions = (ends - held)[:, None] + valid.cumsum(dim=1) - 1
+        return attention(q, all_k, all_v, positions, key_positions, self.window, valid)
+
+    def _check_returned_row_batch(
+        self, keys: object, values: object, valid: object, batch: int, rows: RowBatch
+    ) -> Tensor:
+        """What append_rows returned: keys and values (B, H_kv, L, D), ``valid`` (B, L)
+        booleans marking, per row, all its rows (or with a window at least the last W - 1
+        before the new ones and the new ones); returns the count per row."""
+        c = self.config
+        shaped = (
+            isinstance(keys, Tensor)
+            and isinstance(values, Tensor)
+            and isinstance(valid, Tensor)
+            and keys.ndim == 4
+            and values.shape == keys.shape
+            and (keys.shape[0], keys.shape[1], keys.shape[3]) == (batch, c.num_kv_heads, c.head_dim)
+            and valid.dtype == torch.bool
+            and valid.shape == (batch, keys.shape[2])
+        )
+        if not shaped:
+            got = [
+                f"{tuple(t.shape)} {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
+                for t in (keys, values, valid)
+            ]
+            raise CacheContractError(
+                f"layer {self.layer}: append_rows must return keys and values shaped ({batch}, "
+                f"{c.num_kv_heads}, rows, {c.head_dim}) and valid booleans ({batch}, rows); it "
+                f"returned keys {got[0]}, values {got[1]} and valid {got[2]}"
+            )
+        held = valid.sum(dim=1)
+        for row, (length, count) in enumerate(zip(rows.lengths, rows.counts, strict=True)):
+            end = length + count
+            fewest = rows_needed(self.window, end, count)
+            if not fewest <= int(held[row]) <= end:
+                want = f"{end}" if fewest == end else f"{fewest} to {end}"
+                raise CacheContractError(
+                    f"layer {self.layer}: row {row} held {length} tokens and got {count} more "
+                    f"(its neighbours: {list(rows.lengths)} held, {list(rows.counts)} new), so "
+                    f"append_rows must mark {want} of its rows valid; it marked {int(held[row])}"
+                )
+        return held
 
     def _check_attended(self, mixed: object, query: Tensor) -> None:
         if (
@@ -293,8 +392,10 @@ class Block(nn.Module):
         self.ffn_in = nn.Linear(config.d_model, config.ffn_dim, bias=False)
         self.ffn_out = nn.Linear(config.ffn_dim, config.d_model, bias=False)
 
-    def forward(self, x: Tensor, positions: Tensor, cache: LayerCache | None):
-        attended, k, v = self.attention(self.attention_norm(x), positions, cache)
+    def forward(
+        self, x: Tensor, positions: Tensor, cache: LayerCache | None, rows: RowBatch | None = None
+    ):
+        attended, k, v = self.attention(self.attention_norm(x), positions, cache, rows)
         x = x + attended
         x = x + self.ffn_out(F.silu(self.ffn_in(self.ffn_norm(x))))
         return x, k, v
@@ -387,8 +488,87 @@ class ReferenceTransformer(nn.Module):
             raise ValueError("start_position is for uncached calls; caches set their own")
         else:
             offset = self._check_caches(caches, batch=token_ids.shape[0])
+            offset += self._first_position(caches)
         logits, _ = self._run(token_ids, caches, offset)
         return logits
+
+    @staticmethod
+    def _first_position(caches: Sequence[LayerCache]) -> int:
+        """Where the caches' first token sits (contract, section 8.3): their
+        ``first_position``, 0 for a cache without one; every layer and row the same."""
+        firsts = set()
+        for cache in caches:
+            first = getattr(cache, "first_position", 0)
+            firsts.update((first,) if isinstance(first, int) else tuple(first))
+        if len(firsts) > 1 or not all(is_count(first) for first in firsts):
+            raise CacheContractError(
+                f"the caches' first positions are {sorted(firsts, key=str)}: one int >= 0 for "
+                f"every layer and row is needed here (rows of their own: forward_rows)"
+            )
+        return firsts.pop() if firsts else 0
+
+    @torch.no_grad()
+    def forward_rows(
+        self,
+        token_ids: Tensor,
+        counts: Sequence[int],
+        caches: Sequence[LayerCache],
+        *,
+        pad: float = float("nan"),
+    ) -> Tensor:
+        """Logits (batch, T, vocab) for a batch whose rows bring ``counts[b]`` new tokens each
+        (contract, section 8.1), through caches that offer ``append_rows``: row b's tokens sit
+        in the slots of ``token_ids`` the caches' ``padding`` says (the first ``counts[b]``,
+        or with ``"left"`` the last), at positions from its ``first_position`` plus its
+        ``row_lengths`` on. Pad slots give nan logits, and their keys and values reach the
+        caches as ``pad``, so that a pad let into attention shows."""
+        self._check_token_ids(token_ids)
+        batch, new_tokens = token_ids.shape
+        lengths, firsts, padding = self._check_row_caches(caches, batch)
+        counts = check_counts(counts, batch, new_tokens)
+        slot = torch.arange(new_tokens, device=self.device)
+        taken = torch.tensor(counts, device=self.device)[:, None]
+        # i, the index of a slot's token among its row's new ones (pads: any).
+        index = slot - (new_tokens - taken) if padding == "left" else slot.expand(batch, -1)
+        real = (index >= 0) & (index < taken)
+        starts = torch.tensor([f + n for f, n in zip(firsts, lengths, strict=True)])
+        positions = (starts.to(self.device)[:, None] + index).clamp(min=0)
+        rows = RowBatch(counts, real, lengths, firsts, pad)
+        x = self.embedding(token_ids)
+        for layer, block in enumerate(self.blocks):
+            x, _, _ = block(x, positions, caches[layer], rows)
+        logits = self.final_norm(x) @ self.embedding.weight.T
+        return logits.masked_fill(~real[..., None], float("nan"))
+
+    def _check_row_caches(
+        self, caches: Sequence[LayerCache], batch: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...], str]:
+        """Caches with per-row lengths, consistent across layers: their row lengths, first
+        positions and padding, checked before any is touched."""
+        self._check_caches(caches, batch=batch)
+        self._check_offered(caches, "append_rows")
+        seen = []
+        for layer, cache in enumerate(caches):
+            lengths = tuple(getattr(cache, "row_lengths", ()))
+            first = getattr(cache, "first_position", 0)
+            firsts = (first,) * batch if isinstance(first, int) else tuple(first)
+            padding = getattr(cache, "padding", "right")
+            problems = []
+            if len(lengths) != batch or not all(is_count(n) for n in lengths):
+                problems.append(f"row_lengths {lengths!r} is not {batch} ints >= 0")
+            if len(firsts) != batch or not all(is_count(n) for n in firsts):
+                problems.append(f"first_position {first!r} is not an int >= 0 or {batch} of them")
+            if padding not in ("left", "right"):
+                problems.append(f'padding {padding!r} is neither "left" nor "right"')
+            if problems:
+                raise CacheContractError(f"layer {layer}: {'; '.join(problems)}")
+            seen.append((lengths, firsts, padding))
+        if len(set(seen)) > 1:
+            raise CacheContractError(
+                "inconsistent layer caches: row lengths, first positions or padding differ "
+                f"by layer: {seen}"
+            )
+        return seen[0]
 
     def truncate(self, caches: Sequence[LayerCache], length: int) -> None:
         """Forget every token at position >= ``length`` in every layer's cache (speculative

@@ -27,7 +27,8 @@ messages in one call; using them is optional, keeping the rules is not.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -170,6 +171,56 @@ def check_append(
             f"the capacity of {capacity}"
         )
     return new_tokens
+
+
+def is_count(value: object) -> bool:
+    """An int >= 0 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_counts(counts: object, batch: int, new_tokens: int) -> tuple[int, ...]:
+    """``counts`` as a tuple: one int per batch row, each 0 to ``new_tokens`` (ValueError,
+    naming the problem, otherwise; a tensor of them is read as a list)."""
+    if isinstance(counts, Tensor):
+        counts = counts.tolist()
+    if not isinstance(counts, Sequence) or isinstance(counts, str):
+        raise ValueError(f"counts must be a sequence of {batch} ints, got {type(counts).__name__}")
+    counts = tuple(counts)
+    if len(counts) != batch:
+        raise ValueError(f"counts must have one entry per batch row ({batch}), got {len(counts)}")
+    wrong = [n for n in counts if not is_count(n) or n > new_tokens]
+    if wrong:
+        raise ValueError(
+            f"counts must be ints from 0 to the {new_tokens} slots a row has; got {list(counts)}"
+        )
+    return counts
+
+
+def check_append_rows(
+    spec: CacheSpec,
+    row_lengths: Sequence[int],
+    key: object,
+    value: object,
+    counts: object,
+    *,
+    capacity: int | None = None,
+) -> tuple[int, ...]:
+    """Validate one ``append_rows(key, value, counts)`` (contract, section 8.1) on a cache
+    whose rows hold ``row_lengths`` now: ``key`` and ``value`` as ``check_append`` does, for
+    a batch of ``len(row_lengths)`` rows, ``counts`` one int per row from 0 to T, and no row
+    past ``capacity``. Returns the counts as a tuple; only reads, like ``check_append``."""
+    batch = len(row_lengths)
+    check_append(dataclasses.replace(spec, batch=batch), 0, key, value)
+    counts = check_counts(counts, batch, key.shape[2])
+    if capacity is not None:
+        over = [row for row in range(batch) if row_lengths[row] + counts[row] > capacity]
+        if over:
+            row = over[0]
+            raise ValueError(
+                f"append_rows: overflow: row {row} holds {row_lengths[row]} tokens, "
+                f"{counts[row]} more would exceed the capacity of {capacity}"
+            )
+    return counts
 
 
 def check_attend(

@@ -62,10 +62,12 @@ def rotates_held_keys_again() -> Iterator[None]:
     """
     original = model.Attention.forward
 
-    def forward(self: model.Attention, x: Tensor, positions: Tensor, cache: LayerCache | None):
+    def forward(
+        self: model.Attention, x: Tensor, positions: Tensor, cache: LayerCache | None, rows=None
+    ):
         if cache is not None:
             cache = _RotatingReads(cache, self.config.rope_base)
-        return original(self, x, positions, cache)
+        return original(self, x, positions, cache, rows)
 
     with mock.patch.object(model.Attention, "forward", forward):
         yield
@@ -76,6 +78,10 @@ class _RotatingReads:
 
     def __init__(self, cache: LayerCache, base: float) -> None:
         self.cache, self.base = cache, base
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
 
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         keys, values = self.cache.append(key, value)

@@ -1,0 +1,153 @@
+"""Rows of their own (docs/contract.md, section 8), as far as they are built: the reference
+model's path through ``append_rows`` and a first position other than 0, on the built-in
+``preallocated`` and on an independent left-padded batch cache. The oracle is the one of every
+property: each row of a mixed batch against the uncached model on that row alone, at batch 1,
+at its own positions. The kit's properties for them are not written yet."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.testing import assert_close
+
+from kvimpl import PreallocatedCache
+from kvref import CacheContractError, ModelConfig, ReferenceTransformer
+from tests import depth
+
+CONFIG = ModelConfig(vocab_size=19, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4, seed=3)
+MODEL = ReferenceTransformer(CONFIG)
+BATCH, MAX_LENGTH = 3, 40
+
+
+def factories():
+    from tests.independent.left_padded_batch_cache import LeftPaddedBatchCache
+
+    return [PreallocatedCache, LeftPaddedBatchCache]
+
+
+def laid_out(rows: list[torch.Tensor], padding: str) -> torch.Tensor:
+    """Each row's new tokens in the slots its cache's padding says; pad slots hold token 0."""
+    width = max(1, max(len(row) for row in rows))
+    batch = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, row in enumerate(rows):
+        if padding == "left":
+            batch[b, width - len(row) :] = row
+        else:
+            batch[b, : len(row)] = row
+    return batch
+
+
+def real_slots(logits: torch.Tensor, counts: list[int], padding: str) -> list[torch.Tensor]:
+    width = logits.shape[1]
+    return [
+        logits[b, width - n :] if padding == "left" else logits[b, :n] for b, n in enumerate(counts)
+    ]
+
+
+def check_rows_against_alone(caches, histories, firsts, new_logits, counts, padding, step):
+    """Row b's new logits equal the uncached model on its history alone, at its positions."""
+    for b, got in enumerate(real_slots(new_logits, counts, padding)):
+        if not counts[b]:
+            continue
+        alone = MODEL(histories[b][None], start_position=firsts[b])[0, -counts[b] :]
+        assert_close(
+            got,
+            alone,
+            msg=lambda m, b=b: (
+                f"step {step}, row {b} (history {len(histories[b])} tokens from position "
+                f"{firsts[b]}; its neighbours' lengths {[len(h) for h in histories]}): {m}"
+            ),
+        )
+
+
+@pytest.mark.parametrize("factory", factories(), ids=lambda f: f.__name__)
+@settings(max_examples=depth.pick(8, soak=40), deadline=None)
+@given(data=st.data())
+def test_a_row_of_a_mixed_batch_equals_the_row_alone(factory, data):
+    padding = getattr(factory, "padding", "right")
+    caches = MODEL.new_caches(factory, batch=BATCH, max_length=MAX_LENGTH)
+    firsts = data.draw(st.lists(st.integers(0, 70), min_size=BATCH, max_size=BATCH), "firsts")
+    if any(firsts):
+        for cache in caches:
+            cache.reset_at(tuple(firsts))
+    histories = [torch.empty(0, dtype=torch.long) for _ in range(BATCH)]
+    steps = data.draw(st.integers(1, 5), "steps")
+    for step in range(steps):
+        room = [MAX_LENGTH - len(h) for h in histories]
+        counts = [data.draw(st.integers(0, min(6, r)), f"count {b}") for b, r in enumerate(room)]
+        if not any(counts):
+            continue
+        new = [torch.randint(0, CONFIG.vocab_size, (n,)) for n in counts]
+        logits = MODEL.forward_rows(laid_out(new, padding), counts, caches)
+        histories = [torch.cat((h, n)) for h, n in zip(histories, new, strict=True)]
+        check_rows_against_alone(caches, histories, firsts, logits, counts, padding, step)
+        assert all(cache.row_lengths == tuple(map(len, histories)) for cache in caches)
+        if data.draw(st.booleans(), "truncate rows"):
+            keep = [data.draw(st.integers(0, len(h)), f"keep {b}") for b, h in enumerate(histories)]
+            for cache in caches:
+                cache.truncate_rows(tuple(keep))
+            histories = [h[:k] for h, k in zip(histories, keep, strict=True)]
+
+
+@pytest.mark.parametrize("factory", factories(), ids=lambda f: f.__name__)
+def test_rows_leave_and_join_with_their_histories(factory):
+    padding = getattr(factory, "padding", "right")
+    caches = MODEL.new_caches(factory, batch=BATCH, max_length=MAX_LENGTH)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=generator) for n in (5, 1, 9)]
+    MODEL.forward_rows(laid_out(prompts, padding), [5, 1, 9], caches)
+    for cache in caches:  # the second row finished
+        cache.select_rows(torch.tensor([0, 2]))
+    joining = MODEL.new_caches(factory, batch=1, max_length=MAX_LENGTH)
+    late = torch.randint(0, CONFIG.vocab_size, (3,), generator=generator)
+    MODEL.forward_rows(laid_out([late], padding), [3], joining)
+    for cache, other in zip(caches, joining, strict=True):
+        cache.join(other)
+    histories = [prompts[0], prompts[2], late]
+    new = [torch.randint(0, CONFIG.vocab_size, (1,), generator=generator) for _ in range(3)]
+    logits = MODEL.forward_rows(laid_out(new, padding), [1, 1, 1], caches)
+    histories = [torch.cat((h, n)) for h, n in zip(histories, new, strict=True)]
+    check_rows_against_alone(caches, histories, [0, 0, 0], logits, [1, 1, 1], padding, 1)
+
+
+def test_a_session_from_another_first_position_rotates_there():
+    caches = MODEL.new_caches(PreallocatedCache, batch=2, max_length=MAX_LENGTH)
+    for cache in caches:
+        cache.reset_at(1000)
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+    MODEL(tokens[:, :4], caches=caches)
+    logits = MODEL(tokens[:, 4:], caches=caches)
+    assert_close(logits, MODEL(tokens, start_position=1000)[:, 4:])
+    _, uncached = MODEL._run(tokens, None, 1000)
+    assert_close(caches[0].key[:, :, :7], uncached[0][0])  # keys rotated at 1000..1006
+
+
+class MarksAPadValid(PreallocatedCache):
+    """Every row's valid mask one slot too long: a pad of nan read as a row."""
+
+    def append_rows(self, key, value, counts):
+        keys, values, valid = super().append_rows(key, value, counts)
+        return keys, values, torch.ones_like(valid)
+
+
+def test_a_pad_marked_valid_is_refused_by_the_model():
+    caches = MODEL.new_caches(MarksAPadValid, batch=2, max_length=MAX_LENGTH)
+    with pytest.raises(CacheContractError, match="row 1 held 0 tokens and got 2 more"):
+        MODEL.forward_rows(torch.zeros(2, 5, dtype=torch.long), [5, 2], caches)
+
+
+@pytest.mark.parametrize(
+    ("counts", "problem"),
+    [
+        ((1, 2), "one entry per batch row"),
+        ((1, 2, 9), "from 0 to the 5 slots"),
+        ((1, True, 2), "from 0 to the 5 slots"),
+    ],
+)
+def test_bad_counts_are_refused_before_any_cache_changes(counts, problem):
+    caches = MODEL.new_caches(PreallocatedCache, batch=3, max_length=MAX_LENGTH)
+    with pytest.raises(ValueError, match=problem):
+        MODEL.forward_rows(torch.zeros(3, 5, dtype=torch.long), counts, caches)
+    assert all(cache.row_lengths == (0, 0, 0) for cache in caches)
