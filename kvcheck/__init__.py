@@ -26,9 +26,10 @@ kit, with no change on your side.
 ``CacheTests`` inherits one class per area (``CoreTests``, ``ResetTests``,
 ``IsolationTests``, ``RejectionTests``, ``MemoryTests``, ``StatefulTests``,
 ``RequestsTests``, and for the optional capabilities ``AttendTests``, ``ForkTests``,
-``PoolTests`` (a factory that is a ``kvref.BlockPool``), ``TruncateTests`` and
-``ReorderTests``); subclass one of them instead to run only that area. The contract a
-cache must keep is in ``kvref.protocol`` and ``docs/contract.md``.
+``PoolTests`` (a factory that is a ``kvref.BlockPool``), ``TruncateTests``, ``ReorderTests``
+and ``RowsTests`` (rows of their own, ``append_rows``)); subclass one of them instead to run
+only that area. The contract a cache must keep is in ``kvref.protocol`` and
+``docs/contract.md``.
 """
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "ReorderTests",
     "RequestsTests",
     "ResetTests",
+    "RowsTests",
     "Sizes",
     "StatefulTests",
     "TruncateTests",

@@ -26,6 +26,7 @@ from kvcheck.properties.pool import PoolTests
 from kvcheck.properties.rejection import RejectionTests
 from kvcheck.properties.requests import ForkTests, RequestsTests
 from kvcheck.properties.reset import ResetTests
+from kvcheck.properties.rows import RowsTests
 from kvcheck.properties.stateful import StatefulTests
 
 
@@ -42,6 +43,7 @@ class CacheTests(
     PoolTests,
     TruncateTests,
     ReorderTests,
+    RowsTests,
 ):
     """Every property of the kit. Subclass it, set ``factory``, and pytest runs them all;
     those of a capability the cache does not offer are skipped as "not offered"."""
@@ -60,6 +62,7 @@ __all__ = [
     "ReorderTests",
     "RequestsTests",
     "ResetTests",
+    "RowsTests",
     "StatefulTests",
     "TruncateTests",
 ]

@@ -14,7 +14,7 @@ severity the verdict reports. Anything else escaping a property means something 
 
 from __future__ import annotations
 
-from kvref import CacheContractError
+import sys
 
 # The severities, most serious first; the verdict shows the worst one of a property.
 WRONG_RESULTS = "wrong results"
@@ -88,11 +88,18 @@ def worst(error: BaseException, default: str) -> tuple[str, BaseException]:
         return error.severity, error
     if isinstance(error, OutsideDomain):
         return KIT_ERROR, error
-    if isinstance(error, CacheContractError):
+    if is_contract_error(error):
         return DATA_LOSS, error
     if isinstance(error, AssertionError):  # e.g. a check a user overrode with plain asserts
         return default, error
     return CRASH, error
+
+
+def is_contract_error(error: BaseException) -> bool:
+    """Whether ``error`` is a ``kvref.CacheContractError``, without importing kvref (and
+    torch) where nothing has: a verdict's controller under xdist only reads reports."""
+    protocol = sys.modules.get("kvref.protocol")
+    return protocol is not None and isinstance(error, protocol.CacheContractError)
 
 
 def _rank(found: tuple[str, BaseException]) -> int:

@@ -54,9 +54,14 @@ class Request:
     history: Tensor  # (batch, tokens fed since the caches' reset)
     steps: int = 0
     offered: frozenset[str] = field(default_factory=frozenset)  # its caches' capabilities
+    # Rows of their own (contract, section 8.1): each row's history, once fed by row.
+    rows: list[Tensor] | None = None
 
     @property
     def held(self) -> int:
+        """The tokens its caches hold: the longest row's, where rows have their own."""
+        if self.rows is not None:
+            return max((len(row) for row in self.rows), default=0)
         return self.history.shape[1]
 
     @property
@@ -65,7 +70,7 @@ class Request:
 
     @property
     def batch(self) -> int:
-        return self.history.shape[0]
+        return self.history.shape[0] if self.rows is None else len(self.rows)
 
 
 class Engine:
@@ -156,6 +161,100 @@ class Engine:
                 if cache.path == "append":
                     kvassert.assert_returned_rows(cache, who=who, where=where)
         return logits
+
+    # --- rows of their own (contract, section 8.1) ----------------------------------------
+    def feed_rows(self, request: Request, new: list[Tensor], *, at: str = "") -> None:
+        """Feed row b of ``request`` the tokens ``new[b]`` (none allowed), laid out as its
+        caches' ``padding`` says, through ``append_rows``; each row's new logits must equal
+        the uncached model's on that row's history alone, at batch 1."""
+        rows = self._rows(request)
+        counts = [len(tokens) for tokens in new]
+        padding = getattr(request.caches[0], "padding", "right")
+        width = max(1, *counts)
+        laid = torch.zeros(len(new), width, dtype=torch.long, device=self.model.device)
+        for b, tokens in enumerate(new):
+            slots = slice(width - counts[b], width) if padding == "left" else slice(0, counts[b])
+            laid[b, slots] = tokens
+        lengths = [len(row) for row in rows]
+        where = self.where(
+            f"{request.name}, its step #{request.steps}: rows bring {counts} new tokens "
+            f"(held {lengths}, {padding} padding){at}"
+        )
+        try:
+            logits = self.model.forward_rows(laid, counts, request.caches)
+        except Exception as error:
+            error.add_note(f"  at {where}")
+            raise
+        request.rows = [torch.cat((row, tokens)) for row, tokens in zip(rows, new, strict=True)]
+        request.steps += 1
+        firsts = self._firsts(request)
+        for b, count in enumerate(counts):
+            if not count:
+                continue
+            slots = slice(width - count, width) if padding == "left" else slice(0, count)
+            history = request.rows[b][None]
+            expected = self.model(history, start_position=firsts[b])[:, -count:]
+            self._compare_row(
+                request, logits[b : b + 1, slots], expected, history, firsts[b], b, lengths, where
+            )
+        self._check_row_lengths(request, f"rows fed {counts}{at}")
+
+    def _compare_row(self, request, logits, expected, history, first, row, lengths, where):
+        start = history.shape[1] - logits.shape[1]
+        neighbours = [n for b, n in enumerate(lengths) if b != row]
+        where = (
+            f"row {row} (held {lengths[row]} tokens from position {first}; its neighbours "
+            f"held {neighbours}), its new positions {first + start}..{first + history.shape[1] - 1}"
+            f" of that row alone at batch 1\n  at {where}"
+        )
+        reference = lambda: self.truth(history, start_position=first)[:, start:]  # noqa: E731
+        assert_logits(logits, expected, reference, where=where, start=start, path=request.path)
+
+    def truncate_rows(self, request: Request, keep: list[int], *, at: str = "") -> None:
+        """Row b keeps its first ``keep[b]`` tokens (speculative acceptance per row)."""
+        rows = self._rows(request)
+        for cache in request.caches:
+            cache.truncate_rows(tuple(keep))
+        request.rows = [row[:n] for row, n in zip(rows, keep, strict=True)]
+        self._check_row_lengths(request, f"truncate_rows to {keep}{at}")
+
+    def select_rows(self, request: Request, indices: list[int], *, at: str = "") -> None:
+        """The batch becomes rows ``indices``: the others finished and leave."""
+        rows = self._rows(request)
+        chosen = torch.tensor(indices, dtype=torch.long, device=self.model.device)
+        for cache in request.caches:
+            cache.select_rows(chosen)
+        request.rows = [rows[b] for b in indices]
+        self._check_row_lengths(request, f"select_rows {indices}{at}")
+
+    def join(self, request: Request, other: Request, *, at: str = "") -> None:
+        """The rows of ``other`` (its own caches, fed alone) join ``request`` after its last."""
+        rows, theirs = self._rows(request), self._rows(other)
+        for cache, joining in zip(request.caches, other.caches, strict=True):
+            cache.join(joining.cache if isinstance(joining, Recorder) else joining)
+        self.live.pop(other.name, None)
+        other.caches = None
+        request.rows = [*rows, *theirs]
+        self._check_row_lengths(request, f"{other.name} joins{at}")
+
+    def _rows(self, request: Request) -> list[Tensor]:
+        if request.rows is None:  # fed as one batch so far: every row has that history
+            request.rows = list(request.history)
+        return request.rows
+
+    def _firsts(self, request: Request) -> list[int]:
+        first = getattr(request.caches[0], "first_position", 0)
+        return [first] * len(request.rows) if isinstance(first, int) else list(first)
+
+    def _check_row_lengths(self, request: Request, what: str) -> None:
+        want = tuple(len(row) for row in request.rows)
+        for layer, cache in enumerate(request.caches):
+            got = cache.row_lengths
+            if tuple(got) != want:
+                raise failures.DataLoss(
+                    f"{request.name}'s layer {layer}: row_lengths {tuple(got)} after {what}; "
+                    f"the rows hold {want}\n  at {self.where(what)}"
+                )
 
     def _compare(self, request: Request, logits: Tensor, start: int, where: str) -> None:
         expected = self.model(request.history)[:, start:]

@@ -545,7 +545,8 @@ class ReferenceTransformer(nn.Module):
     ) -> tuple[tuple[int, ...], tuple[int, ...], str]:
         """Caches with per-row lengths, consistent across layers: their row lengths, first
         positions and padding, checked before any is touched."""
-        self._check_caches(caches, batch=batch)
+        # The batch from row_lengths, not a spec's: rows leave and join (select_rows, join).
+        self._check_caches(caches, batch=None)
         self._check_offered(caches, "append_rows")
         seen = []
         for layer, cache in enumerate(caches):

@@ -347,11 +347,26 @@ class Attending(Protocol):
         ...
 
 
+@runtime_checkable
+class RowsOfTheirOwn(Protocol):
+    """A cache whose batch rows hold lengths of their own (contract, section 8.1);
+    ``truncate_rows``, ``select_rows``, ``join``, ``first_position`` and ``reset_at`` are
+    each optional beside it."""
+
+    @property
+    def row_lengths(self) -> tuple[int, ...]: ...
+
+    def append_rows(
+        self, key: Tensor, value: Tensor, counts: Sequence[int]
+    ) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
 CAPABILITIES = {
     "truncate": Truncatable,
     "reorder": Reorderable,
     "fork": Forkable,
     "attend": Attending,
+    "append_rows": RowsOfTheirOwn,
 }
 
 

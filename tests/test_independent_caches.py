@@ -11,6 +11,7 @@ from tests import depth
 from tests.independent.deque_window_cache import DequeWindowCache
 from tests.independent.fifo_paged_pool import FifoPagedPool
 from tests.independent.half_kernel_cache import HalfKernelCache
+from tests.independent.left_padded_batch_cache import LeftPaddedBatchCache
 from tests.independent.list_cache import ListCache
 from tests.independent.paged_cache import PagedCache
 from tests.independent.pooled_ring_cache import RingCache
@@ -23,8 +24,9 @@ from tests.independent.view_cache import ViewCache
 pytestmark = pytest.mark.kv_device
 
 
-# The default run holds three of these caches (a fused-kernel domain, a paged pool, attend by
-# torch's fused kernel), --soak every one: each runs some 70 tests, whatever its examples.
+# The default run holds four of these caches (a fused-kernel domain, a paged pool, attend by
+# torch's fused kernel, rows of their own), --soak every one: each runs some 70 tests,
+# whatever its examples.
 class Independent(CacheTests):
     # A quarter of the profile's examples under --soak: these caches guard against false
     # alarms and have held over 20 dev seeds and searches of 100 to 150 extra examples; the
@@ -83,6 +85,13 @@ class TestSdpaCache(Independent):
     by copying the list; truncate and reorder."""
 
     factory = SdpaCache
+
+
+class TestLeftPaddedBatchCache(Independent):
+    """Rows of their own in one dense, left-padded tensor pair, as batch generation keeps
+    them (contract, section 8.1), written from the contract alone."""
+
+    factory = LeftPaddedBatchCache
 
 
 class TestHalfKernelCache(Independent):

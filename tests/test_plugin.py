@@ -256,7 +256,7 @@ def test_a_device_this_machine_lacks_skips_every_kit_test_with_the_reason():
     assert skipped, result.stdout
     assert all(f"--kv-device {device}: " in line for line in skipped), skipped
     assert " passed" not in result.stdout, result.stdout
-    assert "concat: 4 skipped (0 of 4 pass); 0 of 21 properties run" in result.stdout, result.stdout
+    assert "concat: 4 skipped (0 of 4 pass); 0 of 22 properties run" in result.stdout, result.stdout
     assert " failed" not in result.stdout, result.stdout
 
 

@@ -19,11 +19,12 @@ from kvcheck.properties import (
     rejection,
     requests,
     reset,
+    rows,
     stateful,
 )
 
 # The verdict's order: what everything rests on first, then the capabilities.
-AREAS = (core, reset, isolation, rejection, memory, stateful, requests, attend, pool, edits)
+AREAS = (core, reset, isolation, rejection, memory, stateful, requests, attend, pool, edits, rows)
 
 
 def _declared(module) -> list[Property]:

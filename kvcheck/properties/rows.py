@@ -1,0 +1,173 @@
+"""Rows of their own (docs/contract.md, section 8.1): one batched cache whose rows bring
+different numbers of new tokens in one call, as batched generation feeds prompts of
+different lengths and decodes rows that finished beside rows that did not.
+
+A ``RowsPlan`` is a batch and its events: rows fed a count each (0 allowed: an empty slot),
+rolled back by a count each (``truncate_rows``, speculative acceptance per row), a finished
+row leaving (``select_rows``), and a request prefilled on caches of its own joining the batch
+(``join``). The oracle is the one of every property: each row's new logits against the
+uncached model on that row alone, at batch 1, so that no row's result may depend on its
+neighbours' lengths; pads reach the caches as nan (``ReferenceTransformer.forward_rows``).
+Events a cache does not offer (it has ``append_rows`` but no ``join``, say) are left out.
+
+- ``mixed lengths``: where ``append_rows`` is offered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+
+from kvcheck import devices as kvdevices
+from kvcheck import failures
+from kvcheck import strategies as kvst
+from kvcheck.devices import dtype_name
+from kvcheck.kit import KitTests, Property, property_test
+from kvcheck.session import Engine
+from kvref import CacheFactory, ModelConfig
+
+MAX_LENGTH = 48  # per row: prompts and rollbacks drawn around the 16-row boundaries below it
+EVENTS = ("feed", "truncate", "select", "join")
+
+
+@dataclass(frozen=True)
+class RowsPlan:
+    """One batch and its events, each ``(kind, per-row counts or rows)``."""
+
+    config: ModelConfig
+    dtype: torch.dtype
+    batch: int
+    events: tuple[tuple[str, tuple[int, ...]], ...]
+    token_seed: int
+
+    def describe(self) -> str:
+        said = {
+            "feed": "rows fed {}",
+            "truncate": "truncate_rows to {}",
+            "select": "select_rows {}",
+            "join": "a request prefilled alone with {} joins",
+        }
+        events = "; ".join(said[kind].format(list(arg)) for kind, arg in self.events)
+        return (
+            f"rows plan: batch {self.batch}, {dtype_name(self.dtype)}, events: {events}\n"
+            f"  model: {kvst.describe_config(self.config)}"
+        )
+
+    def summary(self) -> tuple[str, str, str]:
+        fed = sum(sum(arg) for kind, arg in self.events if kind in ("feed", "join"))
+        kinds = ", ".join(dict.fromkeys(kind for kind, _ in self.events))
+        return f"{fed} ({kinds})", str(self.config.num_layers), str(self.batch)
+
+
+@st.composite
+def prompt_counts(draw, batch: int, room: int) -> tuple[int, ...]:
+    """Prompts that differ by 0, by 1 or by many tokens, or with one row's slot empty."""
+    base = draw(st.integers(1, min(12, room)), label="prompt")
+    spread = draw(st.sampled_from(("same", "by one", "by many", "an empty slot")), label="spread")
+    if spread == "same":
+        return (base,) * batch
+    if spread == "by one":
+        return tuple(min(room, base + row % 2) for row in range(batch))
+    counts = [draw(st.integers(0, room), label="prompt of a row") for _ in range(batch)]
+    if spread == "an empty slot":
+        counts[draw(st.integers(0, batch - 1), label="empty row")] = 0
+    return tuple(counts) if any(counts) else (base, *counts[1:])
+
+
+@st.composite
+def rows_plans(draw) -> RowsPlan:
+    """A batch of 2 to 4 rows: prompts, then decode steps (some rows idle), chunks, per-row
+    rollbacks, a row leaving and a request joining after it."""
+    batch = draw(st.integers(2, 4), label="batch")
+    lengths = [0] * batch
+    built = batch  # the rows the batch's caches were built for: a join fits in those
+    events = []
+    first = draw(prompt_counts(batch, MAX_LENGTH // 2), label="prompts")
+    events.append(("feed", first))
+    lengths = list(first)
+    for _ in range(draw(st.integers(1, 6), label="events")):
+        kind = draw(st.sampled_from(("decode", "decode", "chunk", *EVENTS[1:])), label="event")
+        if kind in ("decode", "chunk"):
+            most = 1 if kind == "decode" else 9
+            counts = tuple(
+                draw(st.integers(0, min(most, MAX_LENGTH - n)), label="new tokens") for n in lengths
+            )
+            if any(counts):
+                events.append(("feed", counts))
+                lengths = [n + c for n, c in zip(lengths, counts, strict=True)]
+        elif kind == "truncate":
+            keep = tuple(n - draw(st.integers(0, min(4, n)), label="rejected") for n in lengths)
+            events.append(("truncate", keep))
+            lengths = list(keep)
+        elif kind == "select" and len(lengths) > 1:
+            gone = draw(st.integers(0, len(lengths) - 1), label="finished row")
+            kept = tuple(row for row in range(len(lengths)) if row != gone)
+            events.append(("select", kept))
+            lengths = [lengths[row] for row in kept]
+        elif kind == "join" and len(lengths) < built:
+            room = built - len(lengths)
+            joining = draw(st.integers(1, room), label="joining rows")
+            prompts = tuple(
+                draw(st.integers(1, 12), label="joining prompt") for _ in range(joining)
+            )
+            events.append(("join", prompts))
+            lengths += list(prompts)
+    return RowsPlan(
+        config=draw(kvst.model_configs(max_layers=2, tokens=MAX_LENGTH + 8), label="config"),
+        dtype=draw(kvst.dtypes_on_device(kvst.WITH_HALF), label="dtype"),
+        batch=batch,
+        events=tuple(events),
+        token_seed=draw(st.integers(0, 2**16), label="token seed"),
+    )
+
+
+def check_mixed_lengths(factory: CacheFactory, plan: RowsPlan) -> None:
+    """Every row's new logits, at every event, equal the uncached model on that row alone."""
+    model = kvst.build_model(plan.config, plan.dtype)
+    engine = Engine(factory, model, max_length=MAX_LENGTH, describe=plan.describe)
+    generator = torch.Generator().manual_seed(plan.token_seed)
+    device = kvdevices.current()
+
+    def tokens(count: int) -> torch.Tensor:
+        drawn = torch.randint(0, plan.config.vocab_size, (count,), generator=generator)
+        return drawn.to(device)
+
+    batch = engine.start("the batch", plan.batch)
+    for index, (kind, arg) in enumerate(plan.events):
+        if kind in NEEDS and not callable(getattr(batch.caches[0], NEEDS[kind], None)):
+            break  # not offered: the rest of the plan was drawn for the rows it would leave
+        at = f" (event #{index})"
+        if kind == "feed":
+            engine.feed_rows(batch, [tokens(count) for count in arg], at=at)
+        elif kind == "truncate":
+            engine.truncate_rows(batch, list(arg), at=at)
+        elif kind == "select":
+            engine.select_rows(batch, list(arg), at=at)
+        else:
+            joining = engine.start(f"joining #{index}", len(arg))
+            engine.feed_rows(joining, [tokens(count) for count in arg], at=at)
+            engine.join(batch, joining, at=at)
+        engine.check(f"event #{index}")
+    engine.finish()
+
+
+NEEDS = {"truncate": "truncate_rows", "select": "select_rows", "join": "join"}
+
+
+MIXED_LENGTHS = Property(
+    "mixed lengths",
+    "each row of a batch whose rows bring different numbers of tokens, roll back by their "
+    "own counts, leave and join equals that row alone",
+    check_mixed_lengths,
+    rows_plans(),
+    failures.WRONG_RESULTS,
+    requires=("append_rows",),
+)
+
+
+class RowsTests(KitTests):
+    """Rows of their own in one batched cache (``append_rows``): run when offered."""
+
+    test_each_row_of_a_mixed_batch_equals_that_row_alone = property_test(MIXED_LENGTHS)
