@@ -97,6 +97,10 @@ class Recorder:
         self.attended: tuple[Tensor, Tensor] | None = None  # the last attend's query, output
         self.new_tokens = 0
         self.lent: tuple[Tensor, ...] = ()
+        # Rows of their own (contract, section 8.1): per batch row, the (keys, values) it was
+        # given since its reset, (H_kv, rows, D) each; and what append_rows last returned.
+        self.rows_given: list[tuple[Tensor, Tensor]] | None = None
+        self.rows_returned: tuple[Tensor, Tensor, Tensor] | None = None
 
     def __getattr__(self, name: str):
         if name == "attend":
@@ -191,6 +195,52 @@ class Recorder:
         self.views = None
         self.cache.reset()
         self.given = self.returned = self.attended = None
+        self.rows_given = self.rows_returned = None
+
+    # --- rows of their own: passed through, and recorded row by row -----------------------
+    def append_rows(self, key: Tensor, value: Tensor, counts) -> tuple[Tensor, Tensor, Tensor]:
+        self.views = self.returned = self.rows_returned = None
+        returned = self.cache.append_rows(*self._lend(key, value), counts)
+        rows = len(counts)
+        given = self.rows_given or [
+            (key[b, :, :0].clone(), value[b, :, :0].clone()) for b in range(rows)
+        ]
+        width, left = key.shape[2], getattr(self.cache, "padding", "right") == "left"
+        for b, count in enumerate(counts):
+            slots = slice(width - count, width) if left else slice(0, count)
+            given[b] = tuple(
+                torch.cat((old, new[b, :, slots]), dim=1)
+                for old, new in zip(given[b], (key, value), strict=True)
+            )
+        self.rows_given = given
+        if isinstance(returned, tuple) and all(isinstance(t, Tensor) for t in returned):
+            self.rows_returned = tuple(t.clone() for t in returned)
+        return returned
+
+    def truncate_rows(self, lengths) -> None:
+        self.views = self.rows_returned = None
+        self.cache.truncate_rows(lengths)
+        if self.rows_given is not None:
+            self.rows_given = [
+                (k[:, :n], v[:, :n]) for (k, v), n in zip(self.rows_given, lengths, strict=True)
+            ]
+
+    def select_rows(self, indices: Tensor) -> None:
+        self.views = self.rows_returned = None
+        self.cache.select_rows(indices)
+        if self.rows_given is not None:
+            self.rows_given = [self.rows_given[b] for b in indices.tolist()]
+
+    def join(self, other: Recorder) -> None:
+        self.views = self.rows_returned = None
+        self.cache.join(other.cache)
+        self.rows_given = [*(self.rows_given or []), *(other.rows_given or [])]
+
+    def reset_at(self, first_position) -> None:
+        self.views = None
+        self.cache.reset_at(first_position)
+        self.given = self.returned = self.attended = None
+        self.rows_given = self.rows_returned = None
 
     # The optional capabilities, passed through; the record follows only a call that returns.
     def truncate(self, length: int) -> None:

@@ -54,8 +54,10 @@ class Request:
     history: Tensor  # (batch, tokens fed since the caches' reset)
     steps: int = 0
     offered: frozenset[str] = field(default_factory=frozenset)  # its caches' capabilities
-    # Rows of their own (contract, section 8.1): each row's history, once fed by row.
+    # Rows of their own (contract, section 8.1): each row's history, once fed by row, and
+    # the position of each row's first token (section 8.3), as the plan set them.
     rows: list[Tensor] | None = None
+    firsts: list[int] | None = None
 
     @property
     def held(self) -> int:
@@ -189,15 +191,61 @@ class Engine:
         request.steps += 1
         firsts = self._firsts(request)
         for b, count in enumerate(counts):
-            if not count:
-                continue
-            slots = slice(width - count, width) if padding == "left" else slice(0, count)
             history = request.rows[b][None]
-            expected = self.model(history, start_position=firsts[b])[:, -count:]
-            self._compare_row(
-                request, logits[b : b + 1, slots], expected, history, firsts[b], b, lengths, where
-            )
+            if not history.shape[1]:  # an empty row: nothing to hold yet
+                continue
+            uncached = self.model.forward_with_kv(history, start_position=firsts[b])
+            if count:
+                slots = slice(width - count, width) if padding == "left" else slice(0, count)
+                self._compare_row(
+                    request, logits[b : b + 1, slots], uncached[0][:, -count:], history,
+                    firsts[b], b, lengths, where,
+                )  # fmt: skip
+            self._check_row_held(request, b, uncached[1], firsts[b], lengths, where)
         self._check_row_lengths(request, f"rows fed {counts}{at}")
+
+    def _check_row_held(self, request, row, uncached, first, lengths, where) -> None:
+        """What ``append_rows`` marked valid for ``row`` in every layer: bit for bit the most
+        recent rows it was given, and the uncached pass's keys and values at that row's own
+        positions (a first position lost shows in the keys, not in the logits: RoPE is
+        relative)."""
+        neighbours = [n for b, n in enumerate(lengths) if b != row]
+        for layer, cache in enumerate(request.caches):
+            if cache.rows_returned is None:
+                continue
+            keys, values, valid = cache.rows_returned
+            mask = valid[row]
+            held = int(mask.sum())
+            who = (
+                f"{request.name}'s layer {layer}, row {row} (held {lengths[row]} before this "
+                f"call, from position {first}; its neighbours held {neighbours})"
+            )
+            for which, (name, got) in enumerate((("keys", keys), ("values", values))):
+                rows = got[row][:, mask][None]  # (1, H_kv, held, D)
+                given = cache.rows_given[row][which][None]
+                total = given.shape[2]
+                if bad := kvassert.differing_rows(rows, given[:, :, total - held :]):
+                    raise failures.DataLoss(
+                        f"{who}: {name} row {total - held + bad[0]} that append_rows marked "
+                        f"valid is not the row given there ({len(bad)} of {held} differ)\n  at "
+                        f"{where}"
+                    )
+                reference = None
+                if kvassert.needs_reference(rows.dtype):
+                    truth = self.truth.forward_with_kv(
+                        request.rows[row][None], start_position=first
+                    )
+                    reference = truth[1][layer][which][:, :, total - held :]
+                kvassert.assert_close_at(
+                    rows,
+                    uncached[layer][which][:, :, total - held :],
+                    what=f"{who}: the {name} it holds and the uncached pass's at its positions",
+                    where=where,
+                    position_axis=2,
+                    first_position=first + total - held,
+                    failure=failures.DataLoss,
+                    reference=reference,
+                )
 
     def _compare_row(self, request, logits, expected, history, first, row, lengths, where):
         start = history.shape[1] - logits.shape[1]
@@ -224,18 +272,32 @@ class Engine:
         chosen = torch.tensor(indices, dtype=torch.long, device=self.model.device)
         for cache in request.caches:
             cache.select_rows(chosen)
-        request.rows = [rows[b] for b in indices]
+        firsts = self._firsts(request)
+        request.rows, request.firsts = [rows[b] for b in indices], [firsts[b] for b in indices]
         self._check_row_lengths(request, f"select_rows {indices}{at}")
 
     def join(self, request: Request, other: Request, *, at: str = "") -> None:
         """The rows of ``other`` (its own caches, fed alone) join ``request`` after its last."""
         rows, theirs = self._rows(request), self._rows(other)
+        firsts = [*self._firsts(request), *self._firsts(other)]
         for cache, joining in zip(request.caches, other.caches, strict=True):
-            cache.join(joining.cache if isinstance(joining, Recorder) else joining)
+            cache.join(joining)
         self.live.pop(other.name, None)
         other.caches = None
-        request.rows = [*rows, *theirs]
+        request.rows, request.firsts = [*rows, *theirs], firsts
         self._check_row_lengths(request, f"{other.name} joins{at}")
+
+    def reset_at(self, request: Request, firsts: list[int], *, at: str = "") -> None:
+        """Every layer empty, row b's next token at position ``firsts[b]`` (section 8.3)."""
+        for cache in request.caches:
+            cache.reset_at(tuple(firsts))
+        request.history = request.history[:, :0]
+        request.rows, request.firsts, request.steps = (
+            [request.history[0]] * len(firsts),
+            list(firsts),
+            0,
+        )
+        self._check_row_lengths(request, f"reset_at {firsts}{at}")
 
     def _rows(self, request: Request) -> list[Tensor]:
         if request.rows is None:  # fed as one batch so far: every row has that history
@@ -243,8 +305,8 @@ class Engine:
         return request.rows
 
     def _firsts(self, request: Request) -> list[int]:
-        first = getattr(request.caches[0], "first_position", 0)
-        return [first] * len(request.rows) if isinstance(first, int) else list(first)
+        """Each row's first position as the plan set it (never the cache's own claim)."""
+        return request.firsts or [0] * len(self._rows(request))
 
     def _check_row_lengths(self, request: Request, what: str) -> None:
         want = tuple(len(row) for row in request.rows)

@@ -87,6 +87,10 @@ class PreallocatedCache:
             self.key[row, :, start : start + count] = key[row, :, :count]
             self.value[row, :, start : start + count] = value[row, :, :count]
             self._lengths[row] = start + count
+        return self._held_rows()
+
+    def _held_rows(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Every row's buffer up to the longest row, and which of its slots it holds."""
         end = self.length
         held = torch.tensor(self._lengths, device=self.key.device)
         valid = torch.arange(end, device=self.key.device)[None, :] < held[:, None]

@@ -616,11 +616,16 @@ class ReferenceTransformer(nn.Module):
                 )
 
     @torch.no_grad()
-    def forward_with_kv(self, token_ids: Tensor) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+    def forward_with_kv(
+        self, token_ids: Tensor, *, start_position: int = 0
+    ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
         """The uncached pass: logits, and each layer's rotated keys and its values, shaped
-        (batch, kv_heads, T, head_dim), which is what a cache given ``token_ids`` must hold."""
+        (batch, kv_heads, T, head_dim), which is what a cache given ``token_ids`` must hold
+        (from position ``start_position``)."""
         self._check_token_ids(token_ids)
-        return self._run(token_ids, None, 0)
+        if not is_count(start_position):
+            raise ValueError(f"start_position must be an int >= 0, got {start_position!r}")
+        return self._run(token_ids, None, start_position)
 
     def _run(self, token_ids: Tensor, caches: Sequence[LayerCache] | None, offset: int):
         new_tokens = token_ids.shape[1]

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from kvimpl import PreallocatedCache
@@ -25,12 +24,7 @@ class OneOffsetForAllRows(PreallocatedCache):
             self.key[row, :, start : start + count] = key[row, :, :count]
             self.value[row, :, start : start + count] = value[row, :, :count]
             self._lengths[row] += count
-        end = self.length
-        valid = (
-            torch.arange(end, device=self.key.device)[None, :]
-            < torch.tensor(self._lengths, device=self.key.device)[:, None]
-        )
-        return self.key[: len(counts), :, :end], self.value[: len(counts), :, :end], valid
+        return self._held_rows()
 
 
 class RollbackZeroesRejectedRows(PreallocatedCache):
@@ -59,19 +53,44 @@ class IdleRowAdvancedByNeighbour(PreallocatedCache):
 
     def append_rows(self, key: Tensor, value: Tensor, counts) -> tuple[Tensor, Tensor, Tensor]:
         counts = tuple(counts.tolist() if isinstance(counts, Tensor) else counts)
-        keys, values, valid = super().append_rows(key, value, counts)
-        if 0 in counts and max(counts):
-            self._lengths = [
-                n + (max(counts) if c == 0 else 0)
-                for n, c in zip(self._lengths, counts, strict=True)
-            ]
-            end = self.length
-            valid = (
-                torch.arange(end, device=self.key.device)[None, :]
-                < torch.tensor(self._lengths, device=self.key.device)[:, None]
-            )
-            keys, values = self.key[: len(counts), :, :end], self.value[: len(counts), :, :end]
-        return keys, values, valid
+        returned = super().append_rows(key, value, counts)
+        if 0 not in counts or not max(counts):
+            return returned
+        advanced = zip(self._lengths, counts, strict=True)
+        self._lengths = [held + (max(counts) if count == 0 else 0) for held, count in advanced]
+        return self._held_rows()
 
 
-ROWS_MUTANTS = (OneOffsetForAllRows, RollbackZeroesRejectedRows, IdleRowAdvancedByNeighbour)
+class FirstPositionIgnored(PreallocatedCache):
+    """``reset_at`` empties the cache but forgets the first position: positions are counted
+    from 0 again.
+
+    Stands for a session resumed at a non-zero position whose cache recounts positions from
+    zero (ik_llama.cpp 2459, sglang 11634): the logits hide it, RoPE being relative, but every
+    key is rotated at the wrong absolute position, and so is whatever is later joined to it.
+    """
+
+    def reset_at(self, first_position) -> None:
+        super().reset_at(first_position)
+        self._firsts = [0] * self._rows()
+
+
+class SelectDropsFirstPositions(PreallocatedCache):
+    """``select_rows`` keeps each row's length but not its first position.
+
+    Stands for continuous batching that carries a row's length through a batch filter and
+    rebuilds its offset from zero, so the row's next keys are rotated at the wrong positions.
+    """
+
+    def select_rows(self, indices) -> None:
+        super().select_rows(indices)
+        self._firsts = [0] * self._rows()
+
+
+ROWS_MUTANTS = (
+    OneOffsetForAllRows,
+    RollbackZeroesRejectedRows,
+    IdleRowAdvancedByNeighbour,
+    FirstPositionIgnored,
+    SelectDropsFirstPositions,
+)
