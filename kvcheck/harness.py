@@ -33,7 +33,7 @@ from kvref import (
     attention,
     capabilities,
 )
-from kvref.protocol import rows_needed
+from kvref.protocol import row_slots, rows_needed
 
 PATHS = ("append", "attend")
 
@@ -205,9 +205,9 @@ class Recorder:
         given = self.rows_given or [
             (key[b, :, :0].clone(), value[b, :, :0].clone()) for b in range(rows)
         ]
-        width, left = key.shape[2], getattr(self.cache, "padding", "right") == "left"
+        padding = getattr(self.cache, "padding", "right")
         for b, count in enumerate(counts):
-            slots = slice(width - count, width) if left else slice(0, count)
+            slots = row_slots(padding, key.shape[2], count)
             given[b] = tuple(
                 torch.cat((old, new[b, :, slots]), dim=1)
                 for old, new in zip(given[b], (key, value), strict=True)

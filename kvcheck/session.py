@@ -43,6 +43,7 @@ from kvref import (
     capabilities,
     may_refuse_truncate,
 )
+from kvref.protocol import row_slots
 
 
 @dataclass
@@ -175,8 +176,7 @@ class Engine:
         width = max(1, *counts)
         laid = torch.zeros(len(new), width, dtype=torch.long, device=self.model.device)
         for b, tokens in enumerate(new):
-            slots = slice(width - counts[b], width) if padding == "left" else slice(0, counts[b])
-            laid[b, slots] = tokens
+            laid[b, row_slots(padding, width, counts[b])] = tokens
         lengths = [len(row) for row in rows]
         where = self.where(
             f"{request.name}, its step #{request.steps}: rows bring {counts} new tokens "
@@ -196,11 +196,9 @@ class Engine:
                 continue
             uncached = self.model.forward_with_kv(history, start_position=firsts[b])
             if count:
-                slots = slice(width - count, width) if padding == "left" else slice(0, count)
-                self._compare_row(
-                    request, logits[b : b + 1, slots], uncached[0][:, -count:], history,
-                    firsts[b], b, lengths, where,
-                )  # fmt: skip
+                got = logits[b : b + 1, row_slots(padding, width, count)]
+                expected = uncached[0][:, -count:]
+                self._compare_row(request, got, expected, history, firsts[b], b, lengths, where)
             self._check_row_held(request, b, uncached[1], firsts[b], lengths, where)
         self._check_row_lengths(request, f"rows fed {counts}{at}")
 

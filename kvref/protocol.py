@@ -196,6 +196,12 @@ def check_counts(counts: object, batch: int, new_tokens: int) -> tuple[int, ...]
     return counts
 
 
+def row_slots(padding: str, width: int, count: int) -> slice:
+    """Where a row's ``count`` new tokens sit among the ``width`` slots of an
+    ``append_rows`` call: the first ones (``padding`` "right") or the last ("left")."""
+    return slice(width - count, width) if padding == "left" else slice(0, count)
+
+
 def check_append_rows(
     spec: CacheSpec,
     row_lengths: Sequence[int],

@@ -14,6 +14,7 @@ from torch.testing import assert_close
 
 from kvimpl import PreallocatedCache
 from kvref import CacheContractError, ModelConfig, ReferenceTransformer
+from kvref.protocol import row_slots
 from tests import depth
 
 CONFIG = ModelConfig(vocab_size=19, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4, seed=3)
@@ -32,18 +33,13 @@ def laid_out(rows: list[torch.Tensor], padding: str) -> torch.Tensor:
     width = max(1, max(len(row) for row in rows))
     batch = torch.zeros(len(rows), width, dtype=torch.long)
     for b, row in enumerate(rows):
-        if padding == "left":
-            batch[b, width - len(row) :] = row
-        else:
-            batch[b, : len(row)] = row
+        batch[b, row_slots(padding, width, len(row))] = row
     return batch
 
 
 def real_slots(logits: torch.Tensor, counts: list[int], padding: str) -> list[torch.Tensor]:
     width = logits.shape[1]
-    return [
-        logits[b, width - n :] if padding == "left" else logits[b, :n] for b, n in enumerate(counts)
-    ]
+    return [logits[b, row_slots(padding, width, n)] for b, n in enumerate(counts)]
 
 
 def check_rows_against_alone(caches, histories, firsts, new_logits, counts, padding, step):
