@@ -195,14 +195,18 @@ class Engine:
             if not history.shape[1]:  # an empty row: nothing to hold yet
                 continue
             uncached = self.model.forward_with_kv(history, start_position=firsts[b])
+            truth = functools.cache(
+                functools.partial(self.truth.forward_with_kv, history, start_position=firsts[b])
+            )  # the float64 pass, where half precision is judged against it
+            # The rows held first: a wrong row fails naming its layer, before the logits do.
+            self._check_row_held(request, b, uncached[1], truth, firsts[b], lengths, where)
             if count:
                 got = logits[b : b + 1, row_slots(padding, width, count)]
                 expected = uncached[0][:, -count:]
-                self._compare_row(request, got, expected, history, firsts[b], b, lengths, where)
-            self._check_row_held(request, b, uncached[1], firsts[b], lengths, where)
+                self._compare_row(request, got, expected, truth, firsts[b], b, lengths, where)
         self._check_row_lengths(request, f"rows fed {counts}{at}")
 
-    def _check_row_held(self, request, row, uncached, first, lengths, where) -> None:
+    def _check_row_held(self, request, row, uncached, truth, first, lengths, where) -> None:
         """What ``append_rows`` marked valid for ``row`` in every layer: bit for bit the most
         recent rows it was given, and the uncached pass's keys and values at that row's own
         positions (a first position lost shows in the keys, not in the logits: RoPE is
@@ -229,11 +233,8 @@ class Engine:
                         f"{where}"
                     )
                 reference = None
-                if kvassert.needs_reference(rows.dtype):
-                    truth = self.truth.forward_with_kv(
-                        request.rows[row][None], start_position=first
-                    )
-                    reference = truth[1][layer][which][:, :, total - held :]
+                if kvassert.needs_reference(self.model.dtype):
+                    reference = truth()[1][layer][which][:, :, total - held :]
                 kvassert.assert_close_at(
                     rows,
                     uncached[layer][which][:, :, total - held :],
@@ -245,24 +246,51 @@ class Engine:
                     reference=reference,
                 )
 
-    def _compare_row(self, request, logits, expected, history, first, row, lengths, where):
-        start = history.shape[1] - logits.shape[1]
+    def _compare_row(self, request, logits, expected, truth, first, row, lengths, where):
+        new = logits.shape[1]
+        start = first + lengths[row]  # the absolute position of the row's first new token
         neighbours = [n for b, n in enumerate(lengths) if b != row]
         where = (
             f"row {row} (held {lengths[row]} tokens from position {first}; its neighbours "
-            f"held {neighbours}), its new positions {first + start}..{first + history.shape[1] - 1}"
-            f" of that row alone at batch 1\n  at {where}"
+            f"held {neighbours}), its new positions {start}..{start + new - 1}, against that "
+            f"row alone at batch 1\n  at {where}"
         )
-        reference = lambda: self.truth(history, start_position=first)[:, start:]  # noqa: E731
+        reference = lambda: truth()[0][:, -new:]  # noqa: E731
         assert_logits(logits, expected, reference, where=where, start=start, path=request.path)
 
-    def truncate_rows(self, request: Request, keep: list[int], *, at: str = "") -> None:
-        """Row b keeps its first ``keep[b]`` tokens (speculative acceptance per row)."""
+    def truncate_rows(self, request: Request, keep: list[int], *, at: str = "") -> bool:
+        """Row b keeps its first ``keep[b]`` tokens (speculative acceptance per row); the
+        widest window first, as ``ReferenceTransformer.truncate`` asks. True when done, False
+        when a window layer refused as section 4 allows for some row (nothing changed)."""
         rows = self._rows(request)
-        for cache in request.caches:
-            cache.truncate_rows(tuple(keep))
+        config = self.model.config
+        windows = [config.layer_window(layer) for layer in range(config.num_layers)]
+        order = sorted(range(len(windows)), key=lambda i: (windows[i] is None, -(windows[i] or 0)))
+        what = f"truncate_rows to {keep}{at}"
+        for done, layer in enumerate(order):
+            error = kvassert.raised_by(lambda i=layer: request.caches[i].truncate_rows(tuple(keep)))
+            if error is None:
+                continue
+            allowed = isinstance(error, ValueError) and not isinstance(error, CacheContractError)
+            if (
+                done == 0
+                and allowed
+                and any(
+                    may_refuse_truncate(windows, len(row), n)
+                    for row, n in zip(rows, keep, strict=True)
+                )
+            ):
+                self._check_row_lengths(request, f"a refused {what}")
+                return False
+            raise failures.RefusesValidInput(
+                f"{request.name}'s layer {layer}: {what} refused with {type(error).__name__}: "
+                f"{error}; no layer may refuse it{' after another took it' if done else ''}: "
+                f"every position a row's next query needs is among those a window keeps\n  at "
+                f"{self.where(what)}"
+            ) from error
         request.rows = [row[:n] for row, n in zip(rows, keep, strict=True)]
-        self._check_row_lengths(request, f"truncate_rows to {keep}{at}")
+        self._check_row_lengths(request, what)
+        return True
 
     def select_rows(self, request: Request, indices: list[int], *, at: str = "") -> None:
         """The batch becomes rows ``indices``: the others finished and leave."""

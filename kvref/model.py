@@ -112,8 +112,8 @@ def rope_cos_sin(positions: Tensor, head_dim: int, base: float, dtype: torch.dty
 # A model's step recomputed cos and sin for every position, a fifth of a small model's step;
 # a table per width, base, dtype and device serves every step, and a position's rotation is
 # then one value whichever call computes it. Positions from this one on are computed per call
-# (a table of them would take 32 MiB and more at head_dim 64).
-ROPE_TABLE_POSITIONS = 1 << 16
+# (a table of them takes 16 MiB at head_dim 256 in float64, and a worker may keep dozens).
+ROPE_TABLE_POSITIONS = 1 << 13
 
 
 @functools.lru_cache(maxsize=64)
@@ -318,6 +318,8 @@ class Attention(nn.Module):
             and (keys.shape[0], keys.shape[1], keys.shape[3]) == (batch, c.num_kv_heads, c.head_dim)
             and valid.dtype == torch.bool
             and valid.shape == (batch, keys.shape[2])
+            and keys.dtype == values.dtype == self.out.weight.dtype
+            and valid.device == keys.device
         )
         if not shaped:
             got = [
@@ -326,8 +328,9 @@ class Attention(nn.Module):
             ]
             raise CacheContractError(
                 f"layer {self.layer}: append_rows must return keys and values shaped ({batch}, "
-                f"{c.num_kv_heads}, rows, {c.head_dim}) and valid booleans ({batch}, rows); it "
-                f"returned keys {got[0]}, values {got[1]} and valid {got[2]}"
+                f"{c.num_kv_heads}, rows, {c.head_dim}) in {self.out.weight.dtype} and valid "
+                f"booleans ({batch}, rows) on their device; it returned keys {got[0]}, values "
+                f"{got[1]} and valid {got[2]}"
             )
         held = valid.sum(dim=1)
         for row, (length, count) in enumerate(zip(rows.lengths, rows.counts, strict=True)):

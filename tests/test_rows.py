@@ -2,7 +2,7 @@
 model's path through ``append_rows`` and a first position other than 0, on the built-in
 ``preallocated`` and on an independent left-padded batch cache. The oracle is the one of every
 property: each row of a mixed batch against the uncached model on that row alone, at batch 1,
-at its own positions. The kit's properties for them are not written yet."""
+at its own positions. The kit's property, ``mixed lengths``, is in kvcheck/properties/rows.py."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def real_slots(logits: torch.Tensor, counts: list[int], padding: str) -> list[to
     return [logits[b, row_slots(padding, width, n)] for b, n in enumerate(counts)]
 
 
-def check_rows_against_alone(caches, histories, firsts, new_logits, counts, padding, step):
+def check_rows_against_alone(histories, firsts, new_logits, counts, padding, step):
     """Row b's new logits equal the uncached model on its history alone, at its positions."""
     for b, got in enumerate(real_slots(new_logits, counts, padding)):
         if not counts[b]:
@@ -78,7 +78,7 @@ def test_a_row_of_a_mixed_batch_equals_the_row_alone(factory, data):
         new = [torch.randint(0, CONFIG.vocab_size, (n,)) for n in counts]
         logits = MODEL.forward_rows(laid_out(new, padding), counts, caches)
         histories = [torch.cat((h, n)) for h, n in zip(histories, new, strict=True)]
-        check_rows_against_alone(caches, histories, firsts, logits, counts, padding, step)
+        check_rows_against_alone(histories, firsts, logits, counts, padding, step)
         assert all(cache.row_lengths == tuple(map(len, histories)) for cache in caches)
         if data.draw(st.booleans(), "truncate rows"):
             keep = [data.draw(st.integers(0, len(h)), f"keep {b}") for b, h in enumerate(histories)]
@@ -105,7 +105,7 @@ def test_rows_leave_and_join_with_their_histories(factory):
     new = [torch.randint(0, CONFIG.vocab_size, (1,), generator=generator) for _ in range(3)]
     logits = MODEL.forward_rows(laid_out(new, padding), [1, 1, 1], caches)
     histories = [torch.cat((h, n)) for h, n in zip(histories, new, strict=True)]
-    check_rows_against_alone(caches, histories, [0, 0, 0], logits, [1, 1, 1], padding, 1)
+    check_rows_against_alone(histories, [0, 0, 0], logits, [1, 1, 1], padding, 1)
 
 
 def test_a_session_from_another_first_position_rotates_there():
@@ -116,7 +116,7 @@ def test_a_session_from_another_first_position_rotates_there():
     MODEL(tokens[:, :4], caches=caches)
     logits = MODEL(tokens[:, 4:], caches=caches)
     assert_close(logits, MODEL(tokens, start_position=1000)[:, 4:])
-    _, uncached = MODEL._run(tokens, None, 1000)
+    _, uncached = MODEL.forward_with_kv(tokens, start_position=1000)
     assert_close(caches[0].key[:, :, :7], uncached[0][0])  # keys rotated at 1000..1006
 
 
@@ -147,3 +147,16 @@ def test_bad_counts_are_refused_before_any_cache_changes(counts, problem):
     with pytest.raises(ValueError, match=problem):
         MODEL.forward_rows(torch.zeros(3, 5, dtype=torch.long), counts, caches)
     assert all(cache.row_lengths == (0, 0, 0) for cache in caches)
+
+
+class OnlyAppendRows(PreallocatedCache):
+    """Rows of their own without one optional member of section 8 beside append_rows."""
+
+    truncate_rows = select_rows = join = reset_at = None
+
+
+def test_a_cache_without_the_optional_members_is_held_to_the_rest():
+    from kvcheck.properties.rows import MIXED_LENGTHS, PINNED
+
+    for plan in PINNED:  # truncate, select, join and first positions: each left out
+        MIXED_LENGTHS.check(OnlyAppendRows, plan)

@@ -33,7 +33,7 @@ from kvref import CacheFactory, ModelConfig
 
 MAX_LENGTH = 48  # per row: prompts and rollbacks drawn around the 16-row boundaries below it
 EVENTS = ("feed", "truncate", "select", "join")
-FIRST_POSITIONS = (0, 1, 47, 48, 49, 255, 256, 1023, 1025, 4096, 65_535, 65_536, 100_003)
+FIRST_POSITIONS = (0, 1, 47, 48, 49, 255, 256, 1023, 1025, 4095, 4096, 8191, 8192, 100_003)
 
 
 @dataclass(frozen=True)
@@ -107,9 +107,10 @@ def rows_plans(draw) -> RowsPlan:
             keep = tuple(n - draw(st.integers(0, min(4, n)), label="rejected") for n in lengths)
             events.append(("truncate", keep))
             lengths = list(keep)
-        elif kind == "select" and len(lengths) > 1:
-            gone = draw(st.integers(0, len(lengths) - 1), label="finished row")
-            kept = tuple(row for row in range(len(lengths)) if row != gone)
+        elif kind == "select":
+            # Finished rows leave, the others in any order (all of them, reordered, too).
+            order = draw(st.permutations(range(len(lengths))), label="rows in order")
+            kept = tuple(order[: draw(st.integers(1, len(lengths)), label="rows kept")])
             events.append(("select", kept))
             lengths = [lengths[row] for row in kept]
         elif kind == "join" and len(lengths) < built:
@@ -120,6 +121,9 @@ def rows_plans(draw) -> RowsPlan:
             )
             events.append(("join", prompts))
             lengths += list(prompts)
+    # Every plan ends with a decode step, so that what the last edit left is read back.
+    if events[-1][0] != "feed" and any(n < MAX_LENGTH for n in lengths):
+        events.append(("feed", tuple(int(n < MAX_LENGTH) for n in lengths)))
     # Half the plans start their rows elsewhere than 0: near and past powers of two, past
     # max_length, and where the reference model's table of rotations ends.
     firsts = None
@@ -147,10 +151,15 @@ def check_mixed_lengths(factory: CacheFactory, plan: RowsPlan) -> None:
         return drawn.to(device)
 
     batch = engine.start("the batch", plan.batch)
-    if plan.firsts is not None and callable(getattr(batch.caches[0], "reset_at", None)):
+    cache = batch.caches[0].cache  # the cache itself: its recorder passes every member on
+
+    def offers(name: str) -> bool:
+        return callable(getattr(cache, name, None))
+
+    if plan.firsts is not None and offers("reset_at"):
         engine.reset_at(batch, list(plan.firsts))
     for index, (kind, arg) in enumerate(plan.events):
-        if kind in NEEDS and not callable(getattr(batch.caches[0], NEEDS[kind], None)):
+        if kind in NEEDS and not offers(NEEDS[kind]):
             break  # not offered: the rest of the plan was drawn for the rows it would leave
         at = f" (event #{index})"
         if kind == "feed":
@@ -188,7 +197,7 @@ PINNED = (
             ("feed", (1, 1, 1)),
         ),
         token_seed=11,
-        firsts=(255, 1025, 65_535),
+        firsts=(255, 1025, 8191),
     ),
 )
 

@@ -1,5 +1,5 @@
-"""Broken caches with rows of their own (docs/contract.md, section 8.1): each a
-``PreallocatedCache`` with one bug in ``append_rows`` or ``truncate_rows``."""
+"""Broken caches with rows of their own (docs/contract.md, section 8): each a
+``PreallocatedCache`` with one bug in a member of section 8."""
 
 from __future__ import annotations
 
