@@ -32,7 +32,7 @@ from kvcheck.session import Engine
 from kvref import CacheFactory, ModelConfig
 
 MAX_LENGTH = 48  # per row: prompts and rollbacks drawn around the 16-row boundaries below it
-EVENTS = ("feed", "truncate", "select", "join")
+EVENTS = ("feed", "truncate", "select", "join", "restart")
 FIRST_POSITIONS = (0, 1, 47, 48, 49, 255, 256, 1023, 1025, 4095, 4096, 8191, 8192, 100_003)
 
 
@@ -52,7 +52,8 @@ class RowsPlan:
             "feed": "rows fed {}",
             "truncate": "truncate_rows to {}",
             "select": "select_rows {}",
-            "join": "a request prefilled alone with {} joins",
+            "join": "a request prefilled alone with {} (prompt, first position) joins",
+            "restart": "reset_at {}",
         }
         events = "; ".join(said[kind].format(list(arg)) for kind, arg in self.events)
         firsts = "" if self.firsts is None else f", first positions {list(self.firsts)}"
@@ -62,7 +63,8 @@ class RowsPlan:
         )
 
     def summary(self) -> tuple[str, str, str]:
-        fed = sum(sum(arg) for kind, arg in self.events if kind in ("feed", "join"))
+        fed = sum(sum(arg) for kind, arg in self.events if kind == "feed")
+        fed += sum(prompt for kind, arg in self.events if kind == "join" for prompt, _ in arg)
         kinds = ", ".join(dict.fromkeys(kind for kind, _ in self.events))
         return f"{fed} ({kinds})", str(self.config.num_layers), str(self.batch)
 
@@ -117,10 +119,21 @@ def rows_plans(draw) -> RowsPlan:
             room = built - len(lengths)
             joining = draw(st.integers(1, room), label="joining rows")
             prompts = tuple(
-                draw(st.integers(1, 12), label="joining prompt") for _ in range(joining)
+                (
+                    draw(st.integers(1, 12), label="joining prompt"),
+                    draw(st.sampled_from(FIRST_POSITIONS), label="its first position"),
+                )
+                for _ in range(joining)
             )
             events.append(("join", prompts))
-            lengths += list(prompts)
+            lengths += [prompt for prompt, _ in prompts]
+        elif kind == "restart" and len(lengths) == built:
+            # Every row empty and elsewhere: a new batch on these caches, of the rows they were
+            # built for (which batch a reset returns to after rows left is the cache's choice).
+            firsts = tuple(draw(st.sampled_from(FIRST_POSITIONS), label="first") for _ in lengths)
+            prompts = draw(prompt_counts(len(lengths), MAX_LENGTH // 2), label="prompts")
+            events += [("restart", firsts), ("feed", prompts)]
+            lengths = list(prompts)
     # Every plan ends with a decode step, so that what the last edit left is read back.
     if events[-1][0] != "feed" and any(n < MAX_LENGTH for n in lengths):
         events.append(("feed", tuple(int(n < MAX_LENGTH) for n in lengths)))
@@ -168,15 +181,24 @@ def check_mixed_lengths(factory: CacheFactory, plan: RowsPlan) -> None:
             engine.truncate_rows(batch, list(arg), at=at)
         elif kind == "select":
             engine.select_rows(batch, list(arg), at=at)
+        elif kind == "restart":
+            engine.reset_at(batch, list(arg), at=at)
         else:
             joining = engine.start(f"joining #{index}", len(arg))
-            engine.feed_rows(joining, [tokens(count) for count in arg], at=at)
+            if offers("reset_at"):
+                engine.reset_at(joining, [first for _, first in arg], at=at)
+            engine.feed_rows(joining, [tokens(prompt) for prompt, _ in arg], at=at)
             engine.join(batch, joining, at=at)
         engine.check(f"event #{index}")
     engine.finish()
 
 
-NEEDS = {"truncate": "truncate_rows", "select": "select_rows", "join": "join"}
+NEEDS = {
+    "truncate": "truncate_rows",
+    "select": "select_rows",
+    "join": "join",
+    "restart": "reset_at",
+}
 
 
 # Tried first on every run: rows that start elsewhere than 0, differ in length, roll back by
@@ -193,7 +215,7 @@ PINNED = (
             ("select", (0, 2)),
             ("feed", (1, 1)),
             ("truncate", (4, 8)),
-            ("join", (3,)),
+            ("join", ((3, 4096),)),
             ("feed", (1, 1, 1)),
         ),
         token_seed=11,

@@ -87,10 +87,24 @@ class SelectDropsFirstPositions(PreallocatedCache):
         self._firsts = [0] * self._rows()
 
 
+class JoinDropsFirstPositions(PreallocatedCache):
+    """``join`` takes the other cache's rows and lengths but starts them at position 0.
+
+    Stands for continuous batching that merges a request prefilled elsewhere into the running
+    batch and rebuilds its offsets from the lengths alone, losing where its positions began.
+    """
+
+    def join(self, other) -> None:
+        rows = self._rows()
+        super().join(other)
+        self._firsts[rows:] = [0] * (self._rows() - rows)
+
+
 ROWS_MUTANTS = (
     OneOffsetForAllRows,
     RollbackZeroesRejectedRows,
     IdleRowAdvancedByNeighbour,
     FirstPositionIgnored,
     SelectDropsFirstPositions,
+    JoinDropsFirstPositions,
 )
