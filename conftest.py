@@ -27,6 +27,9 @@ def ours(config: pytest.Config) -> bool:
     return config.rootpath.resolve() == HERE
 
 
+SOAK_ONLY = "runs with --soak only, as .ci/run runs it"
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--soak",
@@ -62,9 +65,6 @@ def pytest_configure(config: pytest.Config) -> None:
     settings.register_profile("kvcheck", profiles.current())
     settings.load_profile("kvcheck")
     torch.set_num_threads(1)  # tiny tensors; see kvcheck.profiles
-
-
-SOAK_ONLY = "runs with --soak only, as .ci/run runs it"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -43,6 +43,7 @@ from kvref import (
     capabilities,
     may_refuse_truncate,
 )
+from kvref.model import rows_laid_out
 from kvref.protocol import row_slots
 
 
@@ -171,12 +172,9 @@ class Engine:
         caches' ``padding`` says, through ``append_rows``; each row's new logits must equal
         the uncached model's on that row's history alone, at batch 1."""
         rows = self._rows(request)
-        counts = [len(tokens) for tokens in new]
         padding = getattr(request.caches[0], "padding", "right")
-        width = max(1, *counts)
-        laid = torch.zeros(len(new), width, dtype=torch.long, device=self.model.device)
-        for b, tokens in enumerate(new):
-            laid[b, row_slots(padding, width, counts[b])] = tokens
+        laid, counts = rows_laid_out(new, padding, self.model.device)
+        width = laid.shape[1]
         lengths = [len(row) for row in rows]
         where = self.where(
             f"{request.name}, its step #{request.steps}: rows bring {counts} new tokens "
@@ -211,17 +209,13 @@ class Engine:
         recent rows it was given, and the uncached pass's keys and values at that row's own
         positions (a first position lost shows in the keys, not in the logits: RoPE is
         relative)."""
-        neighbours = [n for b, n in enumerate(lengths) if b != row]
         for layer, cache in enumerate(request.caches):
             if cache.rows_returned is None:
                 continue
             keys, values, valid = cache.rows_returned
             mask = valid[row]
             held = int(mask.sum())
-            who = (
-                f"{request.name}'s layer {layer}, row {row} (held {lengths[row]} before this "
-                f"call, from position {first}; its neighbours held {neighbours})"
-            )
+            who = f"{request.name}'s layer {layer}, {row_said(row, first, lengths)}"
             for which, (name, got) in enumerate((("keys", keys), ("values", values))):
                 rows = got[row][:, mask][None]  # (1, H_kv, held, D)
                 given = cache.rows_given[row][which][None]
@@ -249,11 +243,9 @@ class Engine:
     def _compare_row(self, request, logits, expected, truth, first, row, lengths, where):
         new = logits.shape[1]
         start = first + lengths[row]  # the absolute position of the row's first new token
-        neighbours = [n for b, n in enumerate(lengths) if b != row]
         where = (
-            f"row {row} (held {lengths[row]} tokens from position {first}; its neighbours "
-            f"held {neighbours}), its new positions {start}..{start + new - 1}, against that "
-            f"row alone at batch 1\n  at {where}"
+            f"{row_said(row, first, lengths)}, its new positions {start}..{start + new - 1}, "
+            f"against that row alone at batch 1\n  at {where}"
         )
         reference = lambda: truth()[0][:, -new:]  # noqa: E731
         assert_logits(logits, expected, reference, where=where, start=start, path=request.path)
@@ -456,6 +448,16 @@ class Engine:
         if self.pool is not None and blocks_back:
             gc.collect()
             pool_books.all_back(self.pool, self.pool_before, where=self.where("at the end"))
+
+
+def row_said(row: int, first: int, lengths: list[int]) -> str:
+    """A row of a batch with rows of their own, for a message: its length before the call,
+    its first position, and its neighbours' lengths (a row must not depend on them)."""
+    neighbours = [n for b, n in enumerate(lengths) if b != row]
+    return (
+        f"row {row} (held {lengths[row]} tokens before this call, from position {first}; its "
+        f"neighbours held {neighbours})"
+    )
 
 
 # On the attend path a cache computes attention in another order than the model does, so its

@@ -63,13 +63,17 @@ class PreallocatedCache:
     def _rows(self) -> int:
         return len(self._lengths)
 
-    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        start = self.length
+    def _one_length(self, call: str, per_row: str) -> None:
+        """Refuse ``call`` of the whole batch while rows hold different numbers of tokens."""
         if len(set(self._lengths)) > 1:
             raise ValueError(
-                f"append: the rows hold different numbers of tokens {self._lengths}; "
-                f"append_rows takes a count per row"
+                f"{call}: the rows hold different numbers of tokens {self._lengths}; "
+                f"{per_row} takes one per row"
             )
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        start = self.length
+        self._one_length("append", "append_rows")
         spec = dataclasses.replace(self.spec, batch=self._rows())
         end = start + check_append(spec, start, key, value, capacity=self.spec.max_length)
         self.key[: self._rows(), :, start:end] = key
@@ -97,11 +101,7 @@ class PreallocatedCache:
         return self.key[: self._rows(), :, :end], self.value[: self._rows(), :, :end], valid
 
     def truncate(self, length: int) -> None:
-        if len(set(self._lengths)) > 1:
-            raise ValueError(
-                f"truncate: the rows hold different numbers of tokens {self._lengths}; "
-                f"truncate_rows takes a length per row"
-            )
+        self._one_length("truncate", "truncate_rows")
         check_truncate(self.length, length)
         self._lengths = [length] * self._rows()  # rows past it are never returned again
 

@@ -32,6 +32,7 @@ from kvref.protocol import (
     check_reorder,
     check_truncate,
     is_count,
+    row_slots,
     rows_needed,
 )
 
@@ -219,6 +220,17 @@ class RMSNorm(nn.Module):
         return normed.to(x.dtype) * self.weight
 
 
+def rows_laid_out(rows: Sequence[Tensor], padding: str, device=None) -> tuple[Tensor, list[int]]:
+    """Token ids for ``forward_rows``: row b's new tokens ``rows[b]`` (none allowed) in the
+    slots ``padding`` says, pads token 0; and the count per row."""
+    counts = [len(tokens) for tokens in rows]
+    width = max(1, *counts)
+    laid = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+    for row, tokens in enumerate(rows):
+        laid[row, row_slots(padding, width, counts[row])] = tokens
+    return laid, counts
+
+
 @dataclass(frozen=True)
 class RowBatch:
     """How one call of ``ReferenceTransformer.forward_rows`` lays its rows out (contract,
@@ -258,10 +270,7 @@ class Attention(nn.Module):
         k = apply_rope(k, positions, c.rope_base)  # stored rotated: never rotate them again
         if rows is not None:
             mixed = self._attend_rows(q, k, v, positions, cache, rows)
-            mixed = mixed.transpose(1, 2).reshape(batch, new_tokens, c.attention_width)
-            return self.out(mixed), k, v
-        end = int(positions[-1]) + 1
-        if cache is not None and callable(getattr(cache, "attend", None)):
+        elif cache is not None and callable(getattr(cache, "attend", None)):
             # The cache computes attention itself (a paged kernel, say): no rows come back.
             mixed = cache.attend(q, k, v)
             self._check_attended(mixed, q)
@@ -275,6 +284,7 @@ class Attention(nn.Module):
                 )
             # The keys held are the most recent ones, ending at the last new position
             # (without a window and with caches they start at the first position).
+            end = int(positions[-1]) + 1
             held = all_k.shape[-2]
             key_positions = torch.arange(end - held, end, device=x.device)
             mixed = attention(q, all_k, all_v, positions, key_positions, self.window)
@@ -529,13 +539,13 @@ class ReferenceTransformer(nn.Module):
         batch, new_tokens = token_ids.shape
         lengths, firsts, padding = self._check_row_caches(caches, batch)
         counts = check_counts(counts, batch, new_tokens)
-        slot = torch.arange(new_tokens, device=self.device)
-        taken = torch.tensor(counts, device=self.device)[:, None]
-        # i, the index of a slot's token among its row's new ones (pads: any).
-        index = slot - (new_tokens - taken) if padding == "left" else slot.expand(batch, -1)
-        real = (index >= 0) & (index < taken)
+        real = torch.zeros(batch, new_tokens, dtype=torch.bool, device=self.device)
+        for row, count in enumerate(counts):
+            real[row, row_slots(padding, new_tokens, count)] = True
+        # A real slot's position: its row's next one, plus its index among the row's new
+        # tokens; a pad's is any (its keys are poisoned, its logits nan).
         starts = torch.tensor([f + n for f, n in zip(firsts, lengths, strict=True)])
-        positions = (starts.to(self.device)[:, None] + index).clamp(min=0)
+        positions = (starts.to(self.device)[:, None] + real.cumsum(dim=1) - 1).clamp(min=0)
         rows = RowBatch(counts, real, lengths, firsts, pad)
         x = self.embedding(token_ids)
         for layer, block in enumerate(self.blocks):

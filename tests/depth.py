@@ -3,8 +3,9 @@
 The default run (``pytest -n auto``, the README's quick start) gives each class a share of
 the kit profile's examples, so that the whole suite stays within a minute on two cores: every
 property, pinned input and edge still runs on every cache, on a few drawn examples. ``pytest
---soak`` gives each class the depth it is held at (``.ci/run`` runs it on the kit classes),
-and the mutant hunt (tests/test_mutants.py) searches in full in both.
+--soak`` gives each class the depth it is held at and runs the tests marked ``soak``
+(``.ci/run`` runs it after the default run); the mutant hunt (tests/test_mutants.py)
+searches in full in both.
 """
 
 SOAK = False  # set from --soak by the root conftest.py, before any test module is imported

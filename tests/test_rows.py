@@ -14,6 +14,7 @@ from torch.testing import assert_close
 
 from kvimpl import PreallocatedCache
 from kvref import CacheContractError, ModelConfig, ReferenceTransformer
+from kvref.model import rows_laid_out
 from kvref.protocol import row_slots
 from tests import depth
 
@@ -29,12 +30,7 @@ def factories():
 
 
 def laid_out(rows: list[torch.Tensor], padding: str) -> torch.Tensor:
-    """Each row's new tokens in the slots its cache's padding says; pad slots hold token 0."""
-    width = max(1, max(len(row) for row in rows))
-    batch = torch.zeros(len(rows), width, dtype=torch.long)
-    for b, row in enumerate(rows):
-        batch[b, row_slots(padding, width, len(row))] = row
-    return batch
+    return rows_laid_out(rows, padding)[0]
 
 
 def real_slots(logits: torch.Tensor, counts: list[int], padding: str) -> list[torch.Tensor]:
