@@ -213,7 +213,9 @@ class Recorder:
                 for old, new in zip(given[b], (key, value), strict=True)
             )
         self.rows_given = given
-        if isinstance(returned, tuple) and all(isinstance(t, Tensor) for t in returned):
+        # Any three tensors the model unpacks (a list too), so that none escapes the check of
+        # the rows held; anything else the model's guard refuses.
+        if isinstance(returned, (tuple, list)) and all(isinstance(t, Tensor) for t in returned):
             self.rows_returned = tuple(t.clone() for t in returned)
         return returned
 

@@ -156,3 +156,21 @@ def test_a_cache_without_the_optional_members_is_held_to_the_rest():
 
     for plan in PINNED:  # truncate, select, join and first positions: each left out
         MIXED_LENGTHS.check(OnlyAppendRows, plan)
+
+
+class ReturnsAListWithAStaleRow(PreallocatedCache):
+    """append_rows returns a list, and its first valid key of row 0 is not the row given."""
+
+    def append_rows(self, key, value, counts):
+        keys, values, valid = super().append_rows(key, value, counts)
+        keys = keys.clone()
+        keys[0, :, 0] += 1
+        return [keys, values, valid]
+
+
+def test_rows_returned_as_a_list_are_checked_too():
+    from kvcheck import failures
+    from kvcheck.properties.rows import MIXED_LENGTHS, PINNED
+
+    with pytest.raises(failures.DataLoss, match="that append_rows marked valid is not the row"):
+        MIXED_LENGTHS.check(ReturnsAListWithAStaleRow, PINNED[0])
