@@ -229,17 +229,19 @@ def assert_returned_rows(cache, *, who: str, where: str) -> None:
             fewest <= rows <= most
         ):
             count = f"{most}" if fewest == most else f"{fewest} to {most} (window {cache.window})"
+            if cache.sinks and fewest != most:
+                count = f"{fewest} to {most} (the first {cache.sinks} and window {cache.window})"
             raise DataLoss(
                 f"{who}: append returned {name} shaped {tuple(got.shape)}; a cache that was "
                 f"given {most} rows since its reset, {cache.new_tokens} by this append, must "
                 f"return the last {count} of them, shaped like {tuple(given.shape)}\n  at {where}"
             )
-        first = most - rows  # the position of the first row returned
-        if bad := differing_rows(got, given[:, :, first:]):
+        kept = cache.kept(rows)  # the index since the reset of each row returned
+        if bad := differing_rows(got, given[:, :, kept]):
             raise DataLoss(
-                f"{who}: {name} row {first + bad[0]} returned by append is not the row appended "
+                f"{who}: {name} row {kept[bad[0]]} returned by append is not the row appended "
                 f"there ({len(bad)} of {rows} rows returned differ: "
-                f"{[first + row for row in bad[:8]]})\n  at {where}"
+                f"{[kept[row] for row in bad[:8]]})\n  at {where}"
             )
 
 

@@ -27,6 +27,7 @@ from kvcheck.properties.rejection import RejectionTests
 from kvcheck.properties.requests import ForkTests, RequestsTests
 from kvcheck.properties.reset import ResetTests
 from kvcheck.properties.rows import RowsTests
+from kvcheck.properties.sinks import SinksTests
 from kvcheck.properties.stateful import StatefulTests
 
 
@@ -44,6 +45,7 @@ class CacheTests(
     TruncateTests,
     ReorderTests,
     RowsTests,
+    SinksTests,
 ):
     """Every property of the kit. Subclass it, set ``factory``, and pytest runs them all;
     those of a capability the cache does not offer are skipped as "not offered"."""
@@ -63,6 +65,7 @@ __all__ = [
     "RequestsTests",
     "ResetTests",
     "RowsTests",
+    "SinksTests",
     "StatefulTests",
     "TruncateTests",
 ]

@@ -33,7 +33,7 @@ from kvref import (
     attention,
     capabilities,
 )
-from kvref.protocol import row_slots, rows_needed
+from kvref.protocol import kept_rows, row_slots, rows_needed
 
 PATHS = ("append", "attend")
 
@@ -80,7 +80,9 @@ class Recorder:
     cache built with a ``window`` may return only a recent run of ``given``.
     """
 
-    def __init__(self, cache: LayerCache, window: int | None = None, path: str = "append"):
+    def __init__(
+        self, cache: LayerCache, window: int | None = None, path: str = "append", sinks: int = 0
+    ):
         if path == "attend" and not offers_attend(cache):
             # The kit chose the path from a probe whose cache had attend(): a cache must offer
             # a capability for every spec or for none, or the attend path would not be run.
@@ -90,6 +92,7 @@ class Recorder:
             )
         self.cache = cache
         self.window = window
+        self.sinks = sinks  # attention sinks beside the window (contract, section 8.5)
         self.path = path
         self.given: tuple[Tensor, Tensor] | None = None
         self.returned: tuple[Tensor, Tensor] | None = None
@@ -177,7 +180,12 @@ class Recorder:
     def fewest_rows(self) -> int:
         """The fewest rows the last append may return: all without a window, else the last
         W - 1 before the new ones and the new ones."""
-        return rows_needed(self.window, self.given_length, self.new_tokens)
+        return rows_needed(self.window, self.given_length, self.new_tokens, self.sinks)
+
+    def kept(self, held: int) -> list[int]:
+        """Which rows given since the reset ``held`` returned rows are: the sinks, then the
+        most recent run (``kvref.protocol.kept_rows``)."""
+        return kept_rows(self.sinks, held, self.given_length)
 
     def views_changed(self) -> list[int] | None:
         """Rows (positions from the first returned) at which the views the last append
@@ -259,7 +267,7 @@ class Recorder:
 
     def fork(self) -> Recorder:
         self.views = None
-        twin = Recorder(self.cache.fork(), self.window, self.path)
+        twin = Recorder(self.cache.fork(), self.window, self.path, self.sinks)
         twin.given = self.given
         return twin
 
@@ -270,7 +278,7 @@ class Recorder:
         keys, values = self.given
         positions = torch.arange(self.given_length, device=query.device)
         new = positions[self.given_length - self.new_tokens :]
-        return got, attention(query, keys, values, new, positions, self.window)
+        return got, attention(query, keys, values, new, positions, self.window, sink_end=self.sinks)
 
 
 def record(caches: Iterable[LayerCache], config: ModelConfig, path: str = "append"):
@@ -278,14 +286,17 @@ def record(caches: Iterable[LayerCache], config: ModelConfig, path: str = "appen
     factory that hands the same object to every layer still meets the model's guard."""
     recorders: dict[int, Recorder] = {}
     return [
-        recorders.setdefault(id(cache), Recorder(cache, config.layer_window(layer), path))
+        recorders.setdefault(
+            id(cache),
+            Recorder(cache, config.layer_window(layer), path, config.layer_sinks(layer)),
+        )
         for layer, cache in enumerate(caches)
     ]
 
 
 def recorded(factory: CacheFactory, spec: CacheSpec, path: str = "append") -> Recorder:
     """A recorded cache from ``factory`` for ``spec``."""
-    return Recorder(build(factory, spec), spec.window, path)
+    return Recorder(build(factory, spec), spec.window, path, spec.sinks)
 
 
 def warm(factory: CacheFactory, plan: CachePlan) -> Recorder:

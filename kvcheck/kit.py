@@ -31,6 +31,10 @@ NOT_OFFERED = "not offered"
 OUTSIDE = "outside the declared domain"
 # Capabilities of the factory itself, not of its caches.
 FACTORY_CAPABILITIES = {"block pool": BlockPool}
+# Capabilities a cache declares in its sizes, not by a method, and why one is missing.
+DECLARED_CAPABILITIES = {
+    "sinks": "the cache declares no attention sinks (its supports' sinks, contract 8.5)",
+}
 
 
 def probe_spec() -> CacheSpec:
@@ -61,6 +65,8 @@ def offered(factory: CacheFactory) -> set[str]:
     """The optional capabilities of ``factory``'s caches, and the factory's own."""
     names = set(capabilities(factory(probe_spec())))
     names.update(name for name, kind in FACTORY_CAPABILITIES.items() if isinstance(factory, kind))
+    if kvsizes.domain().offers_sinks:
+        names.add("sinks")
     return names
 
 
@@ -136,8 +142,13 @@ class Property:
             return f"{OUTSIDE}: {why}"
         needed = (*self.requires, *(("attend",) if path == "attend" else ()))
         lacks = [name for name in needed if name not in offered(factory)] if needed else []
-        methods = [f"{name}()" for name in lacks if name not in FACTORY_CAPABILITIES]
+        methods = [
+            f"{name}()"
+            for name in lacks
+            if name not in FACTORY_CAPABILITIES and name not in DECLARED_CAPABILITIES
+        ]
         reasons = [f"the cache has no {' or '.join(methods)} method"] if methods else []
+        reasons += [DECLARED_CAPABILITIES[name] for name in lacks if name in DECLARED_CAPABILITIES]
         if "block pool" in lacks:
             reasons.append(
                 "the factory is not a kvref.BlockPool (block_size, blocks_in_use, "

@@ -216,6 +216,7 @@ SUPPORT_FIELDS = {
     "max_batch": "int",
     "max_length": "int",
     "windows": "bool",
+    "sinks": "ints",
 }
 
 

@@ -3,7 +3,8 @@
 
 NAME is one of
 
-- a built-in's short name (``concat``, ``preallocated``, ``chunked``, ``window``, ``paged``),
+- a built-in's short name (``concat``, ``preallocated``, ``chunked``, ``window``,
+  ``streaming``, ``paged``, ``sdpa``),
   which stands for the ``MODULE:ATTR`` in ``BUILTINS``;
 - ``MODULE:ATTR``, any factory importable from the run (``ATTR`` may be dotted);
 - either of those after a label, ``LABEL=NAME`` (``mine=mypkg.caches:MyCache``): the label is
@@ -28,6 +29,7 @@ BUILTINS = {
     "preallocated": "kvimpl.preallocated:PreallocatedCache",
     "chunked": "kvimpl.chunked:ChunkedCache",
     "window": "kvimpl.window:WindowCache",
+    "streaming": "kvimpl.streaming:StreamingCache",
     "paged": "kvimpl.paged:pool",  # one pool of blocks shared by every cache it makes
     "sdpa": "kvimpl.sdpa:SdpaCache",
 }

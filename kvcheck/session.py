@@ -44,7 +44,7 @@ from kvref import (
     may_refuse_truncate,
 )
 from kvref.model import rows_laid_out
-from kvref.protocol import row_slots
+from kvref.protocol import kept_rows, row_slots
 
 
 @dataclass
@@ -219,26 +219,32 @@ class Engine:
             for which, (name, got) in enumerate((("keys", keys), ("values", values))):
                 rows = got[row][:, mask][None]  # (1, H_kv, held, D)
                 given = cache.rows_given[row][which][None]
-                total = given.shape[2]
-                if bad := kvassert.differing_rows(rows, given[:, :, total - held :]):
+                kept = kept_rows(cache.sinks, held, given.shape[2])  # each one's index
+                if bad := kvassert.differing_rows(rows, given[:, :, kept]):
                     raise failures.DataLoss(
-                        f"{who}: {name} row {total - held + bad[0]} that append_rows marked "
+                        f"{who}: {name} row {kept[bad[0]]} that append_rows marked "
                         f"valid is not the row given there ({len(bad)} of {held} differ)\n  at "
                         f"{where}"
                     )
-                reference = None
-                if kvassert.needs_reference(self.model.dtype):
-                    reference = truth()[1][layer][which][:, :, total - held :]
-                kvassert.assert_close_at(
-                    rows,
-                    uncached[layer][which][:, :, total - held :],
-                    what=f"{who}: the {name} it holds and the uncached pass's at its positions",
-                    where=where,
-                    position_axis=2,
-                    first_position=first + total - held,
-                    failure=failures.DataLoss,
-                    reference=reference,
-                )
+                # The sinks and the recent run, each a run of positions the message can name.
+                sinks = min(cache.sinks, held)
+                for low, high in ((0, sinks), (sinks, held)):
+                    if low == high:
+                        continue
+                    at = slice(kept[low], kept[low] + high - low)
+                    reference = None
+                    if kvassert.needs_reference(self.model.dtype):
+                        reference = truth()[1][layer][which][:, :, at]
+                    kvassert.assert_close_at(
+                        rows[:, :, low:high],
+                        uncached[layer][which][:, :, at],
+                        what=f"{who}: the {name} it holds and the uncached pass's at its positions",
+                        where=where,
+                        position_axis=2,
+                        first_position=first + at.start,
+                        failure=failures.DataLoss,
+                        reference=reference,
+                    )
 
     def _compare_row(self, request, logits, expected, truth, first, row, lengths, where):
         new = logits.shape[1]
@@ -543,7 +549,14 @@ def first_wrong_layer(model: ReferenceTransformer, request: Request, start: int)
                 )
             continue
         for which, (name, got) in enumerate(zip(("keys", "values"), cache.returned, strict=True)):
-            want = uncached[layer][which][:, :, request.held - got.shape[2] : request.held]
+            if cache.given_length != request.held:
+                return (
+                    f"  diagnosis: layer {layer}'s cache was given {cache.given_length} rows "
+                    f"since its reset, but the history holds {request.held} tokens: the model "
+                    f"fed it other tokens than the new ones"
+                )
+            held = cache.kept(got.shape[2]) if got.ndim == 4 else []
+            want = uncached[layer][which][:, :, held]
             if got.shape != want.shape:
                 return (
                     f"  diagnosis: layer {layer}'s cache returned {name} shaped "

@@ -116,6 +116,10 @@ class Domain:
     max_length: int | None = None
     windows: bool | None = None  # False: sliding windows are not supported
     devices: tuple[str, ...] | None = None  # device types: "cpu", "cuda", "mps"
+    # Attention sinks (contract, section 8.5): the sink counts it takes beside a window (0: a
+    # plain window). Unlike the fields above, None is "none": the kit draws sinks only for a
+    # cache that lists them, in the property ``attention sinks``.
+    sinks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         def put(name, value):
@@ -145,7 +149,19 @@ class Domain:
         if self.devices is not None:
             devices = (self.devices,) if isinstance(self.devices, str) else self.devices
             put("devices", tuple(torch.device(str(d)).type for d in devices))
-        for name in ("dtypes", "head_dims", "kv_heads", "groups", "pages", "devices"):
+        if self.sinks is not None:
+            sinks = (self.sinks,) if isinstance(self.sinks, int) else self.sinks
+            if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sinks):
+                raise ValueError(f"supports.sinks must be ints >= 0, got {self.sinks!r}")
+            put("sinks", tuple(sorted(set(sinks))))
+            if self.sinks and 0 not in self.sinks:
+                raise ValueError(
+                    f"supports.sinks {self.sinks} lacks 0: the kit's other properties draw "
+                    "plain windows (a window with 0 sinks), which every sink cache takes"
+                )
+            if self.windows is False and any(self.sinks):
+                raise ValueError("supports.sinks: sinks sit beside a window, and windows is False")
+        for name in ("dtypes", "head_dims", "kv_heads", "groups", "pages", "devices", "sinks"):
             if getattr(self, name) == ():
                 raise ValueError(f"supports.{name} is empty: the cache supports nothing")
 
@@ -181,7 +197,20 @@ class Domain:
                 return f"{name} {value} (supports up to {bound})"
         if self.windows is False and spec.window is not None:
             return f"window {spec.window} (supports no windows)"
+        if spec.sinks not in self.sink_counts:
+            takes = ", ".join(map(str, self.sink_counts))
+            return f"{spec.sinks} attention sinks (supports {takes})"
         return None
+
+    @property
+    def sink_counts(self) -> tuple[int, ...]:
+        """The sink counts a window spec may carry: the declared ones, or 0 alone."""
+        return (0,) if self.sinks is None else self.sinks
+
+    @property
+    def offers_sinks(self) -> bool:
+        """Whether it takes a window with sinks (the property ``attention sinks``)."""
+        return any(self.sink_counts)
 
     @property
     def fewest_group(self) -> int:
@@ -211,6 +240,8 @@ class Domain:
             parts.append(f"max_length: up to {min(self.max_length, LARGEST_BUILT)}")
         if self.windows is False:
             parts.append("windows: none")
+        if self.sinks is not None:
+            parts.append(f"sinks: {', '.join(map(str, self.sinks))}")
         return parts
 
     def left_out(self) -> list[str]:

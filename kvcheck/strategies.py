@@ -120,12 +120,13 @@ class Scenario:
 
 
 def describe_config(c: ModelConfig) -> str:
+    sinks = f" and {c.sinks} sinks" if c.sinks else ""
     if c.window is None:
         window = ""
     elif c.window_layers == "all":
-        window = f", window {c.window} on every layer"
+        window = f", window {c.window}{sinks} on every layer"
     else:
-        window = f", window {c.window} on even layers (odd ones global)"
+        window = f", window {c.window}{sinks} on even layers (odd ones global)"
     hidden = "" if c.hidden is None else f" on a residual of width {c.hidden}"
     return (
         f"{c.num_layers} layers, {c.num_heads} heads over {c.num_kv_heads} kv heads of "

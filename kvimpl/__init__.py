@@ -9,6 +9,7 @@ from kvimpl.paged import PagedCache, PagedPool
 from kvimpl.paged import pool as paged_pool
 from kvimpl.preallocated import PreallocatedCache
 from kvimpl.sdpa import SdpaCache
+from kvimpl.streaming import StreamingCache
 from kvimpl.window import WindowCache
 from kvref.protocol import CacheFactory
 
@@ -17,6 +18,7 @@ CACHES: dict[str, CacheFactory] = {
     "preallocated": PreallocatedCache,
     "chunked": ChunkedCache,
     "window": WindowCache,
+    "streaming": StreamingCache,  # attention sinks beside a window (StreamingLLM)
     "paged": paged_pool,  # one pool of blocks shared by every cache it makes
     "sdpa": SdpaCache,  # attend by torch's fused attention, declaring its backend's domain
 }
@@ -29,5 +31,6 @@ __all__ = [
     "PagedPool",
     "PreallocatedCache",
     "SdpaCache",
+    "StreamingCache",
     "WindowCache",
 ]

@@ -32,6 +32,7 @@ from kvref.protocol import (
     check_reorder,
     check_truncate,
     is_count,
+    kept_rows,
     row_slots,
     rows_needed,
 )
@@ -49,6 +50,9 @@ class ModelConfig:
     seed: int = 0
     window: int | None = None  # sliding-window attention: a query at p sees keys p-W+1..p
     window_layers: Literal["all", "alternate"] = "all"  # every layer, or even layers only
+    # StreamingLLM's attention sinks: a window layer's queries also see the session's first
+    # ``sinks`` tokens (contract, section 8.5). Only with a window.
+    sinks: int = 0
     # The residual width; None: num_heads x head_dim. Set apart from the heads (as Gemma does,
     # the query and output projections mapping between the two), a model can be small
     # everywhere but where a cache looks: wide heads, many kv heads, on a narrow residual.
@@ -75,6 +79,10 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.window is not None and (isinstance(self.window, bool) or self.window < 1):
             raise ValueError(f"window must be None or an int >= 1, got {self.window!r}")
+        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
+            raise ValueError(f"sinks must be an int >= 0, got {self.sinks!r}")
+        if self.sinks and self.window is None:
+            raise ValueError(f"sinks is {self.sinks}: attention sinks need a window")
         if self.window_layers not in ("all", "alternate"):
             raise ValueError(
                 f"window_layers must be 'all' or 'alternate', got {self.window_layers!r}"
@@ -86,6 +94,10 @@ class ModelConfig:
         if self.window_layers == "alternate" and layer % 2:
             return None
         return self.window
+
+    def layer_sinks(self, layer: int) -> int:
+        """Layer ``layer``'s attention sinks: the config's on a window layer, else none."""
+        return 0 if self.layer_window(layer) is None else self.sinks
 
     @property
     def d_model(self) -> int:
@@ -144,16 +156,24 @@ def apply_rope(x: Tensor, positions: Tensor, base: float) -> Tensor:
 
 
 def causal_mask(
-    query_positions: Tensor, key_positions: Tensor, window: int | None = None
+    query_positions: Tensor,
+    key_positions: Tensor,
+    window: int | None = None,
+    sink_end: int | Tensor | None = None,
 ) -> Tensor:
     """(T, keys) booleans, or (B, T, keys) for positions of each batch row's own ((B, T) and
     (B, keys)): a query at absolute position p sees the keys at positions <= p, wherever its
     chunk starts (a tril over the chunk alone is wrong on a warm cache), and with a window only
-    those > p - window."""
+    those > p - window, and the sinks: those below ``sink_end`` (an int, or (B,) per row)."""
     keys, queries = key_positions[..., None, :], query_positions[..., :, None]
     allowed = keys <= queries
     if window is not None:
-        allowed &= keys > queries - window
+        recent = keys > queries - window
+        if sink_end is not None:
+            if isinstance(sink_end, Tensor) and sink_end.ndim:
+                sink_end = sink_end[:, None, None]
+            recent |= keys < sink_end
+        allowed &= recent
     return allowed
 
 
@@ -165,10 +185,12 @@ def attention(
     key_positions: Tensor,
     window: int | None = None,
     valid: Tensor | None = None,
+    sink_end: int | Tensor | None = None,
 ) -> Tensor:
     """Softmax attention of ``query`` (B, H, T, D) over ``keys`` and ``values`` (B, H_kv,
     rows, D) at the given absolute positions, (T,) and (rows,) or each batch row's own (B, T)
-    and (B, rows): causal, windowed if ``window``, scaled by 1/sqrt(D). Query head h reads kv
+    and (B, rows): causal, windowed if ``window`` (beside the sinks below ``sink_end``, section
+    8.5), scaled by 1/sqrt(D). Query head h reads kv
     head h // (H // H_kv) (grouped-query attention). With ``valid`` (B, rows) booleans, the
     rows it marks False are no keys at all: masked, and their values zeroed, so that a pad of
     nan a cache keeps costs nothing (0 x nan is nan). A query that sees no key gives nan."""
@@ -186,7 +208,7 @@ def attention(
     exact = query.dtype in HALF_DTYPES and query.device.type != "mps"  # MPS has no float64
     wide = torch.float64 if exact else at_least_float32(query.dtype)
     scores = (query.to(wide) @ keys.to(wide).transpose(-2, -1)) / math.sqrt(query.shape[-1])
-    allowed = causal_mask(query_positions, key_positions, window)
+    allowed = causal_mask(query_positions, key_positions, window, sink_end)
     if allowed.ndim == 3:  # per row: broadcast over the heads
         allowed = allowed[:, None]
     if valid is not None:
@@ -250,6 +272,7 @@ class Attention(nn.Module):
         self.config = config
         self.layer = layer
         self.window = config.layer_window(layer)
+        self.sinks = config.layer_sinks(layer)
         kv_width = config.num_kv_heads * config.head_dim
         self.query = nn.Linear(config.d_model, config.attention_width, bias=False)
         self.key = nn.Linear(config.d_model, kv_width, bias=False)
@@ -257,10 +280,16 @@ class Attention(nn.Module):
         self.out = nn.Linear(config.attention_width, config.d_model, bias=False)
 
     def forward(
-        self, x: Tensor, positions: Tensor, cache: LayerCache | None, rows: RowBatch | None = None
+        self,
+        x: Tensor,
+        positions: Tensor,
+        cache: LayerCache | None,
+        rows: RowBatch | None = None,
+        first: int = 0,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Return the attention output and the new tokens' rotated keys and values; with
-        ``rows``, through ``append_rows`` with each row's own positions (``positions`` (B, T))."""
+        ``rows``, through ``append_rows`` with each row's own positions (``positions`` (B, T)).
+        ``first`` is the position of the session's first token (where its sinks are)."""
         c = self.config
         batch, new_tokens, _ = x.shape
         q = self.query(x).view(batch, new_tokens, c.num_heads, c.head_dim).transpose(1, 2)
@@ -282,12 +311,14 @@ class Attention(nn.Module):
                 self._check_returned_rows(
                     all_k, all_v, batch, start=before, end=before + new_tokens
                 )
-            # The keys held are the most recent ones, ending at the last new position
-            # (without a window and with caches they start at the first position).
+            # The keys held are the sinks, then the most recent ones, ending at the last new
+            # position (without a window and with caches: every one from the first position).
             end = int(positions[-1]) + 1
-            held = all_k.shape[-2]
-            key_positions = torch.arange(end - held, end, device=x.device)
-            mixed = attention(q, all_k, all_v, positions, key_positions, self.window)
+            kept = kept_rows(self.sinks, all_k.shape[-2], end - first)
+            key_positions = first + torch.tensor(kept, dtype=torch.long, device=x.device)
+            mixed = attention(
+                q, all_k, all_v, positions, key_positions, self.window, sink_end=first + self.sinks
+            )
         mixed = mixed.transpose(1, 2).reshape(batch, new_tokens, c.attention_width)
         return self.out(mixed), k, v
 
@@ -301,16 +332,19 @@ class Attention(nn.Module):
             k.masked_fill(pads, rows.pad), v.masked_fill(pads, rows.pad), rows.counts
         )
         held = self._check_returned_row_batch(all_k, all_v, valid, q.shape[0], rows)
-        # A row's valid rows are its most recent ones, ending at its last new position.
-        ends = torch.tensor(
-            [
-                first + length + count
-                for first, length, count in zip(rows.firsts, rows.lengths, rows.counts, strict=True)
-            ],
+        # A row's valid rows are its sinks, then its most recent ones, ending at its last new
+        # position.
+        firsts = torch.tensor(rows.firsts, device=q.device)
+        totals = torch.tensor(
+            [length + count for length, count in zip(rows.lengths, rows.counts, strict=True)],
             device=q.device,
         )
-        key_positions = (ends - held)[:, None] + valid.cumsum(dim=1) - 1
-        return attention(q, all_k, all_v, positions, key_positions, self.window, valid)
+        index = valid.cumsum(dim=1) - 1  # each valid slot's index among its row's
+        sinks = held.clamp(max=self.sinks)[:, None]
+        kept = torch.where(index < sinks, index, (totals - held)[:, None] + index)
+        key_positions = firsts[:, None] + kept
+        sink_end = firsts + self.sinks
+        return attention(q, all_k, all_v, positions, key_positions, self.window, valid, sink_end)
 
     def _check_returned_row_batch(
         self, keys: object, values: object, valid: object, batch: int, rows: RowBatch
@@ -345,7 +379,7 @@ class Attention(nn.Module):
         held = valid.sum(dim=1)
         for row, (length, count) in enumerate(zip(rows.lengths, rows.counts, strict=True)):
             end = length + count
-            fewest = rows_needed(self.window, end, count)
+            fewest = rows_needed(self.window, end, count, self.sinks)
             if not fewest <= int(held[row]) <= end:
                 want = f"{end}" if fewest == end else f"{fewest} to {end}"
                 raise CacheContractError(
@@ -378,7 +412,7 @@ class Attention(nn.Module):
         a window at least the last W - 1 before the new ones and the new ones."""
         c = self.config
         new_tokens = end - start
-        fewest = rows_needed(self.window, end, new_tokens)
+        fewest = rows_needed(self.window, end, new_tokens, self.sinks)
         ok = (
             keys.ndim == 4
             and values.shape == keys.shape
@@ -388,6 +422,8 @@ class Attention(nn.Module):
         if not ok:
             rows = f"{end}" if fewest == end else f"{fewest} to {end}"
             window = "" if self.window is None else f" (window {self.window})"
+            if self.sinks:
+                window = f" (window {self.window} and {self.sinks} sinks)"
             raise CacheContractError(
                 f"layer {self.layer}: the caches' length was {start} before this call, so "
                 f"after appending {new_tokens} tokens append must return {rows} rows{window}, "
@@ -406,9 +442,14 @@ class Block(nn.Module):
         self.ffn_out = nn.Linear(config.ffn_dim, config.d_model, bias=False)
 
     def forward(
-        self, x: Tensor, positions: Tensor, cache: LayerCache | None, rows: RowBatch | None = None
+        self,
+        x: Tensor,
+        positions: Tensor,
+        cache: LayerCache | None,
+        rows: RowBatch | None = None,
+        first: int = 0,
     ):
-        attended, k, v = self.attention(self.attention_norm(x), positions, cache, rows)
+        attended, k, v = self.attention(self.attention_norm(x), positions, cache, rows, first)
         x = x + attended
         x = x + self.ffn_out(F.silu(self.ffn_in(self.ffn_norm(x))))
         return x, k, v
@@ -467,6 +508,7 @@ class ReferenceTransformer(nn.Module):
             self.dtype,
             self.device,
             window=c.layer_window(layer),
+            sinks=c.layer_sinks(layer),
         )
 
     def new_caches(self, factory: CacheFactory, *, batch: int, max_length: int) -> list[LayerCache]:
@@ -500,9 +542,10 @@ class ReferenceTransformer(nn.Module):
         elif start_position:
             raise ValueError("start_position is for uncached calls; caches set their own")
         else:
-            offset = self._check_caches(caches, batch=token_ids.shape[0])
-            offset += self._first_position(caches)
-        logits, _ = self._run(token_ids, caches, offset)
+            first = self._first_position(caches)
+            offset = self._check_caches(caches, batch=token_ids.shape[0]) + first
+            start_position = first
+        logits, _ = self._run(token_ids, caches, offset, start_position)
         return logits
 
     @staticmethod
@@ -638,16 +681,18 @@ class ReferenceTransformer(nn.Module):
         self._check_token_ids(token_ids)
         if not is_count(start_position):
             raise ValueError(f"start_position must be an int >= 0, got {start_position!r}")
-        return self._run(token_ids, None, start_position)
+        return self._run(token_ids, None, start_position, start_position)
 
-    def _run(self, token_ids: Tensor, caches: Sequence[LayerCache] | None, offset: int):
+    def _run(self, token_ids: Tensor, caches: Sequence[LayerCache] | None, offset: int, first: int):
+        """The tokens at positions ``offset`` onwards, in a session whose first token sat at
+        ``first`` (its sinks)."""
         new_tokens = token_ids.shape[1]
         positions = torch.arange(offset, offset + new_tokens, device=self.device)
         x = self.embedding(token_ids)
         keys_and_values = []
         for layer, block in enumerate(self.blocks):
             cache = None if caches is None else caches[layer]
-            x, k, v = block(x, positions, cache)
+            x, k, v = block(x, positions, cache, first=first)
             keys_and_values.append((k, v))
         logits = self.final_norm(x) @ self.embedding.weight.T  # tied output embedding
         return logits, keys_and_values

@@ -47,27 +47,43 @@ class CacheSpec:
     dtype: torch.dtype
     device: torch.device
     window: int | None = None  # sliding-window layer: a query at p sees keys p-window+1..p
+    # Attention sinks beside the window (contract, section 8.5): every query also sees the
+    # session's first ``sinks`` tokens. Only with a window; 0 for every spec the kit builds
+    # for a cache that declares none.
+    sinks: int = 0
 
     def __post_init__(self) -> None:
         if self.window is not None and (
             isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1
         ):
             raise ValueError(f"CacheSpec.window must be None or an int >= 1, got {self.window!r}")
+        if not is_count(self.sinks):
+            raise ValueError(f"CacheSpec.sinks must be an int >= 0, got {self.sinks!r}")
+        if self.sinks and self.window is None:
+            raise ValueError(f"CacheSpec.sinks is {self.sinks}: sinks need a window")
 
     def rows_needed(self, length: int, new_tokens: int = 0) -> int:
         """The fewest rows a cache holding ``length`` tokens may keep (0 new tokens) or return
         after an append of ``new_tokens`` of them (``rows_needed``)."""
-        return rows_needed(self.window, length, new_tokens)
+        return rows_needed(self.window, length, new_tokens, self.sinks)
 
 
-def rows_needed(window: int | None, length: int, new_tokens: int = 0) -> int:
+def rows_needed(window: int | None, length: int, new_tokens: int = 0, sinks: int = 0) -> int:
     """The fewest rows a layer with ``window`` holding ``length`` tokens may keep (0 new
     tokens) or return after an append of ``new_tokens`` of them: all of them without a
     window, else the last W - 1 before the new ones (every new query's whole window) and
-    the new ones."""
+    the new ones, and the first ``sinks`` (section 8.5) where they are not among those."""
     if window is None:
         return length
-    return min(length, window - 1 + new_tokens)
+    return min(length, sinks + window - 1 + new_tokens)
+
+
+def kept_rows(sinks: int, held: int, total: int) -> list[int]:
+    """Which of ``total`` tokens a cache returning ``held`` rows returns, as indices since
+    the reset, oldest first: the first ``sinks`` (section 8.5), then the most recent run
+    (rule 7). Without sinks, the last ``held``."""
+    first = min(sinks, held)
+    return [*range(first), *range(total - (held - first), total)]
 
 
 def may_refuse_truncate(windows: Iterable[int | None], held: int, target: int) -> bool:

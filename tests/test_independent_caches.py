@@ -7,6 +7,7 @@ import torch
 
 from kvcheck import CacheTests
 from kvcheck import badinput as kvbad
+from kvcheck.properties.sinks import SinksTests
 from tests import depth
 from tests.independent.deque_window_cache import DequeWindowCache
 from tests.independent.fifo_paged_pool import FifoPagedPool
@@ -16,6 +17,7 @@ from tests.independent.list_cache import ListCache
 from tests.independent.paged_cache import PagedCache
 from tests.independent.pooled_ring_cache import RingCache
 from tests.independent.sdpa_cache import SdpaCache
+from tests.independent.sink_list_cache import SinkListCache
 from tests.independent.slot_cache import SlotCache
 from tests.independent.stacked_cache import StackedCache
 from tests.independent.view_cache import ViewCache
@@ -85,6 +87,20 @@ class TestSdpaCache(Independent):
     by copying the list; truncate and reorder."""
 
     factory = SdpaCache
+
+
+class TestSinkListCacheSinks(SinksTests):
+    """Attention sinks in a tensor of sinks and a deque of recent chunks, joined per append
+    (contract, section 8.5), written from the contract alone: the default run holds it to the
+    property it was written for, --soak to every property."""
+
+    factory = SinkListCache
+    examples_scale = depth.pick(0.2, soak=1.0)
+
+
+@pytest.mark.soak
+class TestSinkListCache(Independent):
+    factory = SinkListCache
 
 
 class TestLeftPaddedBatchCache(Independent):

@@ -20,11 +20,25 @@ from kvcheck.properties import (
     requests,
     reset,
     rows,
+    sinks,
     stateful,
 )
 
 # The verdict's order: what everything rests on first, then the capabilities.
-AREAS = (core, reset, isolation, rejection, memory, stateful, requests, attend, pool, edits, rows)
+AREAS = (
+    core,
+    reset,
+    isolation,
+    rejection,
+    memory,
+    stateful,
+    requests,
+    attend,
+    pool,
+    edits,
+    rows,
+    sinks,
+)
 
 
 def _declared(module) -> list[Property]:

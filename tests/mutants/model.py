@@ -29,9 +29,9 @@ def mask_from_chunk_start() -> Iterator[None]:
     original = model.causal_mask
 
     def from_chunk_start(
-        query_positions: Tensor, key_positions: Tensor, window: int | None = None
+        query_positions: Tensor, key_positions: Tensor, window: int | None = None, sink_end=None
     ) -> Tensor:
-        return original(query_positions - query_positions[0], key_positions, window)
+        return original(query_positions - query_positions[0], key_positions, window, sink_end)
 
     with mock.patch.object(model, "causal_mask", from_chunk_start):
         yield
@@ -63,11 +63,16 @@ def rotates_held_keys_again() -> Iterator[None]:
     original = model.Attention.forward
 
     def forward(
-        self: model.Attention, x: Tensor, positions: Tensor, cache: LayerCache | None, rows=None
+        self: model.Attention,
+        x: Tensor,
+        positions: Tensor,
+        cache: LayerCache | None,
+        rows=None,
+        first: int = 0,
     ):
         if cache is not None:
             cache = _RotatingReads(cache, self.config.rope_base)
-        return original(self, x, positions, cache, rows)
+        return original(self, x, positions, cache, rows, first)
 
     with mock.patch.object(model.Attention, "forward", forward):
         yield
