@@ -5,6 +5,7 @@
   sets the same for everything else (``examples/`` included).
 - ``kv_device``: a test with this mark builds on the kit's device (``--kv-device``) and is
   skipped where this machine lacks it, as the kit's own tests are.
+- ``subprocess``: a test that runs pytest in a process of its own; these run first.
 - ``--soak``: this repository's kit classes search at their full depth (``tests.depth``), and
   the tests marked ``soak`` run (else they are skipped, saying so): what the default run
   leaves to ``.ci/run`` to stay within a minute on two cores.
@@ -50,6 +51,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "kv_device: a test that runs on --kv-device (skipped where it is unavailable)"
     )
     config.addinivalue_line("markers", f"soak: {SOAK_ONLY} (tests/depth.py)")
+    config.addinivalue_line(
+        "markers", "subprocess: runs pytest in a process of its own, some seconds: started first"
+    )
     if not ours(config) or not config.pluginmanager.has_plugin("kvcheck"):
         return
     if controls_workers(config):  # it runs no test: torch, some 2 s, only in the workers
@@ -68,7 +72,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not ours(config) or config.getoption("--soak"):
+    if not ours(config):
+        return
+    # The longest tests first: started last, one would keep a worker busy seconds after the
+    # other had run out of tests (pytest-xdist hands tests out in this order).
+    items.sort(key=lambda item: item.get_closest_marker("subprocess") is None)
+    if config.getoption("--soak"):
         return
     skip = pytest.mark.skip(reason=f"soak tier: {SOAK_ONLY}")
     for item in items:
@@ -81,3 +90,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         from kvcheck import plugin
 
         plugin.skip_where_the_device_is_unavailable()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # pytest's unraisable-exception plugin ends each process with five full collections,
+    # some 0.2 s each over a heap holding torch: a second of every worker's run. What is
+    # alive now is frozen out of them; the tests' own objects were collected as they ran.
+    if ours(session.config):
+        import gc
+
+        gc.freeze()

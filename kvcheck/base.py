@@ -27,6 +27,7 @@ from kvcheck.properties.rejection import RejectionTests
 from kvcheck.properties.requests import ForkTests, RequestsTests
 from kvcheck.properties.reset import ResetTests
 from kvcheck.properties.rows import RowsTests
+from kvcheck.properties.shift import ShiftTests
 from kvcheck.properties.sinks import SinksTests
 from kvcheck.properties.stateful import StatefulTests
 
@@ -45,6 +46,7 @@ class CacheTests(
     TruncateTests,
     ReorderTests,
     RowsTests,
+    ShiftTests,
     SinksTests,
 ):
     """Every property of the kit. Subclass it, set ``factory``, and pytest runs them all;
@@ -65,6 +67,7 @@ __all__ = [
     "RequestsTests",
     "ResetTests",
     "RowsTests",
+    "ShiftTests",
     "SinksTests",
     "StatefulTests",
     "TruncateTests",

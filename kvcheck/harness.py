@@ -33,6 +33,7 @@ from kvref import (
     attention,
     capabilities,
 )
+from kvref.model import shifted_rows
 from kvref.protocol import kept_rows, row_slots, rows_needed
 
 PATHS = ("append", "attend")
@@ -81,7 +82,12 @@ class Recorder:
     """
 
     def __init__(
-        self, cache: LayerCache, window: int | None = None, path: str = "append", sinks: int = 0
+        self,
+        cache: LayerCache,
+        window: int | None = None,
+        path: str = "append",
+        sinks: int = 0,
+        rope_base: float = 10_000.0,
     ):
         if path == "attend" and not offers_attend(cache):
             # The kit chose the path from a probe whose cache had attend(): a cache must offer
@@ -93,6 +99,12 @@ class Recorder:
         self.cache = cache
         self.window = window
         self.sinks = sinks  # attention sinks beside the window (contract, section 8.5)
+        # Context shifts (section 8.4): the keys given are re-rotated as the cache's must be,
+        # in float64; ``rerotated`` is the indices whose keys a cache may round otherwise
+        # (``kvcheck.asserts.shift_rounding``), ``shifts`` the count of each shift so far.
+        self.rope_base = rope_base
+        self.rerotated = range(0)
+        self.shifts: tuple[int, ...] = ()
         self.path = path
         self.given: tuple[Tensor, Tensor] | None = None
         self.returned: tuple[Tensor, Tensor] | None = None
@@ -202,8 +214,12 @@ class Recorder:
     def reset(self) -> None:
         self.views = None
         self.cache.reset()
+        self._forget()
+
+    def _forget(self) -> None:
         self.given = self.returned = self.attended = None
         self.rows_given = self.rows_returned = None
+        self.rerotated, self.shifts = range(0), ()
 
     # --- rows of their own: passed through, and recorded row by row -----------------------
     def append_rows(self, key: Tensor, value: Tensor, counts) -> tuple[Tensor, Tensor, Tensor]:
@@ -249,8 +265,15 @@ class Recorder:
     def reset_at(self, first_position) -> None:
         self.views = None
         self.cache.reset_at(first_position)
-        self.given = self.returned = self.attended = None
-        self.rows_given = self.rows_returned = None
+        self._forget()
+
+    def shift(self, start: int, count: int) -> None:
+        self.views = self.returned = None
+        self.cache.shift(start, count)
+        if self.given is not None:
+            self.given = shifted_rows(*self.given, start, count, self.rope_base)
+            low = min(self.rerotated.start, start) if self.rerotated else start
+            self.rerotated, self.shifts = range(low, self.given_length), (*self.shifts, count)
 
     # The optional capabilities, passed through; the record follows only a call that returns.
     def truncate(self, length: int) -> None:
@@ -258,6 +281,7 @@ class Recorder:
         self.cache.truncate(length)
         if self.given is not None:
             self.given = tuple(rows[:, :, :length] for rows in self.given)
+            self.rerotated = self.rerotated[:length]
 
     def reorder(self, indices: Tensor) -> None:
         self.views = self.returned = None
@@ -267,8 +291,8 @@ class Recorder:
 
     def fork(self) -> Recorder:
         self.views = None
-        twin = Recorder(self.cache.fork(), self.window, self.path, self.sinks)
-        twin.given = self.given
+        twin = Recorder(self.cache.fork(), self.window, self.path, self.sinks, self.rope_base)
+        twin.given, twin.rerotated, twin.shifts = self.given, self.rerotated, self.shifts
         return twin
 
     def attended_and_reference(self) -> tuple[object, Tensor]:
@@ -288,7 +312,13 @@ def record(caches: Iterable[LayerCache], config: ModelConfig, path: str = "appen
     return [
         recorders.setdefault(
             id(cache),
-            Recorder(cache, config.layer_window(layer), path, config.layer_sinks(layer)),
+            Recorder(
+                cache,
+                config.layer_window(layer),
+                path,
+                config.layer_sinks(layer),
+                config.rope_base,
+            ),
         )
         for layer, cache in enumerate(caches)
     ]
@@ -296,7 +326,7 @@ def record(caches: Iterable[LayerCache], config: ModelConfig, path: str = "appen
 
 def recorded(factory: CacheFactory, spec: CacheSpec, path: str = "append") -> Recorder:
     """A recorded cache from ``factory`` for ``spec``."""
-    return Recorder(build(factory, spec), spec.window, path, spec.sinks)
+    return Recorder(build(factory, spec), spec.window, path, spec.sinks, spec.rope_base)
 
 
 def warm(factory: CacheFactory, plan: CachePlan) -> Recorder:

@@ -41,9 +41,10 @@ from kvref import (
     CacheFactory,
     ReferenceTransformer,
     capabilities,
+    may_refuse_shift,
     may_refuse_truncate,
 )
-from kvref.model import rows_laid_out
+from kvref.model import HeldRows, rows_laid_out, shifted_rows
 from kvref.protocol import kept_rows, row_slots
 
 
@@ -60,6 +61,10 @@ class Request:
     # the position of each row's first token (section 8.3), as the plan set them.
     rows: list[Tensor] | None = None
     firsts: list[int] | None = None
+    # After a context shift (section 8.4): what each layer should hold, (keys, values), in the
+    # model's dtype and in float64 (the truth half precision is judged by); no uncached pass
+    # over the tokens left computes it, so every later step runs the model over these rows.
+    shifted: tuple[list[tuple[Tensor, Tensor]], list[tuple[Tensor, Tensor]]] | None = None
 
     @property
     def held(self) -> int:
@@ -145,10 +150,12 @@ class Engine:
         caller compares (the core properties hold one uncached pass over a whole session).
         Returns the cached logits."""
         start, end = request.held, request.held + new.shape[1]
+        first = self._first(request)
         kind = "prefill" if start == 0 else "decode"
         where = self.where(
             f"{request.name}, its step #{request.steps}: {kind} of {new.shape[1]} token"
-            f"{'s' * (new.shape[1] > 1)} at absolute positions {start}..{end - 1}{at}"
+            f"{'s' * (new.shape[1] > 1)} at absolute positions {first + start}..{first + end - 1}"
+            f"{at}"
         )
         try:
             logits = self.model(new, caches=request.caches)
@@ -156,15 +163,36 @@ class Engine:
             error.add_note(f"  at {where}")
             raise
         request.history = torch.cat((request.history, new), dim=1)
+        if request.rows is not None:  # rows of their own, fed as one batch this time
+            fed = zip(request.rows, new, strict=True)
+            request.rows = [torch.cat((row, tokens)) for row, tokens in fed]
         request.steps += 1
+        if request.shifted is not None:  # the oracle moves on with every step, compared or not
+            expected, reference = self._after_shift(request, new)
+            if compare:  # the rows first: a key a shift moved wrongly names its layer and row
+                self._check_returned(request, end, where)
+                assert_logits(
+                    logits,
+                    expected,
+                    reference,
+                    where=where,
+                    start=first + start,
+                    path=request.path,
+                    what="cached logits and the model's over the rows the shifts left",
+                )
+            return logits
         if compare:
             self._compare(request, logits, start, where)
-            for layer, cache in enumerate(request.caches):
-                who = f"{request.name}'s layer {layer}"
-                kvassert.assert_length(cache, end, who=who, where=where)
-                if cache.path == "append":
-                    kvassert.assert_returned_rows(cache, who=who, where=where)
+            self._check_returned(request, end, where)
         return logits
+
+    def _check_returned(self, request: Request, end: int, where: str) -> None:
+        """Every layer holds ``end`` tokens and, on the append path, returned the rows given."""
+        for layer, cache in enumerate(request.caches):
+            who = f"{request.name}'s layer {layer}"
+            kvassert.assert_length(cache, end, who=who, where=where)
+            if cache.path == "append":
+                kvassert.assert_returned_rows(cache, who=who, where=where)
 
     # --- rows of their own (contract, section 8.1) ----------------------------------------
     def feed_rows(self, request: Request, new: list[Tensor], *, at: str = "") -> None:
@@ -263,9 +291,8 @@ class Engine:
         rows = self._rows(request)
         config = self.model.config
         windows = [config.layer_window(layer) for layer in range(config.num_layers)]
-        order = sorted(range(len(windows)), key=lambda i: (windows[i] is None, -(windows[i] or 0)))
         what = f"truncate_rows to {keep}{at}"
-        for done, layer in enumerate(order):
+        for done, layer in enumerate(self.model.widest_window_first()):
             error = kvassert.raised_by(lambda i=layer: request.caches[i].truncate_rows(tuple(keep)))
             if error is None:
                 continue
@@ -312,16 +339,18 @@ class Engine:
         self._check_row_lengths(request, f"{other.name} joins{at}")
 
     def reset_at(self, request: Request, firsts: list[int], *, at: str = "") -> None:
-        """Every layer empty, row b's next token at position ``firsts[b]`` (section 8.3)."""
+        """Every layer empty, row b's next token at position ``firsts[b]`` (section 8.3): a
+        tuple for a cache with rows of their own, else the one int all rows share."""
+        rows = "append_rows" in request.offered
         for cache in request.caches:
-            cache.reset_at(tuple(firsts))
+            cache.reset_at(tuple(firsts) if rows else firsts[0])
         request.history = request.history[:, :0]
-        request.rows, request.firsts, request.steps = (
-            [request.history[0]] * len(firsts),
-            list(firsts),
-            0,
-        )
-        self._check_row_lengths(request, f"reset_at {firsts}{at}")
+        request.firsts, request.steps, request.shifted = list(firsts), 0, None
+        request.rows = [request.history[0]] * len(firsts) if rows else None
+        if rows:
+            self._check_row_lengths(request, f"reset_at {firsts}{at}")
+        else:
+            self._check_lengths(request, f"reset_at {firsts[0]}{at}")
 
     def _rows(self, request: Request) -> list[Tensor]:
         if request.rows is None:  # fed as one batch so far: every row has that history
@@ -343,14 +372,72 @@ class Engine:
                 )
 
     def _compare(self, request: Request, logits: Tensor, start: int, where: str) -> None:
-        expected = self.model(request.history)[:, start:]
+        first = self._first(request)
+        expected = self.model(request.history, start_position=first)[:, start:]
         history = request.history
-        reference = lambda: self.truth(history)[:, start:]  # noqa: E731
+        reference = lambda: self.truth(history, start_position=first)[:, start:]  # noqa: E731
         try:
-            assert_logits(logits, expected, reference, where=where, start=start, path=request.path)
+            assert_logits(
+                logits, expected, reference, where=where, start=first + start, path=request.path
+            )
         except failures.WrongResults as error:
-            error.add_note(first_wrong_layer(self.model, request, start))
+            error.add_note(first_wrong_layer(self.model, request, first))
             raise
+
+    def _first(self, request: Request) -> int:
+        """The position of the first token, for a batch fed as one (its rows share it)."""
+        firsts = set(self._firsts(request)) if request.firsts else {0}
+        if len(firsts) > 1:
+            raise TypeError(f"{request.name}'s rows start at {sorted(firsts)}: feed it by row")
+        return firsts.pop()
+
+    # --- context shift (contract, section 8.4) --------------------------------------------
+    def shift(self, request: Request, start: int, count: int, *, at: str = "") -> bool:
+        """Discard the tokens of indices ``start`` to ``start + count - 1`` and move the rest
+        down (``ReferenceTransformer.shift``); the oracle's rows do the same in float64. True
+        when done, False when a window layer refused as ``kvref.may_refuse_shift`` allows
+        (nothing changed)."""
+        held, what = request.held, f"shift({start}, {count}){at}"
+        error = kvassert.raised_by(lambda: self.model.shift(request.caches, start, count))
+        if error is not None:
+            windows = map(self.model.config.layer_window, range(self.model.config.num_layers))
+            allowed = isinstance(error, ValueError) and not isinstance(error, CacheContractError)
+            if allowed and may_refuse_shift(windows, held, start, count):
+                self._check_lengths(request, f"a refused {what}")
+                return False
+            raise failures.RefusesValidInput(
+                f"{request.name}: {what} of {held} tokens refused with {type(error).__name__}: "
+                f"{error}; no layer may refuse it: every row the next query needs is among "
+                f"those a window cache must keep\n  at {self.where(what)}"
+            ) from error
+        if request.shifted is None:  # the uncached pass's rows: what the caches held so far
+            first = self._first(request)
+            _, rows = self.model.forward_with_kv(request.history, start_position=first)
+            _, truth = self.truth.forward_with_kv(request.history, start_position=first)
+            request.shifted = (rows, truth)
+        base = self.model.config.rope_base
+        request.shifted = tuple(
+            [shifted_rows(keys, values, start, count, base) for keys, values in rows]
+            for rows in request.shifted
+        )
+        kept = [*range(start), *range(start + count, held)]
+        request.history = request.history[:, kept]
+        if request.rows is not None:
+            request.rows = [row[kept] for row in request.rows]
+        self._check_lengths(request, what)
+        return True
+
+    def _after_shift(self, request: Request, new: Tensor) -> tuple[Tensor, Callable[[], Tensor]]:
+        """The model's logits for ``new`` over the rows the oracle holds, and the float64
+        model's over its own; both oracles take the new rows."""
+        first = self._first(request)
+        answers = []
+        for model, rows in zip((self.model, self.truth), request.shifted, strict=True):
+            held = [HeldRows(keys, values, first) for keys, values in rows]
+            answers.append((model(new, caches=held), [(c.keys, c.values) for c in held]))
+        (expected, rows), (truth, truth_rows) = answers
+        request.shifted = (rows, truth_rows)
+        return expected, lambda: truth
 
     def truncate(self, request: Request, target: int, *, at: str = "") -> bool:
         """Forget every position from ``target`` on; True when done, False when a window
@@ -408,7 +495,7 @@ class Engine:
         for cache in request.caches:
             cache.reset()
         request.history = request.history[:, :0]
-        request.steps = 0
+        request.steps, request.shifted = 0, None
 
     def drop(self, request: Request) -> None:
         """The request ends and its caches go: the last reference, then a collection, so
@@ -483,6 +570,7 @@ def assert_logits(
     where: str,
     start: int,
     path: str,
+    what: str = "cached and uncached logits",
 ) -> None:
     """Cached ``logits`` against the uncached model's ``expected``: at the dtype's tolerance
     (in half precision, its error budget against the float64 model's logits, ``reference()``);
@@ -494,7 +582,7 @@ def assert_logits(
         kvassert.assert_close_at(
             logits,
             expected,
-            what="cached and uncached logits",
+            what=what,
             where=where,
             position_axis=1,
             first_position=start,
@@ -533,11 +621,12 @@ def young_objects_only() -> Iterator[None]:
         gc.unfreeze()
 
 
-def first_wrong_layer(model: ReferenceTransformer, request: Request, start: int) -> str:
+def first_wrong_layer(model: ReferenceTransformer, request: Request, first: int = 0) -> str:
     """Which layer's cache went wrong first (later layers inherit its error): the first whose
-    returned rows differ from the uncached pass's keys and values, or, on the attend path,
-    whose attention differs from the reference attention over the rows it was given."""
-    _, uncached = model.forward_with_kv(request.history)
+    returned rows differ from the uncached pass's keys and values (from position ``first``),
+    or, on the attend path, whose attention differs from the reference attention over the
+    rows it was given."""
+    _, uncached = model.forward_with_kv(request.history, start_position=first)
     for layer, cache in enumerate(request.caches):
         if cache.attended is not None:
             got, want = cache.attended_and_reference()

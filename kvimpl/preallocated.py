@@ -4,6 +4,10 @@ to overflow.
 Rows may hold different numbers of tokens (contract, section 8.1): each row's tokens sit at
 the start of its buffer row, ``valid`` marking them; rows leave (``select_rows``) and join
 (``join``, up to the ``spec.batch`` rows the buffer was built for).
+
+A context shift (section 8.4) moves the rows after the discarded span down the buffer, each
+key re-rotated back by the span's length, as llama.cpp shifts its cache when it fills: the
+session then runs on past ``max_length`` tokens.
 """
 
 from __future__ import annotations
@@ -13,11 +17,13 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from kvref.model import rerotate
 from kvref.protocol import (
     CacheSpec,
     check_append,
     check_append_rows,
     check_reorder,
+    check_shift,
     check_truncate,
     is_count,
 )
@@ -25,6 +31,7 @@ from kvref.protocol import (
 
 class PreallocatedCache:
     padding = "right"  # append_rows: a row's new tokens in its first slots
+    keys_stored = "rotated"  # shift re-rotates the keys it moves
 
     def __init__(self, spec: CacheSpec) -> None:
         self.spec = spec
@@ -116,6 +123,17 @@ class PreallocatedCache:
                     f"keep {length!r}"
                 )
         self._lengths = list(lengths)
+
+    def shift(self, start: int, count: int) -> None:
+        self._one_length("shift", "a shift per row")
+        check_shift(self.length, start, count)
+        end, rows = self.length, self._rows()
+        moved = slice(start + count, end)
+        # Cloned first: the rows moved and the rows they land on overlap.
+        keys = rerotate(self.key[:rows, :, moved].clone(), -count, self.spec.rope_base)
+        self.key[:rows, :, start : end - count] = keys
+        self.value[:rows, :, start : end - count] = self.value[:rows, :, moved].clone()
+        self._lengths = [end - count] * rows
 
     def reorder(self, indices: Tensor) -> None:
         check_reorder(dataclasses.replace(self.spec, batch=self._rows()), indices)

@@ -1,6 +1,6 @@
 """The reference transformer and the public key/value cache protocol."""
 
-from kvref.model import ModelConfig, ReferenceTransformer, attention
+from kvref.model import ModelConfig, ReferenceTransformer, attention, rerotate
 from kvref.protocol import (
     Attending,
     BlockPool,
@@ -17,7 +17,9 @@ from kvref.protocol import (
     check_append_rows,
     check_attend,
     check_reorder,
+    check_shift,
     check_truncate,
+    may_refuse_shift,
     may_refuse_truncate,
     min_nbytes,
 )
@@ -41,7 +43,10 @@ __all__ = [
     "check_append_rows",
     "check_attend",
     "check_reorder",
+    "check_shift",
     "check_truncate",
+    "may_refuse_shift",
     "may_refuse_truncate",
     "min_nbytes",
+    "rerotate",
 ]

@@ -30,6 +30,7 @@ from kvref.protocol import (
     LayerCache,
     check_counts,
     check_reorder,
+    check_shift,
     check_truncate,
     is_count,
     kept_rows,
@@ -153,6 +154,56 @@ def apply_rope(x: Tensor, positions: Tensor, base: float) -> Tensor:
         cos, sin = cos[:, None], sin[:, None]
     first, second = x.chunk(2, dim=-1)
     return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+
+
+def rerotate(keys: Tensor, delta: int, base: float) -> Tensor:
+    """``keys`` (..., T, head_dim), rotated at their positions, rotated on by ``delta``
+    positions (negative: back), computed in float64 and rounded once into their dtype: RoPE's
+    rotations add, so a key rotated at p becomes the key rotated at p + delta (contract,
+    section 8.4: a context shift moves the keys after the span it discards)."""
+    if not keys.shape[-2]:
+        return keys.clone()
+    wide = torch.float32 if keys.device.type == "mps" else torch.float64  # MPS: no float64
+    positions = torch.full((keys.shape[-2],), delta, device=keys.device)
+    return apply_rope(keys.to(wide), positions, base).to(keys.dtype)
+
+
+def shifted_rows(
+    keys: Tensor, values: Tensor, start: int, count: int, base: float
+) -> tuple[Tensor, Tensor]:
+    """What a cache holding ``keys`` and ``values`` (B, H_kv, rows, D) should hold after
+    ``shift(start, count)``: the span gone, the keys after it rotated back by ``count``
+    positions (``rerotate``), the values moved as they are."""
+    after = slice(start + count, None)
+    return (
+        torch.cat((keys[:, :, :start], rerotate(keys[:, :, after], -count, base)), dim=2),
+        torch.cat((values[:, :, :start], values[:, :, after]), dim=2),
+    )
+
+
+class HeldRows:
+    """A trusted cache that starts out holding given rows, every layer its own: the oracle
+    after a context shift (contract, section 8.4), where what a cache should hold is no
+    uncached pass's. It keeps every row (the model's mask applies a window)."""
+
+    def __init__(self, keys: Tensor, values: Tensor, first_position: int = 0) -> None:
+        self.keys, self.values, self.first_position = keys, values, first_position
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        self.keys = torch.cat((self.keys, key), dim=2)
+        self.values = torch.cat((self.values, value), dim=2)
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        self.keys, self.values = self.keys[:, :, :0], self.values[:, :, :0]
 
 
 def causal_mask(
@@ -509,6 +560,7 @@ class ReferenceTransformer(nn.Module):
             self.device,
             window=c.layer_window(layer),
             sinks=c.layer_sinks(layer),
+            rope_base=c.rope_base,
         )
 
     def new_caches(self, factory: CacheFactory, *, batch: int, max_length: int) -> list[LayerCache]:
@@ -639,12 +691,28 @@ class ReferenceTransformer(nn.Module):
         if isinstance(length, bool) or not isinstance(length, int):
             raise TypeError(f"truncate: length must be an int, got {type(length).__name__}")
         check_truncate(held, length)
-        c = self.config
-        windows = {layer: c.layer_window(layer) for layer in range(c.num_layers)}
-        # Widest window first; global layers (window None) never need to refuse: last.
-        order = sorted(windows, key=lambda layer: (windows[layer] is None, -(windows[layer] or 0)))
-        for layer in order:
+        for layer in self.widest_window_first():
             caches[layer].truncate(length)
+
+    def shift(self, caches: Sequence[LayerCache], start: int, count: int) -> None:
+        """Discard the tokens of indices ``start`` to ``start + count - 1`` in every layer's
+        cache and move the later ones down (a context shift, contract section 8.4). Checks
+        the caches and the span before touching any layer; a window layer may refuse where
+        the next query needs a row it was not bound to keep, the widest asked first."""
+        held = self._check_caches(caches, batch=None)
+        self._check_offered(caches, "shift")
+        check_shift(held, start, count)
+        for layer in self.widest_window_first():
+            caches[layer].shift(start, count)
+
+    def widest_window_first(self) -> list[int]:
+        """The layers, widest window first and global layers last: a window layer that must
+        refuse a rollback or a shift then refuses before any layer changed (layers of one
+        window keep the same positions, and a global layer never needs to refuse)."""
+        windows = [self.config.layer_window(layer) for layer in range(self.config.num_layers)]
+        return sorted(
+            range(len(windows)), key=lambda layer: (windows[layer] is None, -(windows[layer] or 0))
+        )
 
     def reorder(self, caches: Sequence[LayerCache], indices: Tensor) -> None:
         """Batch row b of every layer's cache becomes the old row ``indices[b]`` (beam
@@ -727,6 +795,12 @@ class ReferenceTransformer(nn.Module):
             )
         first_layer_of: dict[int, int] = {}
         for layer, cache in enumerate(caches):
+            stored = getattr(cache, "keys_stored", "rotated")
+            if stored != "rotated":
+                raise CacheContractError(
+                    f"layer {layer}: keys_stored is {stored!r}; the model hands caches rotated "
+                    f'keys and reads them back as such ("rotated" only: contract, section 8.4)'
+                )
             if id(cache) in first_layer_of:
                 raise CacheContractError(
                     f"the same cache object is used for layers {first_layer_of[id(cache)]} and "

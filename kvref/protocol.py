@@ -51,6 +51,8 @@ class CacheSpec:
     # session's first ``sinks`` tokens. Only with a window; 0 for every spec the kit builds
     # for a cache that declares none.
     sinks: int = 0
+    # The model's RoPE base, for a cache that rotates keys itself (context shift, section 8.4).
+    rope_base: float = 10_000.0
 
     def __post_init__(self) -> None:
         if self.window is not None and (
@@ -76,6 +78,21 @@ def rows_needed(window: int | None, length: int, new_tokens: int = 0, sinks: int
     if window is None:
         return length
     return min(length, sinks + window - 1 + new_tokens)
+
+
+def may_refuse_shift(windows: Iterable[int | None], held: int, start: int, count: int) -> bool:
+    """Whether a model whose layers have ``windows``, holding ``held`` tokens, may see
+    ``shift(start, count)`` refused (section 8.4): the next query, at index held - count,
+    needs a row that a window layer was not bound to keep (only the last W - 1)."""
+    after = held - count
+    for window in set(windows) - {None}:
+        needed = max(0, after - window + 1)  # the oldest index the next query sees, after
+        if needed >= after:
+            continue  # it sees no held row (W = 1, or nothing left)
+        before = needed if needed < start else needed + count  # that row's index now
+        if before < max(0, held - window + 1):
+            return True
+    return False
 
 
 def kept_rows(sinks: int, held: int, total: int) -> list[int]:
@@ -300,6 +317,21 @@ def check_truncate(length_now: int, length: object) -> None:
         )
 
 
+def check_shift(length_now: int, start: object, count: object) -> None:
+    """Refuse ``shift(start, count)`` (section 8.4) on a cache holding ``length_now`` tokens
+    unless both are ints (not bools), count >= 1, start >= 0 and start + count <= length."""
+    for name, number in (("start", start), ("count", count)):
+        if isinstance(number, bool) or not isinstance(number, int):
+            raise ValueError(
+                f"shift: {name} must be an int, got {type(number).__name__} {number!r}"
+            )
+    if count < 1 or start < 0 or start + count > length_now:
+        raise ValueError(
+            f"shift: discarding {count} tokens from index {start} needs count >= 1, start >= 0 "
+            f"and start + count <= {length_now} (the tokens held)"
+        )
+
+
 def check_reorder(spec: CacheSpec, indices: object) -> None:
     """Refuse ``reorder(indices)`` unless ``indices`` is an int64 tensor shaped (batch,) on
     the cache's device with values in [0, batch) (repeats are fine)."""
@@ -370,6 +402,14 @@ class Attending(Protocol):
 
 
 @runtime_checkable
+class Shiftable(Protocol):
+    def shift(self, start: int, count: int) -> None:
+        """Forget the tokens of indices start .. start + count - 1 and move every later one
+        down by ``count``, its key re-rotated by -count positions (section 8.4)."""
+        ...
+
+
+@runtime_checkable
 class RowsOfTheirOwn(Protocol):
     """A cache whose batch rows hold lengths of their own (contract, section 8.1);
     ``truncate_rows``, ``select_rows``, ``join``, ``first_position`` and ``reset_at`` are
@@ -389,6 +429,7 @@ CAPABILITIES = {
     "fork": Forkable,
     "attend": Attending,
     "append_rows": RowsOfTheirOwn,
+    "shift": Shiftable,
 }
 
 

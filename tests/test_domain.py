@@ -218,6 +218,7 @@ def test_a_domain_wider_than_the_cache_is_blamed_on_the_declaration():
     assert "the declaration is wider than what the cache supports" in str(raised.value)
 
 
+@pytest.mark.subprocess
 def test_the_header_the_verdict_and_the_json_name_the_domain(tmp_path):
     report = tmp_path / "verdict.json"
     result = run_pytest(

@@ -49,6 +49,7 @@ def test_the_kit_leaves_my_hypothesis_profile_alone():
 ONLY = ["-k", "length_invariants or bad_append_is and rank or my_hypothesis"]
 
 
+@pytest.mark.subprocess
 def test_a_users_broken_cache_fails_by_either_route_with_a_verdict(tmp_path):
     """Both routes in one run, under pytest-xdist: the user's own test file, and the kit's
     package with --kv-impl; outside this repository, with the caches' module on the path."""

@@ -7,6 +7,7 @@ import torch
 
 from kvcheck import CacheTests
 from kvcheck import badinput as kvbad
+from kvcheck.properties.shift import ShiftTests
 from kvcheck.properties.sinks import SinksTests
 from tests import depth
 from tests.independent.deque_window_cache import DequeWindowCache
@@ -17,6 +18,7 @@ from tests.independent.list_cache import ListCache
 from tests.independent.paged_cache import PagedCache
 from tests.independent.pooled_ring_cache import RingCache
 from tests.independent.sdpa_cache import SdpaCache
+from tests.independent.shifting_list_cache import ShiftingListCache
 from tests.independent.sink_list_cache import SinkListCache
 from tests.independent.slot_cache import SlotCache
 from tests.independent.stacked_cache import StackedCache
@@ -26,9 +28,10 @@ from tests.independent.view_cache import ViewCache
 pytestmark = pytest.mark.kv_device
 
 
-# The default run holds four of these caches (a fused-kernel domain, a paged pool, attend by
-# torch's fused kernel, rows of their own), --soak every one: each runs some 70 tests,
-# whatever its examples.
+# The default run holds four of these caches to every property (a fused-kernel domain, a
+# paged pool, attend by torch's fused kernel, rows of their own) and two to the property they
+# were written for (context shift, sinks); --soak every one to every property: each runs some
+# 70 tests, whatever its examples.
 class Independent(CacheTests):
     # A quarter of the profile's examples under --soak: these caches guard against false
     # alarms and have held over 20 dev seeds and searches of 100 to 150 extra examples; the
@@ -87,6 +90,21 @@ class TestSdpaCache(Independent):
     by copying the list; truncate and reorder."""
 
     factory = SdpaCache
+
+
+class TestShiftingListCacheShift(ShiftTests):
+    """Context shift over lists of tokens, the moved keys re-rotated in the storage dtype
+    with float32 angles as llama.cpp forms them (contract, section 8.4), written from the
+    contract alone: the default run holds it to the property it was written for, --soak to
+    every property."""
+
+    factory = ShiftingListCache
+    examples_scale = depth.pick(0.2, soak=1.0)
+
+
+@pytest.mark.soak
+class TestShiftingListCache(Independent):
+    factory = ShiftingListCache
 
 
 class TestSinkListCacheSinks(SinksTests):

@@ -94,6 +94,7 @@ def test_kv_impl_is_comma_separated_the_option_wins_over_it_and_it_over_the_ini(
     assert list(selection.select([f"mine={EXAMPLE}", "concat"])) == ["mine", "concat"]
 
 
+@pytest.mark.subprocess
 def test_the_kit_lines_after_collection_and_test_ids_name_the_caches(tmp_path):
     result = run_pytest(
         "--collect-only",
@@ -148,6 +149,7 @@ def test_x():
 """
 
 
+@pytest.mark.subprocess
 def test_a_run_without_kit_tests_imports_no_torch_and_prints_no_kit_line(tmp_path):
     (tmp_path / "test_x.py").write_text(LIGHT_TEST)
     result = run_pytest("test_x.py", "-v", cwd=tmp_path, extra_path=ROOT)
@@ -167,6 +169,7 @@ def test_a_run_without_kit_tests_imports_no_torch_and_prints_no_kit_line(tmp_pat
     ],
     ids=["profile", "threads", "sizes", "impl"],
 )
+@pytest.mark.subprocess
 def test_an_option_checked_without_torch_stops_even_a_run_without_kit_tests(
     tmp_path, option, error
 ):
@@ -198,6 +201,7 @@ WITH_FACTORY = (
     ],
     ids=["pyargs", "factory"],
 )
+@pytest.mark.subprocess
 def test_a_kit_class_without_a_factory_needs_a_cache_named(tmp_path, test_file, args, error):
     if test_file is not None:
         (tmp_path / "test_mine.py").write_text(test_file)
@@ -229,6 +233,7 @@ def test_a_kit_class_without_a_factory_needs_a_cache_named(tmp_path, test_file, 
     ],
     ids=["impl", "device"],
 )
+@pytest.mark.subprocess
 def test_a_bad_cache_or_device_stops_the_run_with_one_line(tmp_path, option, error):
     result = run_pytest("--collect-only", "--pyargs", "kvcheck", *option, cwd=tmp_path)
     assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
@@ -243,6 +248,7 @@ def missing_cuda_device() -> str:
     return f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
 
 
+@pytest.mark.subprocess
 @pytest.mark.soak  # a pytest of its own, some 4 s
 def test_a_device_this_machine_lacks_skips_every_kit_test_with_the_reason():
     device = missing_cuda_device()

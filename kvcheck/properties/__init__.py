@@ -20,6 +20,7 @@ from kvcheck.properties import (
     requests,
     reset,
     rows,
+    shift,
     sinks,
     stateful,
 )
@@ -37,6 +38,7 @@ AREAS = (
     pool,
     edits,
     rows,
+    shift,
     sinks,
 )
 

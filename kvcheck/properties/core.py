@@ -146,7 +146,7 @@ def check_logits_match_uncached(
                 path=step.request.path,
             )
         except failures.WrongResults as error:
-            error.add_note(first_wrong_layer(step.scenario.model(), step.request, step.start))
+            error.add_note(first_wrong_layer(step.scenario.model(), step.request))
             raise
 
 

@@ -1,0 +1,81 @@
+"""Broken context shifts (docs/contract.md, section 8.4): each a ``PreallocatedCache`` with
+one bug in ``shift``."""
+
+from __future__ import annotations
+
+from kvimpl import PreallocatedCache
+from kvref import check_shift, rerotate
+
+
+class _Shifted(PreallocatedCache):
+    """``shift`` with the moved keys rotated by ``delta(count)`` positions, not -count."""
+
+    def delta(self, count: int) -> int:
+        return -count
+
+    def shift(self, start: int, count: int) -> None:
+        check_shift(self.length, start, count)
+        end, rows = self.length, self._rows()
+        moved = slice(start + count, end)
+        keys = rerotate(self.key[:rows, :, moved].clone(), self.delta(count), self.spec.rope_base)
+        self.key[:rows, :, start : end - count] = keys
+        self.value[:rows, :, start : end - count] = self.value[:rows, :, moved].clone()
+        self._lengths = [end - count] * rows
+
+
+class ShiftRotatesByTheWrongDelta(_Shifted):
+    """The moved keys are rotated back by one position fewer than the span discarded.
+
+    Stands for a K-shift whose delta is off by one (the span's end taken inclusively, or the
+    kept count taken for the discarded one): every moved key sits one position off, so the
+    model's attention to the whole kept history is subtly wrong (llama.cpp 4097).
+    """
+
+    def delta(self, count: int) -> int:
+        return -(count - 1)
+
+
+class ShiftMovesKeysWithoutRotating(_Shifted):
+    """The rows after the span move down, their keys not re-rotated at all.
+
+    Stands for a context shift that moves the cache's rows but forgets the K-shift (or runs
+    it on a backend that does not implement it): the moved keys keep their old positions.
+    """
+
+    def delta(self, count: int) -> int:
+        return 0
+
+
+class ShiftRecountsPositionsFromZero(_Shifted):
+    """The moved keys are rotated to their index counted from 0, forgetting the session's
+    first position.
+
+    Stands for positions recounted from zero after a discard: a session resumed at position
+    p keeps its first keys at p onwards while the moved ones restart at 0 (ik_llama.cpp 2459,
+    sglang 11634).
+    """
+
+    def delta(self, count: int) -> int:
+        return -count - self._firsts[0]
+
+
+class ShiftLeavesTheQueryAtTheStaleOffset(PreallocatedCache):
+    """After a shift, the first position moves up by the span discarded: the next query is
+    rotated where it would have been without the shift.
+
+    Stands for a position counter (llama.cpp's n_past) not lowered after a shift, so new
+    queries are rotated at the stale offset while the kept keys were moved down (mlx-vlm
+    1983).
+    """
+
+    def shift(self, start: int, count: int) -> None:
+        super().shift(start, count)
+        self._firsts = [first + count for first in self._firsts]
+
+
+SHIFT_MUTANTS = (
+    ShiftRotatesByTheWrongDelta,
+    ShiftMovesKeysWithoutRotating,
+    ShiftRecountsPositionsFromZero,
+    ShiftLeavesTheQueryAtTheStaleOffset,
+)

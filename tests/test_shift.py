@@ -1,0 +1,93 @@
+"""Context shift (docs/contract.md, section 8.4): the float64 re-rotation the oracle uses,
+the checks of a span, when a window may refuse, and the built-in ``preallocated``'s shift
+against the oracle. The kit's property, ``context shift``, is in kvcheck/properties/shift.py."""
+
+import pytest
+import torch
+
+from kvimpl import PreallocatedCache
+from kvref import (
+    CacheContractError,
+    ModelConfig,
+    ReferenceTransformer,
+    check_shift,
+    may_refuse_shift,
+    rerotate,
+)
+from kvref.model import HeldRows, apply_rope, shifted_rows
+
+
+def test_rerotating_a_key_moves_it_to_another_position():
+    keys = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    at = torch.arange(100, 105)
+    rotated = apply_rope(keys, at, 10_000.0)
+    torch.testing.assert_close(
+        rerotate(rotated, -37, 10_000.0), apply_rope(keys, at - 37, 10_000.0)
+    )
+    assert rerotate(rotated[:, :, :0], -3, 10_000.0).shape == (2, 3, 0, 8)
+    half = rotated.to(torch.bfloat16)
+    assert rerotate(half, 5, 10_000.0).dtype == torch.bfloat16  # rounded once into its dtype
+
+
+@pytest.mark.parametrize(
+    ("start", "count"), [(0, 0), (-1, 1), (3, 8), (True, 1), (0, 1.0), (10, 1)]
+)
+def test_a_bad_span_is_refused(start, count):
+    with pytest.raises(ValueError, match="shift"):
+        check_shift(10, start, count)
+
+
+def test_a_window_may_refuse_only_where_the_next_query_needs_a_row_it_dropped():
+    # 20 held, window 8: a cache must keep 13..19. shift(15, 3) leaves 17, whose next query
+    # needs new 10..16, old 10..14 and 18, 19: 10 may be gone.
+    assert may_refuse_shift([8], 20, 15, 3)
+    # shift(0, 5): the next query needs new 8..14, old 13..19: all kept.
+    assert not may_refuse_shift([8], 20, 0, 5)
+    assert not may_refuse_shift([None, 1], 20, 15, 3)  # global layers and a window of one
+
+
+def shifted_session(dtype: torch.dtype, first: int):
+    """Logits of preallocated and of the oracle after two shifts, from position ``first``."""
+    config = ModelConfig(num_layers=2, window=6, window_layers="alternate")
+    model = ReferenceTransformer(config, dtype=dtype)
+    tokens = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
+    caches = model.new_caches(PreallocatedCache, batch=2, max_length=24)
+    for cache in caches:
+        cache.reset_at(first)
+    model(tokens[:, :20], caches=caches)
+    _, rows = model.forward_with_kv(tokens[:, :20], start_position=first)
+    base = config.rope_base
+    got, want = [], []
+    for span, new in (((4, 10), tokens[:, 20:26]), ((0, 15), tokens[:, 26:40])):
+        model.shift(caches, *span)
+        rows = [shifted_rows(keys, values, *span, base) for keys, values in rows]
+        held = [HeldRows(keys, values, first) for keys, values in rows]
+        got.append(model(new, caches=caches))
+        want.append(model(new, caches=held))
+        rows = [(cache.keys, cache.values) for cache in held]
+    return caches, torch.cat(got, 1), torch.cat(want, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_preallocated_shifts_exactly_as_the_oracle_and_runs_past_max_length(dtype):
+    caches, got, want = shifted_session(dtype, first=255)
+    assert torch.equal(got, want)  # it re-rotates as the oracle does: bit for bit
+    assert caches[0].length == 20 - 10 + 6 - 15 + 14  # 40 tokens fed to a cache of 24
+
+
+def test_a_shift_the_model_refuses_changes_nothing():
+    model = ReferenceTransformer(ModelConfig(num_layers=2))
+    caches = model.new_caches(PreallocatedCache, batch=1, max_length=8)
+    model(torch.zeros(1, 5, dtype=torch.long), caches=caches)
+    with pytest.raises(ValueError, match="shift"):
+        model.shift(caches, 3, 3)
+    assert [cache.length for cache in caches] == [5, 5]
+
+    class Unrotated(PreallocatedCache):
+        keys_stored = "unrotated"
+
+    with pytest.raises(CacheContractError, match="keys_stored"):
+        model(
+            torch.zeros(1, 1, dtype=torch.long),
+            caches=model.new_caches(Unrotated, batch=1, max_length=8),
+        )
