@@ -6,7 +6,8 @@ Where the factory is a ``kvref.BlockPool``, the engine runs a plan on a pool of 
 - ``blocks_in_use + blocks_free`` is the pool's room, always;
 - ``blocks_in_use`` is the number of distinct block ids in the live caches' tables (where
   they show them, ``kvref.BlockTables``; else it lies within what the rows need);
-- each batch row's table has ceil(rows / block_size) entries (a window may drop some);
+- each batch row's table has ceil(rows / block_size) entries (a window may drop some), rows
+  being that row's own where rows have lengths of their own (``row_lengths``);
 - each cache's ``nbytes`` covers what it holds;
 - once every request has finished, every block is back.
 """
@@ -40,24 +41,28 @@ def audit(pool: BlockPool, engine, *, where: str) -> None:
     for request in engine.live.values():
         for layer, recorder in enumerate(request.caches or ()):
             cache = recorder.cache
-            length = cache.length
+            # Each row's tokens: its own where rows have lengths of their own (section 8.1).
+            lengths = list(getattr(cache, "row_lengths", [cache.length] * request.batch))
             who = f"{request.name}'s layer {layer}"
             # The spec the model built this layer's cache from, not one the cache may show.
-            spec = engine.model.cache_spec(request.batch, engine.max_length, layer=layer)
-            kept = length if spec.window is None else min(length, spec.window - 1)
-            most += request.batch * math.ceil(length / size)
-            least = max(least, math.ceil(kept / size))
-            if cache.nbytes < min_nbytes(spec, length):
+            spec = engine.model.cache_spec(1, engine.max_length, layer=layer)
+            kept = [n if spec.window is None else min(n, spec.window - 1) for n in lengths]
+            most += sum(math.ceil(n / size) for n in lengths)
+            least = max(least, *(math.ceil(n / size) for n in kept))
+            fewest_bytes = sum(min_nbytes(spec, n) for n in lengths)
+            if cache.nbytes < fewest_bytes:
                 raise failures.WrongResults(
-                    f"{who}: nbytes is {cache.nbytes} holding {length} tokens, which take at "
-                    f"least {min_nbytes(spec, length)} bytes (each cache counts every block "
-                    f"it reads, shared ones included)\n  {where}"
+                    f"{who}: nbytes is {cache.nbytes} holding {lengths} tokens by row, which "
+                    f"take at least {fewest_bytes} bytes (each cache counts every block it "
+                    f"reads, shared ones included)\n  {where}"
                 )
             if not isinstance(cache, BlockTables):
                 tables_shown = False
                 continue
             for row, table in enumerate(cache.block_tables):
-                fewest, needed = math.ceil(kept / size), math.ceil(length / size)
+                length = lengths[row] if row < len(lengths) else 0
+                fewest = math.ceil(kept[row] / size) if row < len(kept) else 0
+                needed = math.ceil(length / size)
                 if not fewest <= len(table) <= needed:
                     count = f"{fewest}" if fewest == needed else f"{fewest} to {needed}"
                     raise failures.DataLoss(
@@ -66,6 +71,11 @@ def audit(pool: BlockPool, engine, *, where: str) -> None:
                         f"{count}\n  {where}"
                     )
                 ids.update(table)
+            if len(cache.block_tables) != len(lengths):
+                raise failures.DataLoss(
+                    f"{who}: {len(cache.block_tables)} block tables for {len(lengths)} batch "
+                    f"rows\n  {where}"
+                )
     # A fresh pool holds none but the plan's (pool_before[0] is 0 for any correct one).
     ours = in_use - engine.pool_before[0]
     if tables_shown and ours != len(ids):

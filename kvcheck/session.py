@@ -195,10 +195,13 @@ class Engine:
                 kvassert.assert_returned_rows(cache, who=who, where=where)
 
     # --- rows of their own (contract, section 8.1) ----------------------------------------
-    def feed_rows(self, request: Request, new: list[Tensor], *, at: str = "") -> None:
+    def feed_rows(
+        self, request: Request, new: list[Tensor], *, pad: str = "nan", at: str = ""
+    ) -> None:
         """Feed row b of ``request`` the tokens ``new[b]`` (none allowed), laid out as its
-        caches' ``padding`` says, through ``append_rows``; each row's new logits must equal
-        the uncached model's on that row's history alone, at batch 1."""
+        caches' ``padding`` says, through ``append_rows``, the pad slots' keys and values
+        full of ``pad`` (``kvcheck.strategies.POISON_VALUES``); each row's new logits must
+        equal the uncached model's on that row's history alone, at batch 1."""
         rows = self._rows(request)
         padding = getattr(request.caches[0], "padding", "right")
         laid, counts = rows_laid_out(new, padding, self.model.device)
@@ -206,10 +209,11 @@ class Engine:
         lengths = [len(row) for row in rows]
         where = self.where(
             f"{request.name}, its step #{request.steps}: rows bring {counts} new tokens "
-            f"(held {lengths}, {padding} padding){at}"
+            f"(held {lengths}, {padding} padding of {pad}){at}"
         )
+        poison = kvst.poison_value(pad, self.model.dtype)
         try:
-            logits = self.model.forward_rows(laid, counts, request.caches)
+            logits = self.model.forward_rows(laid, counts, request.caches, pad=poison)
         except Exception as error:
             error.add_note(f"  at {where}")
             raise

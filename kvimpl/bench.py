@@ -25,6 +25,10 @@ Then requests of batch 1 and different lengths are held side by side (requests.c
 paged pool, whose blocks in use are compared with the sum of the requests' own formulas, and
 on every other cache (``preallocated`` reserving the longest request's length for each); and
 samples forked from one prompt on one pool, sharing the prompt's blocks.
+
+Last, the same requests' next token in one step (batch.csv): on one batched cache whose rows
+hold lengths of their own (``append_rows``, contract section 8.1), one call for every
+request, against the requests on caches of their own, one call each.
 """
 
 from __future__ import annotations
@@ -124,6 +128,20 @@ class RequestRow:
     note: str = ""
 
 
+@dataclass
+class BatchRow:
+    """One line of batch.csv: the next token of every request, in one step."""
+
+    scenario: str  # one batch of rows of their own, or separate caches
+    cache: str
+    requests: str  # the tokens each request holds, e.g. 4096+1536+512+64
+    ms_per_step: float  # median over samples of the step (every request's next token)
+    ms_spread: float | None  # interquartile range of the same samples
+    samples: int
+    nbytes: int  # summed over layers (and requests), after the step
+    formula_bytes: int  # the sum of every request's own formula (kvref.min_nbytes)
+
+
 class IdealCache:
     """The floor: keys and values of the whole context already in place, no bookkeeping.
 
@@ -186,6 +204,20 @@ def fill(cache: LayerCache, key: Tensor, value: Tensor) -> None:
     for start in range(0, key.shape[2], PREFILL_CHUNK):
         end = min(start + PREFILL_CHUNK, key.shape[2])
         cache.append(key[:, :, start:end], value[:, :, start:end])
+
+
+def _padded(keys: Tensor, values: Tensor, counts: list[int], cache: LayerCache):
+    """``keys`` and ``values``, whose row b has its new rows in its first ``counts[b]`` slots,
+    laid out as ``cache`` takes them: as they are, or with left padding in its last slots
+    (contract, section 8.1)."""
+    if getattr(cache, "padding", "right") != "left":
+        return keys, values
+    laid = (torch.zeros_like(keys), torch.zeros_like(values))
+    width = keys.shape[2]
+    for b, count in enumerate(counts):
+        for out, given in zip(laid, (keys, values), strict=True):
+            out[b, :, width - count :] = given[b, :, :count]
+    return laid
 
 
 def take_back(cache: LayerCache, length: int) -> bool:
@@ -337,15 +369,18 @@ class Bench:
         return rows
 
     def _request(
-        self, factory: CacheFactory, length: int, max_length: int, number: int
+        self, factory: CacheFactory, length: int, max_length: int, number: int, decode=True
     ) -> list[LayerCache]:
         """One request's caches holding ``length`` tokens of batch row ``number``: a chunked
-        prefill of all but the last, and the last decoded through the model."""
+        prefill of all but the last, and the last decoded through the model (or, without
+        ``decode``, a prefill of all of them)."""
         row = number % self.workload.batch
         caches = self.model.new_caches(factory, batch=1, max_length=max_length)
+        filled = length - 1 if decode else length
         for (key, value), cache in zip(self.keys_values, caches, strict=True):
-            fill(cache, key[row : row + 1, :, : length - 1], value[row : row + 1, :, : length - 1])
-        self.model(self.tokens[row : row + 1, length - 1 : length], caches)
+            fill(cache, key[row : row + 1, :, :filled], value[row : row + 1, :, :filled])
+        if decode:
+            self.model(self.tokens[row : row + 1, length - 1 : length], caches)
         return caches
 
     def _request_row(
@@ -363,6 +398,112 @@ class Bench:
             note = "" if held == in_use else f"the caches' nbytes: {held / 2**20:.1f} MiB"
             return RequestRow(scenario, label, tokens, in_use, formula, reserved, note)
         return RequestRow(scenario, label, tokens, held, formula, held)
+
+    def batch_rows(self, factories: dict[str, CacheFactory]) -> list[BatchRow]:
+        """The requests' next token in one step: on one batched cache of each factory that
+        offers rows of their own (``append_rows``), and on caches of their own from the same
+        factory (each built, as the batch is, for the longest request)."""
+        longest = self.tokens.shape[1]
+        lengths = [min(length, longest) for length in self.workload.requests]
+        offering = {
+            label: factory
+            for label, factory in factories.items()
+            if callable(getattr(factory(self.model.cache_spec(1, 1)), "append_rows", None))
+        }
+        rows = []
+        for label, factory in offering.items():
+            batched, alone = (
+                self._batched(factory, lengths),
+                [
+                    self._request(factory, length - 1, max(lengths), number, decode=False)
+                    for number, length in enumerate(lengths)
+                ],
+            )
+            rows.append(self._batch_step(label, lengths, batched, alone))
+        return [row for pair in rows for row in pair]
+
+    def _batched(self, factory: CacheFactory, lengths: list[int]) -> list[LayerCache]:
+        """One cache per layer for every request side by side, row r holding the first
+        ``lengths[r] - 1`` tokens of batch row r (appended a chunk per call, each row its
+        own count)."""
+        caches = self.model.new_caches(factory, batch=len(lengths), max_length=max(lengths))
+        rows = [number % self.workload.batch for number in range(len(lengths))]
+        held = [length - 1 for length in lengths]
+        for (key, value), cache in zip(self.keys_values, caches, strict=True):
+            for start in range(0, max(held), PREFILL_CHUNK):
+                counts = [max(0, min(PREFILL_CHUNK, n - start)) for n in held]
+                chunk = slice(start, start + PREFILL_CHUNK)
+                keys, values = (
+                    torch.stack([t[row, :, chunk] for row in rows]) for t in (key, value)
+                )
+                cache.append_rows(*_padded(keys, values, counts, cache), counts)
+        return caches
+
+    def _batch_step(
+        self,
+        label: str,
+        lengths: list[int],
+        batched: list[LayerCache],
+        alone: list[list[LayerCache]],
+    ) -> tuple[BatchRow, BatchRow]:
+        """Time every request's next token: one ``forward_rows`` call on ``batched``, or one
+        model call per request on ``alone``; each put back off the clock (``truncate_rows``,
+        ``truncate``), after an untimed step of each that must agree."""
+        rows = [number % self.workload.batch for number in range(len(lengths))]
+        last = zip(rows, lengths, strict=True)
+        new = torch.stack([self.tokens[row, length - 1] for row, length in last])
+        held = tuple(length - 1 for length in lengths)
+        counts = (1,) * len(lengths)
+
+        def in_one_batch() -> Tensor:
+            return self.model.forward_rows(new[:, None], counts, batched)
+
+        def each_alone() -> list[Tensor]:
+            return [self.model(new[r : r + 1, None], caches) for r, caches in enumerate(alone)]
+
+        def put_back_batch() -> None:
+            for cache in batched:
+                cache.truncate_rows(held)
+
+        def put_back_alone() -> None:
+            for caches, length in zip(alone, held, strict=True):
+                for cache in caches:
+                    cache.truncate(length)
+
+        torch.testing.assert_close(
+            in_one_batch()[:, 0], torch.cat(each_alone())[:, 0], rtol=1e-4, atol=1e-4
+        )
+        put_back_batch()
+        put_back_alone()
+        timers = {
+            "one batch, rows of their own": (self._timer(in_one_batch, put_back_batch), batched),
+            "separate caches": (self._timer(each_alone, put_back_alone), alone),
+        }
+        parts: dict[str, list[benchmark.Measurement]] = {scenario: [] for scenario in timers}
+        for _ in range(self.workload.rounds):
+            for scenario, (timer, _) in timers.items():
+                share = self.workload.min_run_time / self.workload.rounds
+                parts[scenario].append(timer.blocked_autorange(min_run_time=share))
+        formula = sum(formula_bytes(self.model, 1, length) for length in lengths)
+        tokens = "+".join(map(str, lengths))
+        out = []
+        for scenario, (_, caches) in timers.items():
+            measured = benchmark.Measurement.merge(parts[scenario])[0]
+            layers = caches if scenario.startswith("one") else [c for r in caches for c in r]
+            spread = measured.iqr * 1000 if len(measured.times) > 1 else None
+            out.append(
+                BatchRow(
+                    scenario,
+                    label,
+                    tokens,
+                    measured.median * 1000,
+                    spread,
+                    len(measured.times),
+                    sum(cache.nbytes for cache in layers),
+                    formula,
+                )
+            )
+        return out[0], out[1]
 
     def uncached_row(self, length: int) -> Row:
         """Time the model recomputing all ``length`` tokens, which is how it decodes the last."""
@@ -436,7 +577,7 @@ class Bench:
 
 def run(
     workload: Workload, caches: dict[str, CacheFactory], args: argparse.Namespace
-) -> tuple[list[Row], list[RequestRow]]:
+) -> tuple[list[Row], list[RequestRow], list[BatchRow]]:
     progress = Progress(total=len(workload.lengths) * (workload.rounds + 1) + 1)
     progress.show(f"prefill of {max(workload.lengths)} tokens")
     bench = Bench(workload, torch.device(args.device), args.threads)
@@ -445,6 +586,7 @@ def run(
         rows += bench.decode_rows(caches, length, progress)
     progress.show("requests side by side")
     request_rows = bench.request_rows(caches, args.block_size)
+    batch_rows = bench.batch_rows(caches)
     progress.advance("requests side by side")
     # Last, so that its (batch, heads, L, L) scores do not set the peak RSS of the rows above.
     for length in workload.lengths:
@@ -455,7 +597,7 @@ def run(
             note = f"not timed: above --uncached-max-length {args.uncached_max_length}"
             rows.append(bench.skipped_row("uncached", length, note))
         progress.advance(f"uncached at {length} tokens")
-    return rows, request_rows
+    return rows, request_rows, batch_rows
 
 
 def write_csv(rows: list[Row] | list[RequestRow], path: Path) -> None:
@@ -506,6 +648,29 @@ def requests_table(rows: list[RequestRow]) -> str:
         for row in rows
     ]
     return markdown(header.split(","), lines, text_columns=(0, 1, 2, 7))
+
+
+def batch_table(rows: list[BatchRow]) -> str:
+    """Every request's next token in one step, as a Markdown table: each batch against its
+    requests on separate caches of the same factory."""
+    alone = {row.cache: row.ms_per_step for row in rows if row.scenario == "separate caches"}
+    header = "scenario,cache,tokens per request,ms per step,IQR ms,x separate,samples,nbytes MiB"
+    header += ",formula MiB"
+    lines = [
+        [
+            row.scenario,
+            row.cache,
+            row.requests,
+            f"{row.ms_per_step:.3f}",
+            "-" if row.ms_spread is None else f"{row.ms_spread:.3f}",
+            f"{row.ms_per_step / alone[row.cache]:.2f}",
+            str(row.samples),
+            f"{row.nbytes / MIB:.1f}",
+            f"{row.formula_bytes / MIB:.1f}",
+        ]
+        for row in rows
+    ]
+    return markdown(header.split(","), lines, text_columns=(0, 1, 2))
 
 
 def markdown(header: list[str], lines: list[list[str]], text_columns: tuple[int, ...]) -> str:
@@ -684,15 +849,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args.out.mkdir(parents=True, exist_ok=True)  # before the run, so it fails fast
     try:
-        rows, request_rows = run(workload, caches, args)
+        rows, request_rows, batch_rows = run(workload, caches, args)
     except AssertionError as wrong:  # a cache that decodes unlike the ideal: no timing
         sys.exit(f"\nkvimpl.bench: error: {wrong}")
     write_csv(rows, args.out / "results.csv")
     write_csv(request_rows, args.out / "requests.csv")
+    if batch_rows:  # where some cache offers rows of their own
+        write_csv(batch_rows, args.out / "batch.csv")
     print(describe(workload, args))
     print(markdown_table(rows))
     print()
     print(requests_table(request_rows))
+    if batch_rows:
+        print()
+        print(batch_table(batch_rows))
     try:
         plot(rows, describe(workload, args), args.out / "decode.png")
     except ImportError:  # the plot is the one part that needs the bench extra

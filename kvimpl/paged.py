@@ -40,6 +40,14 @@ once per reference: a block shared by two caches (or two rows after ``reorder``)
 each, so every cache alone meets the protocol's minimum, and the caches of one pool can sum
 to more than the pool has in use (``PagedPool.nbytes_in_use`` counts each block once).
 
+Rows of their own (contract, section 8.1): each batch row has its own length and first
+position, and its own table. ``append_rows`` writes each row's new tokens into its own blocks
+(copying a shared last block first) and returns every row's tokens joined, padded to the
+longest row, with ``valid``; rows roll back (``truncate_rows``, freeing the blocks wholly past
+each row's end), leave (``select_rows``, their blocks freed) and join (``join``: another
+cache of the pool hands over its tables, its blocks changing owner, not place). The batch's
+``append``, ``attend``, ``truncate`` and ``reorder`` take the rows while they hold one length.
+
 When the pool has fewer free blocks than an append (or ``attend``, or its copy-on-write)
 needs, it raises ``ValueError`` naming the pool and the blocks needed and free, having
 changed nothing. ``attend`` computes attention block by block where the blocks lie
@@ -49,6 +57,7 @@ changed nothing. ``attend`` computes attention block by block where the blocks l
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import itertools
 import math
@@ -60,7 +69,15 @@ import torch
 from torch import Tensor
 
 from kvimpl.blockwise import attend_blocks
-from kvref.protocol import CacheSpec, check_append, check_attend, check_reorder, check_truncate
+from kvimpl.rows import RowBook
+from kvref.protocol import (
+    CacheSpec,
+    check_append,
+    check_append_rows,
+    check_attend,
+    check_reorder,
+    check_truncate,
+)
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_NUM_BLOCKS = 2**20  # only what is used is allocated; the suite never comes near it
@@ -252,23 +269,28 @@ class PagedPool:
         to_segment.value[to_slot] = from_segment.value[from_slot]
 
 
-class PagedCache:
+class PagedCache(RowBook):
     """One layer's keys and values in blocks of a ``PagedPool``; see the module docstring."""
 
     def __init__(self, pool: PagedPool, spec: CacheSpec) -> None:
         self.pool = pool
         self.spec = spec
         self._group = pool._group(spec)
-        self._length = 0
         # Mutated in place only: the finalizer holds this very list, so that it can give the
         # blocks back without holding the cache.
         self._tables: list[list[int]] = [[] for _ in range(spec.batch)]
-        finalizer = weakref.finalize(self, pool._release, self._tables)
+        self._lengths = [0] * spec.batch  # per row: its tokens
+        self._firsts = [0] * spec.batch  # per row: the position of its first token
+        self._give_back_when_collected()
+
+    def _give_back_when_collected(self) -> None:
+        finalizer = weakref.finalize(self, self.pool._release, self._tables)
         finalizer.atexit = False  # at exit the pool goes too: nothing to give back
 
     @property
-    def length(self) -> int:
-        return self._length
+    def _batch_spec(self) -> CacheSpec:
+        """The spec, for the rows held now (select_rows and join change how many)."""
+        return dataclasses.replace(self.spec, batch=len(self._tables))
 
     @property
     def nbytes(self) -> int:
@@ -280,13 +302,15 @@ class PagedCache:
         return [list(row) for row in self._tables]
 
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        new_tokens = check_append(self.spec, self._length, key, value)
+        self._one_length("append", "append_rows")
+        new_tokens = check_append(self._batch_spec, self._length, key, value)
         self._write(key, value, new_tokens, doing="append")
         self._length += new_tokens
         return self._joined()
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        new_tokens = check_attend(self.spec, self._length, query, key, value)
+        self._one_length("attend", "append_rows")
+        new_tokens = check_attend(self._batch_spec, self._length, query, key, value)
         first = self._length
         self._write(key, value, new_tokens, doing="attend")
         self._length += new_tokens
@@ -295,6 +319,7 @@ class PagedCache:
         )
 
     def truncate(self, length: int) -> None:
+        self._one_length("truncate", "truncate_rows")
         check_truncate(self._length, length)
         keep = -(-length // self.pool.block_size)
         dropped = [block for row in self._tables for block in row[keep:]]
@@ -304,23 +329,119 @@ class PagedCache:
         self._length = length
 
     def reorder(self, indices: Tensor) -> None:
-        check_reorder(self.spec, indices)
+        check_reorder(self._batch_spec, indices)
         old = [list(row) for row in self._tables]
-        new = [list(old[source]) for source in indices.tolist()]
+        sources = indices.tolist()
+        new = [list(old[source]) for source in sources]
         self.pool._hold(block for row in new for block in row)  # before dropping: none freed
         self.pool._drop(block for row in old for block in row)
         self._tables[:] = new
+        self._lengths = [self._lengths[source] for source in sources]
+        self._firsts = [self._firsts[source] for source in sources]
 
     def fork(self) -> PagedCache:
-        twin = PagedCache(self.pool, self.spec)
+        twin = type(self)(self.pool, self.spec)  # a subclass's forks are of its class
         twin._tables[:] = [list(row) for row in self._tables]
         self.pool._hold(block for row in twin._tables for block in row)
-        twin._length = self._length
+        twin._lengths, twin._firsts = list(self._lengths), list(self._firsts)
         return twin
 
     def reset(self) -> None:
+        """Every block back; the rows the cache was built for, empty, from position 0."""
         self.pool._release(self._tables)
-        self._length = 0
+        self._tables[:] = [[] for _ in range(self.spec.batch)]
+        self._lengths = [0] * self.spec.batch
+        self._firsts = [0] * self.spec.batch
+
+    def reset_at(self, first_position) -> None:
+        firsts = self._checked_firsts(first_position, self.spec.batch)
+        self.reset()
+        self._firsts = firsts
+
+    # --- rows of their own (contract, section 8.1) ---------------------------------------
+    def append_rows(self, key: Tensor, value: Tensor, counts) -> tuple[Tensor, Tensor, Tensor]:
+        counts = check_append_rows(self.spec, self._lengths, key, value, counts)
+        size = self.pool.block_size
+        needed = 0
+        for row, count in enumerate(counts):
+            held, table = self._lengths[row], self._tables[row]
+            if count:
+                needed += -(-(held + count) // size) - len(table)
+                needed += bool(held % size) and self.pool.refcount(table[held // size]) > 1
+        self.pool._refuse_unless_free(needed, "append_rows")
+        for row, count in enumerate(counts):
+            if count:
+                self._write_row(row, key[row, :, :count], value[row, :, :count])
+        return self._held_rows()
+
+    def _write_row(self, row: int, key: Tensor, value: Tensor) -> None:
+        """Store ``key`` and ``value`` (H_kv, T, D) after batch row ``row``'s tokens, in its
+        own blocks: fresh ones past its last, and a copy of its last first if it is shared."""
+        size, table = self.pool.block_size, self._tables[row]
+        start = self._lengths[row]
+        end = start + key.shape[1]
+        if start % size and self.pool.refcount(table[start // size]) > 1:
+            shared, [copy] = table[start // size], self.pool._take(self._group, 1)
+            self.pool._copy_block(shared, copy)
+            self.pool._drop([shared])
+            table[start // size] = copy
+        table += self.pool._take(self._group, -(-end // size) - len(table))
+        for index in range(start // size, -(-end // size)):
+            low, high = max(start, index * size), min(end, (index + 1) * size)
+            segment, slot = self.pool._locate(table[index])
+            at = slice(low - index * size, high - index * size)
+            segment.key[slot, :, at] = key[:, low - start : high - start]
+            segment.value[slot, :, at] = value[:, low - start : high - start]
+        self._lengths[row] = end
+
+    def _held_rows(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Every row's tokens joined from its blocks, padded with zeros to the longest row,
+        and which slots each row holds."""
+        s, longest, size = self.spec, self.length, self.pool.block_size
+        shape = (len(self._tables), s.kv_heads, longest, s.head_dim)
+        keys = torch.zeros(shape, dtype=s.dtype, device=s.device)
+        values = torch.zeros_like(keys)
+        for row, (table, held) in enumerate(zip(self._tables, self._lengths, strict=True)):
+            for index, block in enumerate(table):
+                segment, slot = self.pool._locate(block)
+                low, high = index * size, min(held, (index + 1) * size)
+                keys[row, :, low:high] = segment.key[slot, :, : high - low]
+                values[row, :, low:high] = segment.value[slot, :, : high - low]
+        lengths = torch.tensor(self._lengths, device=keys.device)
+        valid = torch.arange(longest, device=keys.device)[None, :] < lengths[:, None]
+        return keys, values, valid
+
+    def truncate_rows(self, lengths) -> None:
+        lengths = self._checked_lengths(lengths)
+        for table, length in zip(self._tables, lengths, strict=True):
+            keep = -(-length // self.pool.block_size)
+            self.pool._drop(table[keep:])
+            del table[keep:]
+        self._lengths = list(lengths)
+
+    def select_rows(self, indices: Tensor) -> None:
+        picked = self._checked_selection(indices, torch.device(self.spec.device))
+        rows = self._rows()
+        leaving = [block for row in set(range(rows)) - set(picked) for block in self._tables[row]]
+        self._tables[:] = [self._tables[row] for row in picked]
+        self._lengths = [self._lengths[row] for row in picked]
+        self._firsts = [self._firsts[row] for row in picked]
+        self.pool._drop(leaving)
+
+    def join(self, other: PagedCache) -> None:
+        if not isinstance(other, PagedCache) or other is self or other.pool is not self.pool:
+            raise ValueError(
+                f"join: needs another PagedCache of the same pool, got {type(other).__name__}"
+            )
+        mine, theirs = (dataclasses.replace(s, batch=1) for s in (self.spec, other.spec))
+        if mine != theirs:
+            raise ValueError(f"join: built for {other.spec}, this cache for {self.spec}")
+        # The blocks change owner, not place: ``other``'s tables are emptied in place, so that
+        # its finalizer gives nothing back.
+        self._tables.extend(other._tables)
+        self._lengths += other._lengths
+        self._firsts += other._firsts
+        other._tables[:], other._lengths, other._firsts = [], [], []
 
     def _column_ids(self, index: int) -> list[int]:
         return [row[index] for row in self._tables]
@@ -333,8 +454,9 @@ class PagedCache:
         first_index = start // size
         shared_rows = self._rows_sharing(first_index) if start % size else []
         new_columns = -(-end // size) - len(self._tables[0])
-        self.pool._refuse_unless_free(len(shared_rows) + new_columns * self.spec.batch, doing)
-        fresh = iter(self.pool._take(self._group, len(shared_rows) + new_columns * self.spec.batch))
+        needed = len(shared_rows) + new_columns * len(self._tables)
+        self.pool._refuse_unless_free(needed, doing)
+        fresh = iter(self.pool._take(self._group, needed))
         # Column by column, so that each column's blocks are adjacent ids where possible.
         for _ in range(new_columns):
             for row in self._tables:

@@ -17,6 +17,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from kvimpl.rows import RowBook
 from kvref.model import rerotate
 from kvref.protocol import (
     CacheSpec,
@@ -25,12 +26,10 @@ from kvref.protocol import (
     check_reorder,
     check_shift,
     check_truncate,
-    is_count,
 )
 
 
-class PreallocatedCache:
-    padding = "right"  # append_rows: a row's new tokens in its first slots
+class PreallocatedCache(RowBook):
     keys_stored = "rotated"  # shift re-rotates the keys it moves
 
     def __init__(self, spec: CacheSpec) -> None:
@@ -42,41 +41,8 @@ class PreallocatedCache:
         self._firsts = [0] * spec.batch  # per row: the position of its first token
 
     @property
-    def length(self) -> int:
-        return max(self._lengths)
-
-    # Every row's length at once, for code that treats the batch as one length (the
-    # subclasses in tests/mutants, written before rows had lengths of their own).
-    @property
-    def _length(self) -> int:
-        return self.length
-
-    @_length.setter
-    def _length(self, length: int) -> None:
-        self._lengths = [length] * self._rows()
-
-    @property
-    def row_lengths(self) -> tuple[int, ...]:
-        return tuple(self._lengths)
-
-    @property
-    def first_position(self) -> tuple[int, ...]:
-        return tuple(self._firsts)
-
-    @property
     def nbytes(self) -> int:
         return self.key.nbytes + self.value.nbytes
-
-    def _rows(self) -> int:
-        return len(self._lengths)
-
-    def _one_length(self, call: str, per_row: str) -> None:
-        """Refuse ``call`` of the whole batch while rows hold different numbers of tokens."""
-        if len(set(self._lengths)) > 1:
-            raise ValueError(
-                f"{call}: the rows hold different numbers of tokens {self._lengths}; "
-                f"{per_row} takes one per row"
-            )
 
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         start = self.length
@@ -113,16 +79,7 @@ class PreallocatedCache:
         self._lengths = [length] * self._rows()  # rows past it are never returned again
 
     def truncate_rows(self, lengths) -> None:
-        lengths = tuple(lengths) if isinstance(lengths, (list, tuple)) else lengths
-        if not isinstance(lengths, tuple) or len(lengths) != self._rows():
-            raise ValueError(f"truncate_rows: give one length per row ({self._rows()})")
-        for row, length in enumerate(lengths):
-            if not is_count(length) or length > self._lengths[row]:
-                raise ValueError(
-                    f"truncate_rows: row {row} holds {self._lengths[row]} tokens; it cannot "
-                    f"keep {length!r}"
-                )
-        self._lengths = list(lengths)
+        self._lengths = list(self._checked_lengths(lengths))
 
     def shift(self, start: int, count: int) -> None:
         self._one_length("shift", "a shift per row")
@@ -140,20 +97,7 @@ class PreallocatedCache:
         self._take(indices)
 
     def select_rows(self, indices: Tensor) -> None:
-        rows = self._rows()
-        if not isinstance(indices, Tensor):
-            raise TypeError(f"select_rows: indices must be a tensor, got {type(indices).__name__}")
-        shaped = indices.dtype == torch.int64 and indices.ndim == 1 and indices.numel() > 0
-        if not shaped or indices.device != self.key.device:
-            raise ValueError(
-                f"select_rows: indices must be int64 of shape (rows kept,), at least one, on "
-                f"{self.key.device}; got {indices.dtype} {tuple(indices.shape)} on {indices.device}"
-            )
-        picked = indices.tolist()
-        if min(picked) < 0 or max(picked) >= rows or len(set(picked)) != len(picked):
-            raise ValueError(
-                f"select_rows: indices must be distinct rows of the {rows} held, got {picked}"
-            )
+        self._checked_selection(indices, self.key.device)
         self._take(indices)
 
     def _take(self, indices: Tensor) -> None:
@@ -188,14 +132,6 @@ class PreallocatedCache:
         self._firsts = [0] * self._rows()
 
     def reset_at(self, first_position) -> None:
-        rows = self._rows()
-        firsts = (first_position,) * rows if is_count(first_position) else first_position
-        if not isinstance(firsts, (list, tuple)) or len(firsts) != rows:
-            raise ValueError(
-                f"reset_at: first_position must be an int >= 0 or {rows} of them, got "
-                f"{first_position!r}"
-            )
-        if not all(is_count(first) for first in firsts):
-            raise ValueError(f"reset_at: positions must be ints >= 0, got {list(firsts)}")
+        firsts = self._checked_firsts(first_position, self._rows())
         self.reset()
-        self._firsts = list(firsts)
+        self._firsts = firsts

@@ -304,6 +304,13 @@ def rows_laid_out(rows: Sequence[Tensor], padding: str, device=None) -> tuple[Te
     return laid, counts
 
 
+def row_positions(starts: Tensor, real: Tensor) -> Tensor:
+    """(B, T) positions of a call of ``forward_rows``: a real slot's is its row's next one
+    (``starts``, (B,)) plus its index among the row's new tokens, wherever padding puts them;
+    a pad's is any (its keys are poisoned, its logits nan)."""
+    return (starts[:, None] + real.cumsum(dim=1) - 1).clamp(min=0)
+
+
 @dataclass(frozen=True)
 class RowBatch:
     """How one call of ``ReferenceTransformer.forward_rows`` lays its rows out (contract,
@@ -637,10 +644,8 @@ class ReferenceTransformer(nn.Module):
         real = torch.zeros(batch, new_tokens, dtype=torch.bool, device=self.device)
         for row, count in enumerate(counts):
             real[row, row_slots(padding, new_tokens, count)] = True
-        # A real slot's position: its row's next one, plus its index among the row's new
-        # tokens; a pad's is any (its keys are poisoned, its logits nan).
         starts = torch.tensor([f + n for f, n in zip(firsts, lengths, strict=True)])
-        positions = (starts.to(self.device)[:, None] + real.cumsum(dim=1) - 1).clamp(min=0)
+        positions = row_positions(starts.to(self.device), real)
         rows = RowBatch(counts, real, lengths, firsts, pad)
         x = self.embedding(token_ids)
         for layer, block in enumerate(self.blocks):

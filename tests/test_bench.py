@@ -56,6 +56,17 @@ def test_quick_run_writes_results_and_plot(tmp_path):
     # Forked samples share the prompt's blocks: less in use than their formulas' sum.
     assert int(forked["in_use_bytes"]) < int(forked["formula_bytes"]), f"forked: {forked}"
 
+    # The requests' next token in one batch of rows of their own, and on separate caches.
+    with (tmp_path / "batch.csv").open(newline="") as file:
+        batch = {(row["scenario"], row["cache"]): row for row in csv.DictReader(file)}
+    offering = {cache for _, cache in batch}
+    assert "preallocated" in offering, batch
+    for cache in offering:
+        for scenario in ("one batch, rows of their own", "separate caches"):
+            row = batch[scenario, cache]
+            assert float(row["ms_per_step"]) > 0, row
+            assert int(row["nbytes"]) >= int(row["formula_bytes"]) > 0, row
+
 
 @pytest.mark.parametrize(
     ("argv", "complaint"),

@@ -9,7 +9,7 @@ row leaving (``select_rows``), and a request prefilled on caches of its own join
 (section 8.3). The oracle is the one of every property: each row's new logits, and the rows
 ``append_rows`` marks valid, against the uncached model on that row alone, at batch 1, at its
 positions, so that no row's result may depend on its neighbours' lengths; pads reach the
-caches as nan (``ReferenceTransformer.forward_rows``).
+caches as nan, inf, -inf or 1e30 (``ReferenceTransformer.forward_rows``).
 Events a cache does not offer (it has ``append_rows`` but no ``join``, say) are left out.
 
 - ``mixed lengths``: where ``append_rows`` is offered.
@@ -46,6 +46,7 @@ class RowsPlan:
     events: tuple[tuple[str, tuple[int, ...]], ...]
     token_seed: int
     firsts: tuple[int, ...] | None = None  # each row's first position (reset_at), else 0
+    pad: str = "nan"  # what the pad slots' keys and values hold (strategies.POISON_VALUES)
 
     def describe(self) -> str:
         said = {
@@ -58,7 +59,8 @@ class RowsPlan:
         events = "; ".join(said[kind].format(list(arg)) for kind, arg in self.events)
         firsts = "" if self.firsts is None else f", first positions {list(self.firsts)}"
         return (
-            f"rows plan: batch {self.batch}, {dtype_name(self.dtype)}{firsts}, events: "
+            f"rows plan: batch {self.batch}, {dtype_name(self.dtype)}, pads of {self.pad}{firsts}"
+            f", events: "
             f"{events}\n  model: {kvst.describe_config(self.config)}"
         )
 
@@ -149,6 +151,7 @@ def rows_plans(draw) -> RowsPlan:
         batch=batch,
         events=tuple(events),
         token_seed=draw(st.integers(0, 2**16), label="token seed"),
+        pad=draw(st.sampled_from(sorted(kvst.POISON_VALUES)), label="pad"),
     )
 
 
@@ -164,10 +167,11 @@ def check_mixed_lengths(factory: CacheFactory, plan: RowsPlan) -> None:
         return drawn.to(device)
 
     batch = engine.start("the batch", plan.batch)
-    cache = batch.caches[0].cache  # the cache itself: its recorder passes every member on
+    # The cache's class, not the cache: a pool must have every block back at the end.
+    cache_type = type(batch.caches[0].cache)
 
     def offers(name: str) -> bool:
-        return callable(getattr(cache, name, None))
+        return callable(getattr(cache_type, name, None))
 
     if plan.firsts is not None and offers("reset_at"):
         engine.reset_at(batch, list(plan.firsts))
@@ -176,7 +180,7 @@ def check_mixed_lengths(factory: CacheFactory, plan: RowsPlan) -> None:
             break  # not offered: the rest of the plan was drawn for the rows it would leave
         at = f" (event #{index})"
         if kind == "feed":
-            engine.feed_rows(batch, [tokens(count) for count in arg], at=at)
+            engine.feed_rows(batch, [tokens(count) for count in arg], pad=plan.pad, at=at)
         elif kind == "truncate":
             engine.truncate_rows(batch, list(arg), at=at)
         elif kind == "select":
@@ -187,7 +191,7 @@ def check_mixed_lengths(factory: CacheFactory, plan: RowsPlan) -> None:
             joining = engine.start(f"joining #{index}", len(arg))
             if offers("reset_at"):
                 engine.reset_at(joining, [first for _, first in arg], at=at)
-            engine.feed_rows(joining, [tokens(prompt) for prompt, _ in arg], at=at)
+            engine.feed_rows(joining, [tokens(prompt) for prompt, _ in arg], pad=plan.pad, at=at)
             engine.join(batch, joining, at=at)
         engine.check(f"event #{index}")
     engine.finish()
@@ -220,6 +224,7 @@ PINNED = (
         ),
         token_seed=11,
         firsts=(255, 1025, 8191),
+        pad="inf",
     ),
 )
 

@@ -135,7 +135,7 @@ def check_context_shift(factory: CacheFactory, plan: ShiftPlan) -> None:
     engine = Engine(factory, model, max_length=plan.max_length, describe=plan.describe)
     generator = torch.Generator().manual_seed(plan.token_seed)
     request = engine.start("the session", plan.batch)
-    if plan.first and "reset_at" in dir(request.caches[0].cache):
+    if plan.first and callable(getattr(type(request.caches[0].cache), "reset_at", None)):
         engine.reset_at(request, [plan.first] * plan.batch)
     for index, (kind, arg) in enumerate(plan.events):
         at = f" (event #{index})"

@@ -20,13 +20,14 @@ from dataclasses import dataclass
 
 from kvimpl import ConcatCache
 from kvref import CacheFactory
+from tests.independent.left_padded_batch_cache import LeftPaddedBatchCache
 from tests.mutants.attend import ATTEND_MUTANTS
 from tests.mutants.caches import CACHE_MUTANTS
 from tests.mutants.domain import DOMAIN_MUTANTS
 from tests.mutants.interplay import INTERPLAY_MUTANTS
 from tests.mutants.model import MODEL_MUTANTS
 from tests.mutants.paged import PAGED_MUTANTS
-from tests.mutants.rows import ROWS_MUTANTS
+from tests.mutants.rows import ROWS_MODEL_MUTANTS, ROWS_MUTANTS
 from tests.mutants.shift import SHIFT_MUTANTS
 from tests.mutants.sinks import SINKS_MUTANTS
 from tests.mutants.sizes import SIZE_MUTANTS
@@ -63,4 +64,5 @@ MUTANTS = (
     *(Mutant(factory) for factory in SINKS_MUTANTS),
     *(Mutant(factory) for factory in SHIFT_MUTANTS),
     *(Mutant(ConcatCache, patch) for patch in MODEL_MUTANTS),
+    *(Mutant(LeftPaddedBatchCache, patch) for patch in ROWS_MODEL_MUTANTS),
 )

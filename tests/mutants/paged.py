@@ -21,14 +21,7 @@ from kvref import check_attend
 
 
 class _MutantCache(PagedCache):
-    """A paged cache whose forks are of its own (broken) class."""
-
-    def fork(self) -> PagedCache:
-        twin = type(self)(self.pool, self.spec)
-        twin._tables[:] = [list(row) for row in self._tables]
-        self.pool._hold(block for row in twin._tables for block in row)
-        twin._length = self._length
-        return twin
+    """A paged cache with the hooks the mutants below change."""
 
     def _attend(self, query, key, value, blocks=None, merge=BlockwiseAttention) -> Tensor:
         """``attend`` as the built-in's, with ``blocks(length, size)`` blocks read and
@@ -198,13 +191,8 @@ class MergeForgetsRunningMax(_MutantPool):
 
 
 class _NeverFinalized(_MutantCache):
-    def __init__(self, pool: PagedPool, spec) -> None:
-        # The built-in's __init__ without its finalizer.
-        self.pool = pool
-        self.spec = spec
-        self._group = pool._group(spec)
-        self._length = 0
-        self._tables: list[list[int]] = [[] for _ in range(spec.batch)]
+    def _give_back_when_collected(self) -> None:
+        pass  # the built-in's finalizer, left out
 
 
 class DropLeaksBlocks(_MutantPool):
@@ -266,6 +254,25 @@ class ChunkPositionsOffByOne(ChunkedCache):
         return attention.result()
 
 
+class _FinishedRowsKeepBlocks(_MutantCache):
+    def select_rows(self, indices: Tensor) -> None:
+        held = [block for row in self._tables for block in row]
+        self.pool._hold(held)  # one reference more for every block: none is freed
+        super().select_rows(indices)
+        self.pool._drop(block for row in self._tables for block in row)
+
+
+class FinishedRowsKeepTheirBlocks(_MutantPool):
+    """Rows that finish and leave a batch (``select_rows``) keep their blocks in the pool.
+
+    Stands for continuous batching that removes a finished request from the running batch
+    without freeing its blocks: every answer stays right, and the pool runs dry after enough
+    requests have come and gone.
+    """
+
+    cache_class = _FinishedRowsKeepBlocks
+
+
 PAGED_MUTANTS = (
     ForkWithoutCopyOnWrite(),
     CopyOnWriteKeysOnly(),
@@ -275,5 +282,6 @@ PAGED_MUTANTS = (
     MergeForgetsRunningMax(),
     RefusalKeepsTakenBlocks(),
     DropLeaksBlocks(),
+    FinishedRowsKeepTheirBlocks(),
     ChunkPositionsOffByOne,
 )

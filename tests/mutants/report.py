@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import multiprocessing
 from collections.abc import Sequence
 
 import hypothesis
@@ -26,7 +27,9 @@ import torch
 from hypothesis import settings
 
 from tests import mutants as kvmut
+from tests.mutants.attend import ATTEND_MUTANTS
 from tests.mutants.caches import CACHE_MUTANTS
+from tests.mutants.domain import DOMAIN_MUTANTS
 from tests.mutants.hunt import (
     EXAMPLES_PER_PROPERTY,
     FIRST_CATCHES_FILE,
@@ -35,8 +38,12 @@ from tests.mutants.hunt import (
     search,
 )
 from tests.mutants.hunt import HUNT_ORDER as PROPERTIES
+from tests.mutants.interplay import INTERPLAY_MUTANTS
 from tests.mutants.model import MODEL_MUTANTS
 from tests.mutants.paged import PAGED_MUTANTS
+from tests.mutants.rows import ROWS_MODEL_MUTANTS, ROWS_MUTANTS
+from tests.mutants.shift import SHIFT_MUTANTS
+from tests.mutants.sinks import SINKS_MUTANTS
 from tests.mutants.sizes import SIZE_MUTANTS, SIZE_VARIANTS
 
 settings.register_profile("mutant-report", derandomize=True, deadline=None, database=None)
@@ -84,20 +91,28 @@ caches and broken models, each a few lines away from a correct one with exactly 
 {total} in all. {caches} are caches, mostly subclasses of the built-ins
 (`tests/mutants/caches.py`); {sizes} break only at real sizes (`tests/mutants/sizes.py`);
 {paged} are broken paged pools or a broken `attend` (`tests/mutants/paged.py`: a pool mutant's
-`with_blocks` gives a tight pool of the same broken kind); {model} patch a function or class
-attribute of `kvref.model` and run on `ConcatCache` (`tests/mutants/model.py`; undone when the
-test ends). Each docstring's first paragraph names the bug: it is the table's second column.
+`with_blocks` gives a tight pool of the same broken kind); {attend} are a wrong `attend` beside
+a right `append` (`tests/mutants/attend.py`); {interplay} show only where capabilities mix
+(`tests/mutants/interplay.py`); {domain} break inside a domain a cache declares
+(`tests/mutants/domain.py`); {rows} break rows of their own (`tests/mutants/rows.py`, one of
+them a patch of the model's side, run on the independent left-padded cache); {shift} break a
+context shift (`tests/mutants/shift.py`); {sinks} break attention sinks
+(`tests/mutants/sinks.py`); {model} patch a function or class attribute of `kvref.model` and
+run on `ConcatCache` (`tests/mutants/model.py`; undone when the test ends). Each docstring's
+first paragraph names the bug: it is the table's second column.
 
 ## How a mutant is hunted
 
 `tests/test_mutants.py` (part of the default `pytest -n auto`) searches the kit's properties
 (`kvcheck.properties.ALL`, collected from the area modules) with Hypothesis, without
-shrinking and without the example database, until one fails: first a quick pass of 3 examples
-through every property, then 20 examples of each, logits first, then the capability
+shrinking and without the example database, until one fails: first, in full, the property
+that caught the mutant last time (`tests/mutants/first_catches.json`), then a quick pass of 3
+examples through every property, then 20 examples of each, logits first, then the capability
 properties, then the rest (`HUNT_ORDER`).
 The stateful machine draws for itself and is not hunted. A property of a capability the mutant
-does not offer is skipped, as in a run of the kit. The built-ins go through the same search
-(`test_hunt_spares_correct_caches`), so a search that flagged everything would fail.
+does not offer is skipped, as in a run of the kit. Built-ins go through the same search
+(`test_hunt_spares_correct_caches`: two in the default run, every one under `--soak`), so a
+search that flagged everything would fail.
 
 What counts as caught (`tests/mutants/hunt.py`):
 
@@ -135,6 +150,12 @@ def preamble(today: datetime.date) -> str:
         caches=len(CACHE_MUTANTS),
         sizes=len(SIZE_MUTANTS),
         paged=len(PAGED_MUTANTS),
+        attend=len(ATTEND_MUTANTS),
+        interplay=len(INTERPLAY_MUTANTS),
+        domain=len(DOMAIN_MUTANTS),
+        rows=len(ROWS_MUTANTS) + len(ROWS_MODEL_MUTANTS),
+        shift=len(SHIFT_MUTANTS),
+        sinks=len(SINKS_MUTANTS),
         model=len(MODEL_MUTANTS),
         examples=EXAMPLES_PER_PROPERTY,
     )
@@ -166,6 +187,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help=f"hunt as tests/test_mutants.py does and write {FIRST_CATCHES_FILE.name}",
     )
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="rows searched at once, a process each (default 1)"
+    )
     args = parser.parse_args(argv)
     settings.load_profile("mutant-report")
     if args.first_catches:
@@ -174,8 +198,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.markdown:
         print(preamble(datetime.date.today()))
     print(HEADER)
-    for mutant in kvmut.MUTANTS:
-        print(row(mutant), flush=True)
+    # Each row is its own derandomized search: in parallel they come out the same, in order.
+    with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+        for line in pool.imap(row_of, range(len(kvmut.MUTANTS))):
+            print(line, flush=True)
+
+
+def row_of(index: int) -> str:
+    """The table's row of mutant ``index`` (in a worker process of its own)."""
+    settings.load_profile("mutant-report")
+    torch.set_num_threads(1)
+    return row(kvmut.MUTANTS[index])
 
 
 if __name__ == "__main__":

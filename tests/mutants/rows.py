@@ -1,12 +1,20 @@
 """Broken caches with rows of their own (docs/contract.md, section 8): each a
-``PreallocatedCache`` with one bug in a member of section 8."""
+``PreallocatedCache`` (or, where the bug is left padding's, the independent left-padded cache)
+with one bug in a member of section 8; and a patch of the model's side of it, run on the
+left-padded cache."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from unittest import mock
+
+import torch
 from torch import Tensor
 
 from kvimpl import PreallocatedCache
-from kvref import check_append_rows
+from kvref import check_append_rows, model
+from tests.independent.left_padded_batch_cache import LeftPaddedBatchCache
 
 
 class OneOffsetForAllRows(PreallocatedCache):
@@ -100,6 +108,49 @@ class JoinDropsFirstPositions(PreallocatedCache):
         self._firsts[rows:] = [0] * (self._rows() - rows)
 
 
+class MaskDroppedAfterTheFirstDecode(LeftPaddedBatchCache):
+    """From its second call on, every slot of every row is marked valid: the left padding of
+    the prompts is attended as if it were tokens.
+
+    Stands for batch generation that builds the padding mask for the prefill and extends it
+    with ones on the first decode step from the wrong base (or drops it), so shorter rows
+    attend their pad slots from then on (mlx-vlm 1946, transformers' left-padded generation).
+    """
+
+    calls = 0
+
+    def append_rows(self, key: Tensor, value: Tensor, counts) -> tuple[Tensor, Tensor, Tensor]:
+        keys, values, valid = super().append_rows(key, value, counts)
+        self.calls += 1
+        return keys, values, valid if self.calls == 1 else torch.ones_like(valid)
+
+    def reset(self) -> None:
+        super().reset()
+        self.calls = 0
+
+
+@contextmanager
+def positions_count_left_padding() -> Iterator[None]:
+    """Each new token is placed at its row's next position plus its slot in the call, pads
+    counted: a row's prompt, left-padded, starts as many positions late as it has pads.
+
+    Stands for position ids taken as arange over the padded batch instead of the cumulative
+    sum of the attention mask, so the prompt's keys are rotated at positions that count the
+    padding while decode steps (no padding) are not (transformers' batched generation with
+    RoPE models, unsloth 3699).
+    """
+
+    def counting_pads(starts: Tensor, real: Tensor) -> Tensor:
+        return starts[:, None] + torch.arange(real.shape[1], device=real.device)
+
+    with mock.patch.object(model, "row_positions", counting_pads):
+        yield
+
+
+# Bugs of the model's side of rows of their own, run on a correct left-padded cache.
+ROWS_MODEL_MUTANTS = (positions_count_left_padding,)
+
+
 ROWS_MUTANTS = (
     OneOffsetForAllRows,
     RollbackZeroesRejectedRows,
@@ -107,4 +158,5 @@ ROWS_MUTANTS = (
     FirstPositionIgnored,
     SelectDropsFirstPositions,
     JoinDropsFirstPositions,
+    MaskDroppedAfterTheFirstDecode,
 )

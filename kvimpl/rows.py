@@ -1,0 +1,96 @@
+"""What a built-in with rows of their own keeps per batch row (contract, sections 8.1 and
+8.3): each row's length and first position, and the checks of the per-row calls. The
+built-ins that offer rows (``preallocated``, ``paged``) keep their storage their own way and
+share this bookkeeping."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvref.protocol import is_count
+
+
+class RowBook:
+    """Per-row lengths and first positions; ``_lengths`` and ``_firsts`` are set by the cache."""
+
+    padding = "right"  # append_rows: a row's new tokens in its first slots
+    _lengths: list[int]
+    _firsts: list[int]
+
+    @property
+    def length(self) -> int:
+        return max(self._lengths, default=0)
+
+    # The batch's one length, for the calls that take the rows together (and the subclasses
+    # in tests/mutants, written before rows had lengths of their own).
+    @property
+    def _length(self) -> int:
+        return self.length
+
+    @_length.setter
+    def _length(self, length: int) -> None:
+        self._lengths = [length] * self._rows()
+
+    @property
+    def row_lengths(self) -> tuple[int, ...]:
+        return tuple(self._lengths)
+
+    @property
+    def first_position(self) -> tuple[int, ...]:
+        return tuple(self._firsts)
+
+    def _rows(self) -> int:
+        return len(self._lengths)
+
+    def _one_length(self, call: str, per_row: str) -> None:
+        """Refuse ``call`` of the whole batch while rows hold different numbers of tokens."""
+        if len(set(self._lengths)) > 1:
+            raise ValueError(
+                f"{call}: the rows hold different numbers of tokens {self._lengths}; "
+                f"{per_row} takes one per row"
+            )
+
+    def _checked_lengths(self, lengths) -> tuple[int, ...]:
+        """``truncate_rows``' argument: one length per row, each at most what the row holds."""
+        lengths = tuple(lengths) if isinstance(lengths, (list, tuple)) else lengths
+        if not isinstance(lengths, tuple) or len(lengths) != self._rows():
+            raise ValueError(f"truncate_rows: give one length per row ({self._rows()})")
+        for row, length in enumerate(lengths):
+            if not is_count(length) or length > self._lengths[row]:
+                raise ValueError(
+                    f"truncate_rows: row {row} holds {self._lengths[row]} tokens; it cannot "
+                    f"keep {length!r}"
+                )
+        return lengths
+
+    def _checked_selection(self, indices: Tensor, device: torch.device) -> list[int]:
+        """``select_rows``' argument: distinct rows held, int64, shaped (rows kept,)."""
+        rows = self._rows()
+        if not isinstance(indices, Tensor):
+            raise TypeError(f"select_rows: indices must be a tensor, got {type(indices).__name__}")
+        shaped = indices.dtype == torch.int64 and indices.ndim == 1 and indices.numel() > 0
+        if not shaped or indices.device.type != device.type:
+            raise ValueError(
+                f"select_rows: indices must be int64 of shape (rows kept,), at least one, on "
+                f"{device}; got {indices.dtype} {tuple(indices.shape)} on {indices.device}"
+            )
+        picked = indices.tolist()
+        if min(picked) < 0 or max(picked) >= rows or len(set(picked)) != len(picked):
+            raise ValueError(
+                f"select_rows: indices must be distinct rows of the {rows} held, got {picked}"
+            )
+        return picked
+
+    @staticmethod
+    def _checked_firsts(first_position, rows: int) -> list[int]:
+        """``reset_at``'s argument as one position per row: an int >= 0, or ``rows`` of them."""
+        firsts = (first_position,) * rows if is_count(first_position) else first_position
+        if not isinstance(firsts, (list, tuple)) or len(firsts) != rows:
+            raise ValueError(
+                f"reset_at: first_position must be an int >= 0 or {rows} of them, got "
+                f"{first_position!r}"
+            )
+        if not all(is_count(first) for first in firsts):
+            raise ValueError(f"reset_at: positions must be ints >= 0, got {list(firsts)}")
+        return list(firsts)
