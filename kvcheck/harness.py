@@ -168,7 +168,8 @@ class Recorder:
         self.new_tokens = key.shape[2]
 
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        self.views = None  # valid until this cache's next call, whatever that call does
+        # Valid until this cache's next call, whatever that call does.
+        self.views = self.rows_returned = None
         # A refusal records nothing.
         all_keys, all_values = self.cache.append(*self._lend(key, value))
         self._record(key, value)
@@ -200,14 +201,16 @@ class Recorder:
         return kept_rows(self.sinks, held, self.given_length)
 
     def views_changed(self) -> list[int] | None:
-        """Rows (positions from the first returned) at which the views the last append
-        returned no longer hold what they held then; None when there is nothing to read."""
-        if self.views is None or self.returned is None:
+        """Rows (positions from the first returned) at which the views the last append (or
+        append_rows: rule 2 holds for its keys and values too) returned no longer hold what
+        they held then; None when there is nothing to read."""
+        copies = self.returned if self.rows_returned is None else self.rows_returned
+        if self.views is None or copies is None:
             return None
         from kvcheck.asserts import differing_rows
 
         changed: set[int] = set()
-        for view, copy in zip(self.views, self.returned, strict=True):
+        for view, copy in zip(self.views, copies[:2], strict=True):
             changed.update(differing_rows(view, copy))
         return sorted(changed)
 
@@ -241,6 +244,7 @@ class Recorder:
         # the rows held; anything else the model's guard refuses.
         if isinstance(returned, (tuple, list)) and all(isinstance(t, Tensor) for t in returned):
             self.rows_returned = tuple(t.clone() for t in returned)
+            self.views = tuple(returned[:2])
         return returned
 
     def truncate_rows(self, lengths) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import ClassVar
 from unittest import mock
 
 import torch
@@ -129,6 +130,28 @@ class MaskDroppedAfterTheFirstDecode(LeftPaddedBatchCache):
         self.calls = 0
 
 
+class RowsReturnedInASharedWorkspace(PreallocatedCache):
+    """``append_rows`` gathers the rows it returns into one workspace that every cache of the
+    class shares, so a layer's rows change as soon as the next layer appends.
+
+    Stands for a gather into a workspace buffer reused across layers (the padded batch a
+    varlen kernel is handed): correct while each layer reads its rows before the next layer
+    runs, wrong for a caller that keeps them, which rule 2 allows until that cache's own
+    next call.
+    """
+
+    workspace: ClassVar[dict] = {}  # shared by every cache of the class: the bug
+
+    def append_rows(self, key: Tensor, value: Tensor, counts) -> tuple[Tensor, Tensor, Tensor]:
+        keys, values, valid = super().append_rows(key, value, counts)
+        shape = (2, *keys.shape)
+        space = self.workspace.get(shape)
+        if space is None or space.dtype != keys.dtype or space.device != keys.device:
+            space = self.workspace[shape] = torch.empty(shape, dtype=keys.dtype, device=keys.device)
+        space[0], space[1] = keys, values
+        return space[0], space[1], valid
+
+
 @contextmanager
 def positions_count_left_padding() -> Iterator[None]:
     """Each new token is placed at its row's next position plus its slot in the call, pads
@@ -159,4 +182,5 @@ ROWS_MUTANTS = (
     SelectDropsFirstPositions,
     JoinDropsFirstPositions,
     MaskDroppedAfterTheFirstDecode,
+    RowsReturnedInASharedWorkspace,
 )
