@@ -34,7 +34,7 @@ from kvref import (
     capabilities,
 )
 from kvref.model import shifted_rows
-from kvref.protocol import kept_rows, row_slots, rows_needed
+from kvref.protocol import kept_rows, keys_stored, row_slots, rows_needed
 
 PATHS = ("append", "attend")
 
@@ -275,9 +275,11 @@ class Recorder:
         self.views = self.returned = None
         self.cache.shift(start, count)
         if self.given is not None:
-            self.given = shifted_rows(*self.given, start, count, self.rope_base)
-            low = min(self.rerotated.start, start) if self.rerotated else start
-            self.rerotated, self.shifts = range(low, self.given_length), (*self.shifts, count)
+            stored = keys_stored(self.cache)
+            self.given = shifted_rows(*self.given, start, count, self.rope_base, stored)
+            if stored == "rotated":  # else the keys are moved as they are: bit for bit
+                low = min(self.rerotated.start, start) if self.rerotated else start
+                self.rerotated, self.shifts = range(low, self.given_length), (*self.shifts, count)
 
     # The optional capabilities, passed through; the record follows only a call that returns.
     def truncate(self, length: int) -> None:

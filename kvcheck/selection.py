@@ -3,8 +3,8 @@
 
 NAME is one of
 
-- a built-in's short name (``concat``, ``preallocated``, ``chunked``, ``window``,
-  ``streaming``, ``paged``, ``sdpa``),
+- a built-in's short name (``concat``, ``preallocated``, ``unrotated``, ``chunked``,
+  ``window``, ``streaming``, ``paged``, ``sdpa``),
   which stands for the ``MODULE:ATTR`` in ``BUILTINS``;
 - ``MODULE:ATTR``, any factory importable from the run (``ATTR`` may be dotted);
 - either of those after a label, ``LABEL=NAME`` (``mine=mypkg.caches:MyCache``): the label is
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 BUILTINS = {
     "concat": "kvimpl.concat:ConcatCache",
     "preallocated": "kvimpl.preallocated:PreallocatedCache",
+    "unrotated": "kvimpl.unrotated:UnrotatedCache",
     "chunked": "kvimpl.chunked:ChunkedCache",
     "window": "kvimpl.window:WindowCache",
     "streaming": "kvimpl.streaming:StreamingCache",

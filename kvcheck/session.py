@@ -45,7 +45,7 @@ from kvref import (
     may_refuse_truncate,
 )
 from kvref.model import HeldRows, rows_laid_out, shifted_rows
-from kvref.protocol import kept_rows, row_slots
+from kvref.protocol import kept_rows, keys_stored, row_slots
 
 
 @dataclass
@@ -224,9 +224,10 @@ class Engine:
             history = request.rows[b][None]
             if not history.shape[1]:  # an empty row: nothing to hold yet
                 continue
-            uncached = self.model.forward_with_kv(history, start_position=firsts[b])
+            kept = {"start_position": firsts[b], "keys": keys_stored(request.caches[0])}
+            uncached = self.model.forward_with_kv(history, **kept)
             truth = functools.cache(
-                functools.partial(self.truth.forward_with_kv, history, start_position=firsts[b])
+                functools.partial(self.truth.forward_with_kv, history, **kept)
             )  # the float64 pass, where half precision is judged against it
             # The rows held first: a wrong row fails naming its layer, before the logits do.
             self._check_row_held(request, b, uncached[1], truth, firsts[b], lengths, where)
@@ -414,14 +415,16 @@ class Engine:
                 f"{error}; no layer may refuse it: every row the next query needs is among "
                 f"those a window cache must keep\n  at {self.where(what)}"
             ) from error
+        stored = keys_stored(request.caches[0])
         if request.shifted is None:  # the uncached pass's rows: what the caches held so far
             first = self._first(request)
-            _, rows = self.model.forward_with_kv(request.history, start_position=first)
-            _, truth = self.truth.forward_with_kv(request.history, start_position=first)
+            kept = {"start_position": first, "keys": stored}
+            _, rows = self.model.forward_with_kv(request.history, **kept)
+            _, truth = self.truth.forward_with_kv(request.history, **kept)
             request.shifted = (rows, truth)
         base = self.model.config.rope_base
         request.shifted = tuple(
-            [shifted_rows(keys, values, start, count, base) for keys, values in rows]
+            [shifted_rows(keys, values, start, count, base, stored) for keys, values in rows]
             for rows in request.shifted
         )
         kept = [*range(start), *range(start + count, held)]
@@ -434,10 +437,10 @@ class Engine:
     def _after_shift(self, request: Request, new: Tensor) -> tuple[Tensor, Callable[[], Tensor]]:
         """The model's logits for ``new`` over the rows the oracle holds, and the float64
         model's over its own; both oracles take the new rows."""
-        first = self._first(request)
+        first, stored = self._first(request), keys_stored(request.caches[0])
         answers = []
         for model, rows in zip((self.model, self.truth), request.shifted, strict=True):
-            held = [HeldRows(keys, values, first) for keys, values in rows]
+            held = [HeldRows(keys, values, first, stored) for keys, values in rows]
             answers.append((model(new, caches=held), [(c.keys, c.values) for c in held]))
         (expected, rows), (truth, truth_rows) = answers
         request.shifted = (rows, truth_rows)
@@ -630,7 +633,8 @@ def first_wrong_layer(model: ReferenceTransformer, request: Request, first: int 
     returned rows differ from the uncached pass's keys and values (from position ``first``),
     or, on the attend path, whose attention differs from the reference attention over the
     rows it was given."""
-    _, uncached = model.forward_with_kv(request.history, start_position=first)
+    stored = keys_stored(request.caches[0])
+    _, uncached = model.forward_with_kv(request.history, start_position=first, keys=stored)
     for layer, cache in enumerate(request.caches):
         if cache.attended is not None:
             got, want = cache.attended_and_reference()

@@ -10,12 +10,14 @@ from kvimpl.paged import pool as paged_pool
 from kvimpl.preallocated import PreallocatedCache
 from kvimpl.sdpa import SdpaCache
 from kvimpl.streaming import StreamingCache
+from kvimpl.unrotated import UnrotatedCache
 from kvimpl.window import WindowCache
 from kvref.protocol import CacheFactory
 
 CACHES: dict[str, CacheFactory] = {
     "concat": ConcatCache,
     "preallocated": PreallocatedCache,
+    "unrotated": UnrotatedCache,  # keys kept before RoPE: a context shift deletes exactly
     "chunked": ChunkedCache,
     "window": WindowCache,
     "streaming": StreamingCache,  # attention sinks beside a window (StreamingLLM)
@@ -32,5 +34,6 @@ __all__ = [
     "PreallocatedCache",
     "SdpaCache",
     "StreamingCache",
+    "UnrotatedCache",
     "WindowCache",
 ]

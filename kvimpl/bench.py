@@ -52,6 +52,7 @@ from torch.utils import benchmark
 import kvimpl
 from kvcheck import selection
 from kvref import CacheFactory, LayerCache, ModelConfig, ReferenceTransformer, min_nbytes
+from kvref.protocol import keys_stored
 
 
 @dataclass(frozen=True)
@@ -265,20 +266,33 @@ class Bench:
         shape = (workload.batch, max(workload.lengths))
         tokens = torch.randint(workload.config.vocab_size, shape, generator=generator)
         self.tokens = tokens.to(device)
-        self.keys_values = self._prefill()
+        self.keys_values = self._prefill(kvimpl.ConcatCache)
+        self._kept_unrotated: list[tuple[Tensor, Tensor]] | None = None
 
-    def _prefill(self, chunk: int = PREFILL_CHUNK) -> list[tuple[Tensor, Tensor]]:
-        """Each layer's rotated keys and values of all the tokens, a chunk of them at a time.
+    def _prefill(self, factory: CacheFactory, chunk: int = PREFILL_CHUNK):
+        """Each layer's keys (as ``factory``'s caches keep them) and values of all the tokens,
+        a chunk of them at a time.
 
         In one pass the model would hold (batch, heads, L, L) scores, gigabytes at 4096 tokens,
         and that would be the peak RSS reported for every row.
         """
         caches = self.model.new_caches(
-            kvimpl.ConcatCache, batch=self.workload.batch, max_length=self.tokens.shape[1]
+            factory, batch=self.workload.batch, max_length=self.tokens.shape[1]
         )
         for start in range(0, self.tokens.shape[1], chunk):
             self.model(self.tokens[:, start : start + chunk], caches)
-        return [(cache.key, cache.value) for cache in caches]
+        held = self.tokens.shape[1]  # all of a ConcatCache, and a preallocated one's buffer
+        return [(cache.key[:, :, :held], cache.value[:, :, :held]) for cache in caches]
+
+    def kept(self, cache: LayerCache) -> list[tuple[Tensor, Tensor]]:
+        """The keys and values to fill ``cache`` with: rotated, or for a cache that keeps keys
+        unrotated (contract, section 8.4) as they were before RoPE (prefilled when first
+        asked for)."""
+        if keys_stored(cache) == "rotated":
+            return self.keys_values
+        if self._kept_unrotated is None:
+            self._kept_unrotated = self._prefill(kvimpl.UnrotatedCache)
+        return self._kept_unrotated
 
     def decode_rows(
         self, factories: dict[str, CacheFactory], length: int, progress: Progress
@@ -360,7 +374,7 @@ class Bench:
         del shared  # the samples hold the prompt's blocks now
         for number, caches in enumerate(samples):
             row = number % self.workload.batch  # another row's keys: a continuation of its own
-            for (key, value), cache in zip(self.keys_values, caches, strict=True):
+            for (key, value), cache in zip(self.kept(caches[0]), caches, strict=True):
                 own_rows = (slice(row, row + 1), slice(None), slice(prompt, prompt + own))
                 fill(cache, key[own_rows], value[own_rows])
         scenario = f"{SAMPLES} samples forked from one prompt"
@@ -377,7 +391,7 @@ class Bench:
         row = number % self.workload.batch
         caches = self.model.new_caches(factory, batch=1, max_length=max_length)
         filled = length - 1 if decode else length
-        for (key, value), cache in zip(self.keys_values, caches, strict=True):
+        for (key, value), cache in zip(self.kept(caches[0]), caches, strict=True):
             fill(cache, key[row : row + 1, :, :filled], value[row : row + 1, :, :filled])
         if decode:
             self.model(self.tokens[row : row + 1, length - 1 : length], caches)
@@ -429,7 +443,7 @@ class Bench:
         caches = self.model.new_caches(factory, batch=len(lengths), max_length=max(lengths))
         rows = [number % self.workload.batch for number in range(len(lengths))]
         held = [length - 1 for length in lengths]
-        for (key, value), cache in zip(self.keys_values, caches, strict=True):
+        for (key, value), cache in zip(self.kept(caches[0]), caches, strict=True):
             for start in range(0, max(held), PREFILL_CHUNK):
                 counts = [max(0, min(PREFILL_CHUNK, n - start)) for n in held]
                 chunk = slice(start, start + PREFILL_CHUNK)
@@ -528,7 +542,8 @@ class Bench:
         """Fill ``caches`` with the first ``length - 1`` tokens; return what puts them back
         there after a decode step (by ``truncate`` where it works, else by refilling)."""
         prefix = [
-            (key[:, :, : length - 1], value[:, :, : length - 1]) for key, value in self.keys_values
+            (key[:, :, : length - 1], value[:, :, : length - 1])
+            for key, value in self.kept(caches[0])
         ]
 
         def restore() -> None:

@@ -87,10 +87,15 @@ class PreallocatedCache(RowBook):
         end, rows = self.length, self._rows()
         moved = slice(start + count, end)
         # Cloned first: the rows moved and the rows they land on overlap.
-        keys = rerotate(self.key[:rows, :, moved].clone(), -count, self.spec.rope_base)
-        self.key[:rows, :, start : end - count] = keys
+        self.key[:rows, :, start : end - count] = self._moved_keys(
+            self.key[:rows, :, moved].clone(), count
+        )
         self.value[:rows, :, start : end - count] = self.value[:rows, :, moved].clone()
         self._lengths = [end - count] * rows
+
+    def _moved_keys(self, keys: Tensor, count: int) -> Tensor:
+        """The keys a shift moves down by ``count`` positions, re-rotated to their new ones."""
+        return rerotate(keys, -count, self.spec.rope_base)
 
     def reorder(self, indices: Tensor) -> None:
         check_reorder(dataclasses.replace(self.spec, batch=self._rows()), indices)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvref.protocol import (
+    KEYS_STORED,
     CacheContractError,
     CacheFactory,
     CacheSpec,
@@ -34,6 +35,7 @@ from kvref.protocol import (
     check_truncate,
     is_count,
     kept_rows,
+    keys_stored,
     row_slots,
     rows_needed,
 )
@@ -169,14 +171,18 @@ def rerotate(keys: Tensor, delta: int, base: float) -> Tensor:
 
 
 def shifted_rows(
-    keys: Tensor, values: Tensor, start: int, count: int, base: float
+    keys: Tensor, values: Tensor, start: int, count: int, base: float, stored: str = "rotated"
 ) -> tuple[Tensor, Tensor]:
     """What a cache holding ``keys`` and ``values`` (B, H_kv, rows, D) should hold after
     ``shift(start, count)``: the span gone, the keys after it rotated back by ``count``
-    positions (``rerotate``), the values moved as they are."""
+    positions (``rerotate``; kept as they are where they are ``stored`` "unrotated"), the
+    values moved as they are."""
     after = slice(start + count, None)
+    moved = keys[:, :, after]
+    if stored == "rotated":
+        moved = rerotate(moved, -count, base)
     return (
-        torch.cat((keys[:, :, :start], rerotate(keys[:, :, after], -count, base)), dim=2),
+        torch.cat((keys[:, :, :start], moved), dim=2),
         torch.cat((values[:, :, :start], values[:, :, after]), dim=2),
     )
 
@@ -186,8 +192,11 @@ class HeldRows:
     after a context shift (contract, section 8.4), where what a cache should hold is no
     uncached pass's. It keeps every row (the model's mask applies a window)."""
 
-    def __init__(self, keys: Tensor, values: Tensor, first_position: int = 0) -> None:
+    def __init__(
+        self, keys: Tensor, values: Tensor, first_position: int = 0, keys_stored="rotated"
+    ) -> None:
         self.keys, self.values, self.first_position = keys, values, first_position
+        self.keys_stored = keys_stored  # as the cache under test keeps them
 
     @property
     def length(self) -> int:
@@ -344,27 +353,34 @@ class Attention(nn.Module):
         cache: LayerCache | None,
         rows: RowBatch | None = None,
         first: int = 0,
+        keys: str = "rotated",
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Return the attention output and the new tokens' rotated keys and values; with
-        ``rows``, through ``append_rows`` with each row's own positions (``positions`` (B, T)).
-        ``first`` is the position of the session's first token (where its sinks are)."""
+        """Return the attention output and the new tokens' keys (rotated, or with ``keys``
+        "unrotated" as they were before RoPE) and values; with ``rows``, through
+        ``append_rows`` with each row's own positions (``positions`` (B, T)). ``first`` is
+        the position of the session's first token (where its sinks are)."""
         c = self.config
         batch, new_tokens, _ = x.shape
         q = self.query(x).view(batch, new_tokens, c.num_heads, c.head_dim).transpose(1, 2)
-        k = self.key(x).view(batch, new_tokens, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        unrotated = self.key(x).view(batch, new_tokens, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = self.value(x).view(batch, new_tokens, c.num_kv_heads, c.head_dim).transpose(1, 2)
         q = apply_rope(q, positions, c.rope_base)
-        k = apply_rope(k, positions, c.rope_base)  # stored rotated: never rotate them again
+        k = apply_rope(unrotated, positions, c.rope_base)
+        # What the cache is handed: keys rotated at their positions, never rotated again; or,
+        # to a cache that keeps them unrotated (section 8.4), as they are, the model rotating
+        # what it returns at their current positions.
+        stored = "rotated" if cache is None else keys_stored(cache)
+        handed = k if stored == "rotated" else unrotated
         if rows is not None:
-            mixed = self._attend_rows(q, k, v, positions, cache, rows)
-        elif cache is not None and callable(getattr(cache, "attend", None)):
+            mixed = self._attend_rows(q, handed, v, positions, cache, rows)
+        elif stored == "rotated" and callable(getattr(cache, "attend", None)):
             # The cache computes attention itself (a paged kernel, say): no rows come back.
             mixed = cache.attend(q, k, v)
             self._check_attended(mixed, q)
         else:
             # Rows, not positions: a cache's first position need not be 0 (section 8.3).
             before = 0 if cache is None else cache.length
-            all_k, all_v = (k, v) if cache is None else cache.append(k, v)
+            all_k, all_v = (k, v) if cache is None else cache.append(handed, v)
             if cache is not None:
                 self._check_returned_rows(
                     all_k, all_v, batch, start=before, end=before + new_tokens
@@ -374,11 +390,13 @@ class Attention(nn.Module):
             end = int(positions[-1]) + 1
             kept = kept_rows(self.sinks, all_k.shape[-2], end - first)
             key_positions = first + torch.tensor(kept, dtype=torch.long, device=x.device)
+            if stored == "unrotated":
+                all_k = apply_rope(all_k, key_positions, c.rope_base)
             mixed = attention(
                 q, all_k, all_v, positions, key_positions, self.window, sink_end=first + self.sinks
             )
         mixed = mixed.transpose(1, 2).reshape(batch, new_tokens, c.attention_width)
-        return self.out(mixed), k, v
+        return self.out(mixed), k if keys == "rotated" else unrotated, v
 
     def _attend_rows(
         self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cache, rows: RowBatch
@@ -401,6 +419,8 @@ class Attention(nn.Module):
         sinks = held.clamp(max=self.sinks)[:, None]
         kept = torch.where(index < sinks, index, (totals - held)[:, None] + index)
         key_positions = firsts[:, None] + kept
+        if keys_stored(cache) == "unrotated":  # each row's keys at its own positions
+            all_k = apply_rope(all_k, key_positions.clamp(min=0), self.config.rope_base)
         sink_end = firsts + self.sinks
         return attention(q, all_k, all_v, positions, key_positions, self.window, valid, sink_end)
 
@@ -506,8 +526,10 @@ class Block(nn.Module):
         cache: LayerCache | None,
         rows: RowBatch | None = None,
         first: int = 0,
+        keys: str = "rotated",
     ):
-        attended, k, v = self.attention(self.attention_norm(x), positions, cache, rows, first)
+        normed = self.attention_norm(x)
+        attended, k, v = self.attention(normed, positions, cache, rows, first, keys)
         x = x + attended
         x = x + self.ffn_out(F.silu(self.ffn_in(self.ffn_norm(x))))
         return x, k, v
@@ -746,26 +768,36 @@ class ReferenceTransformer(nn.Module):
 
     @torch.no_grad()
     def forward_with_kv(
-        self, token_ids: Tensor, *, start_position: int = 0
+        self, token_ids: Tensor, *, start_position: int = 0, keys: str = "rotated"
     ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
-        """The uncached pass: logits, and each layer's rotated keys and its values, shaped
-        (batch, kv_heads, T, head_dim), which is what a cache given ``token_ids`` must hold
-        (from position ``start_position``)."""
+        """The uncached pass: logits, and each layer's keys and its values, shaped (batch,
+        kv_heads, T, head_dim), which is what a cache given ``token_ids`` must hold (from
+        position ``start_position``): the keys rotated, or for a cache that keeps them
+        ``keys`` "unrotated" (section 8.4), as they were before RoPE."""
         self._check_token_ids(token_ids)
         if not is_count(start_position):
             raise ValueError(f"start_position must be an int >= 0, got {start_position!r}")
-        return self._run(token_ids, None, start_position, start_position)
+        if keys not in KEYS_STORED:
+            raise ValueError(f"keys must be one of {KEYS_STORED}, got {keys!r}")
+        return self._run(token_ids, None, start_position, start_position, keys)
 
-    def _run(self, token_ids: Tensor, caches: Sequence[LayerCache] | None, offset: int, first: int):
+    def _run(
+        self,
+        token_ids: Tensor,
+        caches: Sequence[LayerCache] | None,
+        offset: int,
+        first: int,
+        keys: str = "rotated",
+    ):
         """The tokens at positions ``offset`` onwards, in a session whose first token sat at
-        ``first`` (its sinks)."""
+        ``first`` (its sinks); each layer's new keys (rotated or not, ``keys``) and values."""
         new_tokens = token_ids.shape[1]
         positions = torch.arange(offset, offset + new_tokens, device=self.device)
         x = self.embedding(token_ids)
         keys_and_values = []
         for layer, block in enumerate(self.blocks):
             cache = None if caches is None else caches[layer]
-            x, k, v = block(x, positions, cache, first=first)
+            x, k, v = block(x, positions, cache, first=first, keys=keys)
             keys_and_values.append((k, v))
         logits = self.final_norm(x) @ self.embedding.weight.T  # tied output embedding
         return logits, keys_and_values
@@ -801,10 +833,10 @@ class ReferenceTransformer(nn.Module):
         first_layer_of: dict[int, int] = {}
         for layer, cache in enumerate(caches):
             stored = getattr(cache, "keys_stored", "rotated")
-            if stored != "rotated":
+            if stored not in KEYS_STORED:
                 raise CacheContractError(
-                    f"layer {layer}: keys_stored is {stored!r}; the model hands caches rotated "
-                    f'keys and reads them back as such ("rotated" only: contract, section 8.4)'
+                    f"layer {layer}: keys_stored is {stored!r}, neither "
+                    f'"rotated" nor "unrotated" (contract, section 8.4)'
                 )
             if id(cache) in first_layer_of:
                 raise CacheContractError(

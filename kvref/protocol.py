@@ -472,5 +472,18 @@ class BlockTables(Protocol):
 
 
 def capabilities(cache: object) -> set[str]:
-    """The optional capabilities ``cache`` offers: it offers one by having the method."""
-    return {name for name, protocol in CAPABILITIES.items() if isinstance(cache, protocol)}
+    """The optional capabilities ``cache`` offers: it offers one by having the method (but
+    ``attend`` on a cache that keeps keys unrotated, whose keys the model rotates as it reads
+    them: section 8.4)."""
+    names = {name for name, protocol in CAPABILITIES.items() if isinstance(cache, protocol)}
+    return names - {"attend"} if keys_stored(cache) == "unrotated" else names
+
+
+# How a cache keeps keys (section 8.4): rotated at their positions as the model hands them (the
+# default), or as they were before RoPE, the model rotating what the cache returns.
+KEYS_STORED = ("rotated", "unrotated")
+
+
+def keys_stored(cache: object) -> str:
+    """``cache.keys_stored``, "rotated" where it says nothing."""
+    return getattr(cache, "keys_stored", "rotated")

@@ -33,6 +33,7 @@ class TestSelectedCaches(CacheTests):
     examples_scale = depth.pick(0.1, soak=0.5)
 
 
+@pytest.mark.soak  # the tight domains below hold the domain's draws in the default run
 class TestSdpaWithItsCudaDomain(CacheTests):
     """``sdpa`` held to the domain it declares on CUDA (half precision, its fused kernels'
     head widths), here on whatever backend this device has: the draws a GPU run makes."""

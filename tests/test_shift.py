@@ -83,11 +83,11 @@ def test_a_shift_the_model_refuses_changes_nothing():
         model.shift(caches, 3, 3)
     assert [cache.length for cache in caches] == [5, 5]
 
-    class Unrotated(PreallocatedCache):
-        keys_stored = "unrotated"
+    class Sideways(PreallocatedCache):
+        keys_stored = "sideways"  # neither of the two ways the model knows
 
     with pytest.raises(CacheContractError, match="keys_stored"):
         model(
             torch.zeros(1, 1, dtype=torch.long),
-            caches=model.new_caches(Unrotated, batch=1, max_length=8),
+            caches=model.new_caches(Sideways, batch=1, max_length=8),
         )

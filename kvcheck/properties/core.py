@@ -24,6 +24,7 @@ from kvcheck import strategies as kvst
 from kvcheck.kit import KitTests, Property, edge_test, property_test
 from kvcheck.session import Engine, Request, assert_logits, first_wrong_layer
 from kvref import CacheFactory
+from kvref.protocol import keys_stored
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +44,8 @@ class Step:
     expected_logits: Tensor
     request: Request
     lengths_before: list[int]
-    oracle_kv: list[tuple[Tensor, Tensor]]  # each layer's rotated K, V over the whole session
+    # Each layer's K (rotated, or as the cache keeps them: section 8.4) and V over the session.
+    oracle_kv: list[tuple[Tensor, Tensor]]
     # In half precision, the float64 model's uncached pass over the session (logits, K and V),
     # which the error budget measures both runs against, made when first asked for; else None.
     reference: Callable[[], tuple[Tensor, list[tuple[Tensor, Tensor]]]] | None = None
@@ -98,9 +100,11 @@ def run(factory: CacheFactory, scenario: kvst.Scenario, path: str = "append") ->
             engine.reset(request)
             request = engine.start(name, scenario.batch, reuse=request)
         tokens = scenario.tokens(session)
-        expected_logits, oracle_kv = model.forward_with_kv(tokens)
+        stored = keys_stored(request.caches[0])  # what a layer holds: rotated keys, or not
+        expected_logits, oracle_kv = model.forward_with_kv(tokens, keys=stored)
+        truth = scenario.reference().forward_with_kv
         reference = (
-            functools.cache(functools.partial(scenario.reference().forward_with_kv, tokens))
+            functools.cache(functools.partial(truth, tokens, keys=stored))
             if kvassert.needs_reference(scenario.dtype)
             else None
         )
@@ -173,7 +177,8 @@ def check_contents(factory: CacheFactory, scenario: kvst.Scenario) -> None:
                 kvassert.assert_close_at(
                     got,
                     want,
-                    what=f"layer {layer}'s cached {name} and the uncached pass's (rotated) {name}",
+                    what=f"layer {layer}'s cached {name} and the uncached pass's "
+                    f"({keys_stored(cache)}) {name}",
                     where=step.where(),
                     position_axis=2,
                     first_position=first,

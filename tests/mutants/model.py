@@ -69,10 +69,11 @@ def rotates_held_keys_again() -> Iterator[None]:
         cache: LayerCache | None,
         rows=None,
         first: int = 0,
+        keys: str = "rotated",
     ):
         if cache is not None:
             cache = _RotatingReads(cache, self.config.rope_base)
-        return original(self, x, positions, cache, rows, first)
+        return original(self, x, positions, cache, rows, first, keys)
 
     with mock.patch.object(model.Attention, "forward", forward):
         yield

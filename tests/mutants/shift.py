@@ -1,10 +1,15 @@
-"""Broken context shifts (docs/contract.md, section 8.4): each a ``PreallocatedCache`` with
-one bug in ``shift``."""
+"""Broken context shifts and unrotated keys (docs/contract.md, section 8.4): each a
+``PreallocatedCache`` with one bug in ``shift``, or an ``UnrotatedCache`` with one bug in how
+it keeps keys unrotated."""
 
 from __future__ import annotations
 
-from kvimpl import PreallocatedCache
+import torch
+from torch import Tensor
+
+from kvimpl import PreallocatedCache, UnrotatedCache
 from kvref import check_shift, rerotate
+from kvref.model import apply_rope
 
 
 class _Shifted(PreallocatedCache):
@@ -73,9 +78,37 @@ class ShiftLeavesTheQueryAtTheStaleOffset(PreallocatedCache):
         self._firsts = [first + count for first in self._firsts]
 
 
+class UnrotatedShiftRotatesTheMovedKeys(UnrotatedCache):
+    """A cache that keeps keys unrotated re-rotates the keys a shift moves anyway.
+
+    Stands for a context shift written for rotated keys run on a cache that stores them
+    before RoPE (the K-shift applied where the model rotates at read): the moved keys end up
+    rotated twice, by the shift and by the model.
+    """
+
+    def _moved_keys(self, keys: Tensor, count: int) -> Tensor:
+        return rerotate(keys, -count, self.spec.rope_base)
+
+
+class UnrotatedCacheRotatesWhatItStores(UnrotatedCache):
+    """A cache that declares its keys unrotated rotates them at their positions itself as it
+    stores them.
+
+    Stands for a cache whose writer applies RoPE while the model, told the keys are kept
+    unrotated, rotates them again as it reads them: every key rotated twice.
+    """
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        start = self.length
+        positions = torch.arange(start, start + key.shape[2], device=key.device)
+        return super().append(apply_rope(key, positions, self.spec.rope_base), value)
+
+
 SHIFT_MUTANTS = (
     ShiftRotatesByTheWrongDelta,
     ShiftMovesKeysWithoutRotating,
     ShiftRecountsPositionsFromZero,
     ShiftLeavesTheQueryAtTheStaleOffset,
+    UnrotatedShiftRotatesTheMovedKeys,
+    UnrotatedCacheRotatesWhatItStores,
 )
