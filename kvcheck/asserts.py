@@ -229,12 +229,16 @@ def assert_returned_rows(cache, *, who: str, where: str) -> None:
             fewest <= rows <= most
         ):
             count = f"{most}" if fewest == most else f"{fewest} to {most} (window {cache.window})"
+            which = f"the last {count} of them"
             if cache.sinks and fewest != most:
-                count = f"{fewest} to {most} (the first {cache.sinks} and window {cache.window})"
+                which = (
+                    f"{fewest} to {most} of them, the first {cache.sinks} (its sinks) and then a "
+                    f"recent run (window {cache.window})"
+                )
             raise DataLoss(
                 f"{who}: append returned {name} shaped {tuple(got.shape)}; a cache that was "
                 f"given {most} rows since its reset, {cache.new_tokens} by this append, must "
-                f"return the last {count} of them, shaped like {tuple(given.shape)}\n  at {where}"
+                f"return {which}, shaped like {tuple(given.shape)}\n  at {where}"
             )
         kept = cache.kept(rows)  # the index since the reset of each row returned
         bad = differing_rows(got, given[:, :, kept])
@@ -243,10 +247,11 @@ def assert_returned_rows(cache, *, who: str, where: str) -> None:
         if bad:
             moved = ""
             if name == "keys" and kept[bad[0]] in cache.rerotated:
-                counts, budget = list(cache.shifts), shift_rounding(got.dtype, cache.shifts)
+                counts = cache.rerotated[kept[bad[0]]]
+                budget = shift_rounding(got.dtype, counts)
                 moved = (
-                    f", moved down by context shifts of {counts} positions and re-rotated beyond "
-                    f"{budget:.2g} of its largest magnitude from the float64 re-rotation"
+                    f", moved down by context shifts of {list(counts)} positions and re-rotated "
+                    f"beyond {budget:.2g} of its largest magnitude from the float64 re-rotation"
                 )
             raise DataLoss(
                 f"{who}: {name} row {kept[bad[0]]} returned by append is not the row appended "
@@ -277,8 +282,9 @@ def _rerotated_within(cache, got: Tensor, given: Tensor, kept: list[int], row: i
     if kept[row] not in cache.rerotated or not got.dtype.is_floating_point:
         return False
     want, finfo = given[:, :, kept[row]].double(), torch.finfo(got.dtype)
-    rounding = shift_rounding(got.dtype, cache.shifts)
-    spacing = SHIFT_ROUNDINGS * len(cache.shifts) * finfo.tiny * finfo.eps
+    counts = cache.rerotated[kept[row]]  # the shifts that moved this key
+    rounding = shift_rounding(got.dtype, counts)
+    spacing = SHIFT_ROUNDINGS * len(counts) * finfo.tiny * finfo.eps
     allowed = rounding * want.abs().amax(dim=-1, keepdim=True) + spacing
     return bool(((got[:, :, row].double() - want).abs() <= allowed).all())
 

@@ -100,11 +100,10 @@ class Recorder:
         self.window = window
         self.sinks = sinks  # attention sinks beside the window (contract, section 8.5)
         # Context shifts (section 8.4): the keys given are re-rotated as the cache's must be,
-        # in float64; ``rerotated`` is the indices whose keys a cache may round otherwise
-        # (``kvcheck.asserts.shift_rounding``), ``shifts`` the count of each shift so far.
+        # in float64; ``rerotated`` maps the index of each key a shift moved to the counts of
+        # the shifts that moved it, the rounding a cache may add (asserts.shift_rounding).
         self.rope_base = rope_base
-        self.rerotated = range(0)
-        self.shifts: tuple[int, ...] = ()
+        self.rerotated: dict[int, tuple[int, ...]] = {}
         self.path = path
         self.given: tuple[Tensor, Tensor] | None = None
         self.returned: tuple[Tensor, Tensor] | None = None
@@ -222,7 +221,7 @@ class Recorder:
     def _forget(self) -> None:
         self.given = self.returned = self.attended = None
         self.rows_given = self.rows_returned = None
-        self.rerotated, self.shifts = range(0), ()
+        self.rerotated = {}
 
     # --- rows of their own: passed through, and recorded row by row -----------------------
     def append_rows(self, key: Tensor, value: Tensor, counts) -> tuple[Tensor, Tensor, Tensor]:
@@ -278,8 +277,11 @@ class Recorder:
             stored = keys_stored(self.cache)
             self.given = shifted_rows(*self.given, start, count, self.rope_base, stored)
             if stored == "rotated":  # else the keys are moved as they are: bit for bit
-                low = min(self.rerotated.start, start) if self.rerotated else start
-                self.rerotated, self.shifts = range(low, self.given_length), (*self.shifts, count)
+                moved = range(start + count, self.given_length + count)  # indices before it
+                kept = {i: counts for i, counts in self.rerotated.items() if i < start}
+                for i in moved:
+                    kept[i - count] = (*self.rerotated.get(i, ()), count)
+                self.rerotated = kept
 
     # The optional capabilities, passed through; the record follows only a call that returns.
     def truncate(self, length: int) -> None:
@@ -287,7 +289,7 @@ class Recorder:
         self.cache.truncate(length)
         if self.given is not None:
             self.given = tuple(rows[:, :, :length] for rows in self.given)
-            self.rerotated = self.rerotated[:length]
+            self.rerotated = {i: c for i, c in self.rerotated.items() if i < length}
 
     def reorder(self, indices: Tensor) -> None:
         self.views = self.returned = None
@@ -298,7 +300,7 @@ class Recorder:
     def fork(self) -> Recorder:
         self.views = None
         twin = Recorder(self.cache.fork(), self.window, self.path, self.sinks, self.rope_base)
-        twin.given, twin.rerotated, twin.shifts = self.given, self.rerotated, self.shifts
+        twin.given, twin.rerotated = self.given, dict(self.rerotated)
         return twin
 
     def attended_and_reference(self) -> tuple[object, Tensor]:
@@ -409,7 +411,8 @@ def assert_views_kept(caches: dict[str, Recorder], *, where: str) -> None:
     for who, cache in caches.items():
         if changed := cache.views_changed():
             raise DataLoss(
-                f"{who}: the rows its last append returned changed at rows {changed[:8]} "
+                f"{who}: the rows its last append (or append_rows) returned changed at rows "
+                f"{changed[:8]} "
                 f"before its own next call (other caches of the factory were called since): "
                 f"a returned view must stay valid until that cache's next call\n  at {where}"
             )

@@ -356,6 +356,7 @@ class Engine:
             self._check_row_lengths(request, f"reset_at {firsts}{at}")
         else:
             self._check_lengths(request, f"reset_at {firsts[0]}{at}")
+        self._check_firsts(request, f"reset_at {firsts}{at}")
 
     def _rows(self, request: Request) -> list[Tensor]:
         if request.rows is None:  # fed as one batch so far: every row has that history
@@ -432,7 +433,24 @@ class Engine:
         if request.rows is not None:
             request.rows = [row[kept] for row in request.rows]
         self._check_lengths(request, what)
+        self._check_firsts(request, what)
         return True
+
+    def _check_firsts(self, request: Request, what: str) -> None:
+        """Where the caches say where their rows start, it is where the plan put them: a
+        shift, say, changes no first position (a stale one hides from the logits of a cache
+        whose keys the model rotates: RoPE is relative)."""
+        want = tuple(self._firsts(request))
+        for layer, recorder in enumerate(request.caches):
+            said = getattr(recorder.cache, "first_position", None)
+            if said is None:
+                continue
+            got = (said,) * len(want) if isinstance(said, int) else tuple(said)
+            if got != want:
+                raise failures.DataLoss(
+                    f"{request.name}'s layer {layer}: first_position {said!r} after {what}; "
+                    f"its rows start at {list(want)}\n  at {self.where(what)}"
+                )
 
     def _after_shift(self, request: Request, new: Tensor) -> tuple[Tensor, Callable[[], Tensor]]:
         """The model's logits for ``new`` over the rows the oracle holds, and the float64
@@ -450,6 +468,7 @@ class Engine:
         """Forget every position from ``target`` on; True when done, False when a window
         layer refused as the contract allows (the history then stays). Any other refusal
         is a crash on valid input."""
+        self._not_shifted(request, "truncate")
         held = request.held
         error = kvassert.raised_by(lambda: self.model.truncate(request.caches, target))
         if error is None:
@@ -470,6 +489,7 @@ class Engine:
 
     def reorder(self, request: Request, indices: Tensor, *, at: str = "") -> None:
         """Batch row b becomes the old row ``indices[b]`` in every layer."""
+        self._not_shifted(request, "reorder")
         indices = indices.to(self.model.device)
         self.model.reorder(request.caches, indices)
         request.history = request.history[indices]
@@ -479,6 +499,7 @@ class Engine:
         """A new request with the parent's history: every layer's ``fork()``; where the
         caches offer none, fresh caches fed the parent's history as one prompt (an engine
         without prefix sharing)."""
+        self._not_shifted(parent, "fork")
         if "fork" not in parent.offered:
             child = self.start(name, parent.batch)
             if parent.held:
@@ -489,6 +510,13 @@ class Engine:
         self.live[name] = child
         self._check_lengths(child, f"{name} = fork of {parent.name}{at}")
         return child
+
+    @staticmethod
+    def _not_shifted(request: Request, call: str) -> None:
+        # The oracle after a shift follows feeds only; a plan that edits a shifted history
+        # otherwise would be compared against stale rows.
+        if request.shifted is not None:
+            raise TypeError(f"{call} of {request.name} after a context shift: no plan does so")
 
     def poison(self, request: Request, kind: str, rows: int) -> None:
         """Leave ``rows`` rows of nan, inf, -inf or huge values behind in every layer (what

@@ -831,12 +831,18 @@ class ReferenceTransformer(nn.Module):
                 f"wrong number of caches: {layers} layers need {layers}, got {len(caches)}"
             )
         first_layer_of: dict[int, int] = {}
+        stored = [keys_stored(cache) for cache in caches]
         for layer, cache in enumerate(caches):
-            stored = getattr(cache, "keys_stored", "rotated")
-            if stored not in KEYS_STORED:
+            if stored[layer] not in KEYS_STORED:
                 raise CacheContractError(
-                    f"layer {layer}: keys_stored is {stored!r}, neither "
+                    f"layer {layer}: keys_stored is {stored[layer]!r}, neither "
                     f'"rotated" nor "unrotated" (contract, section 8.4)'
+                )
+            positions = getattr(cache, "sink_positions", "original")
+            if positions != "original":
+                raise CacheContractError(
+                    f"layer {layer}: sink_positions is {positions!r}; the model keeps every "
+                    f'key at the position it was given ("original" only: contract, section 8.5)'
                 )
             if id(cache) in first_layer_of:
                 raise CacheContractError(
@@ -844,6 +850,11 @@ class ReferenceTransformer(nn.Module):
                     f"{layer}; each layer needs a cache of its own"
                 )
             first_layer_of[id(cache)] = layer
+        if len(set(stored)) > 1:
+            raise CacheContractError(
+                f"inconsistent layer caches: keys_stored by layer {stored}; every layer's cache "
+                f"must keep keys the same way (contract, section 8.4)"
+            )
         lengths = [cache.length for cache in caches]
         for layer, length in enumerate(lengths):
             if isinstance(length, bool) or not isinstance(length, int) or length < 0:

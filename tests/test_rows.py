@@ -12,6 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
+from kvcheck import session
+from kvcheck.properties import rows as rows_property
 from kvimpl import PreallocatedCache
 from kvref import CacheContractError, ModelConfig, ReferenceTransformer
 from kvref.model import rows_laid_out
@@ -174,3 +176,34 @@ def test_rows_returned_as_a_list_are_checked_too():
 
     with pytest.raises(failures.DataLoss, match="that append_rows marked valid is not the row"):
         MIXED_LENGTHS.check(ReturnsAListWithAStaleRow, PINNED[0])
+
+
+class Delegating:
+    """A correct cache by composition: every member passed on to a PreallocatedCache through
+    __getattr__ (as an adapter around an engine's cache is written); ``join`` unwraps."""
+
+    def __init__(self, spec) -> None:
+        self.__dict__["inner"] = PreallocatedCache(spec)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def join(self, other: Delegating) -> None:
+        self.inner.join(other.inner)
+
+
+def test_a_cache_that_offers_members_through_getattr_runs_the_whole_plan(monkeypatch):
+    # Its capabilities are on the object, not its class: every event of the plan must run.
+    called = []
+    for name in ("feed_rows", "truncate_rows", "select_rows", "join", "reset_at"):
+        original = getattr(session.Engine, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            called.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(session.Engine, name, counted)
+    rows_property.check_mixed_lengths(Delegating, rows_property.PINNED[0])
+    events = {"feed": "feed_rows", "truncate": "truncate_rows", "select": "select_rows"}
+    wanted = {events.get(kind, kind) for kind, _ in rows_property.PINNED[0].events}
+    assert {*wanted, "reset_at"} <= set(called), called

@@ -2,10 +2,15 @@
 the checks of a span, when a window may refuse, and the built-in ``preallocated``'s shift
 against the oracle. The kit's property, ``context shift``, is in kvcheck/properties/shift.py."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from kvimpl import PreallocatedCache
+from kvcheck import failures
+from kvcheck.properties import shift as shift_property
+from kvcheck.properties.shift import ShiftPlan, check_context_shift
+from kvimpl import PreallocatedCache, UnrotatedCache
 from kvref import (
     CacheContractError,
     ModelConfig,
@@ -91,3 +96,43 @@ def test_a_shift_the_model_refuses_changes_nothing():
             torch.zeros(1, 1, dtype=torch.long),
             caches=model.new_caches(Sideways, batch=1, max_length=8),
         )
+
+
+class RefusingWindow(PreallocatedCache):
+    """Correct: refuses a shift exactly where ``kvref.may_refuse_shift`` allows it."""
+
+    def shift(self, start: int, count: int) -> None:
+        window = self.spec.window
+        if window is not None and may_refuse_shift([window], self.length, start, count):
+            raise ValueError("shift: a row the next query needs is gone")
+        super().shift(start, count)
+
+
+class FirstPositionMovedByShift(UnrotatedCache):
+    """Broken: a shift moves its first position up by the span (the model rotates its keys
+    and queries from that origin alike, so only the claim shows it)."""
+
+    def shift(self, start: int, count: int) -> None:
+        super().shift(start, count)
+        self._firsts = [first + count for first in self._firsts]
+
+
+WINDOWED = ModelConfig(vocab_size=23, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8)
+
+
+def test_a_refused_shift_ends_the_plan_that_was_drawn_for_it():
+    plan = ShiftPlan(
+        config=dataclasses.replace(WINDOWED, window=8),
+        dtype=torch.float64,
+        batch=1,
+        max_length=16,
+        events=(("feed", (16,)), ("shift", (4, 6)), ("feed", (1,))),  # the feed would overflow
+        token_seed=1,
+    )
+    check_context_shift(RefusingWindow, plan)
+
+
+def test_a_first_position_a_shift_moves_is_caught_where_the_logits_cannot_show_it():
+    plan = dataclasses.replace(shift_property.PINNED[0], dtype=torch.float64)
+    with pytest.raises(failures.DataLoss, match="first_position"):
+        check_context_shift(FirstPositionMovedByShift, plan)

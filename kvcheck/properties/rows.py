@@ -167,11 +167,16 @@ def check_mixed_lengths(factory: CacheFactory, plan: RowsPlan) -> None:
         return drawn.to(device)
 
     batch = engine.start("the batch", plan.batch)
-    # The cache's class, not the cache: a pool must have every block back at the end.
-    cache_type = type(batch.caches[0].cache)
+    # The names, not the cache (a pool must have every block back at the end), asked of the
+    # cache itself (an adapter may offer them through __getattr__).
+    offered = {
+        name
+        for name in (*NEEDS.values(), "reset_at")
+        if callable(getattr(batch.caches[0].cache, name, None))
+    }
 
     def offers(name: str) -> bool:
-        return callable(getattr(cache_type, name, None))
+        return name in offered
 
     if plan.firsts is not None and offers("reset_at"):
         engine.reset_at(batch, list(plan.firsts))
