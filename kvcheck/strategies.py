@@ -121,6 +121,8 @@ class Scenario:
 
 def describe_config(c: ModelConfig) -> str:
     sinks = f" and {c.sinks} sinks" if c.sinks else ""
+    if c.sinks and c.sink_positions == "in cache":
+        sinks += " (at their positions in the cache)"
     if c.window is None:
         window = ""
     elif c.window_layers == "all":

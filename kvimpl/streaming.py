@@ -10,7 +10,8 @@ index i since the reset lives in slot i while i < S, and in slot S + (i - S) % r
 the ring wraps past the sinks, never over them (counting them into the ring's modulus is
 the bug that evicts a sink on the first wrap). ``append`` returns the sinks, then the ring's
 rows oldest first: rule 7's recent run, as ``kvref.protocol.kept_rows`` lays it out. Keys
-keep the positions they were given (``sink_positions = "original"``, contract 8.5).
+keep the positions they were given, whichever positions the model gives the sinks (contract,
+section 8.5).
 
 With ``sinks = 0`` it is a plain ring-buffer window cache; with no window the ring keeps
 every row and doubles when full.
@@ -30,7 +31,6 @@ from kvref.protocol import CacheSpec, check_append, check_reorder, check_truncat
 class StreamingCache:
     # The sink counts it takes beside a window (contract, section 8.5); 0 is a plain window.
     kv_sizes: ClassVar[dict] = {"supports": {"sinks": (0, 1, 2, 4, 8)}}
-    sink_positions = "original"  # keys keep the positions they were given
 
     def __init__(self, spec: CacheSpec) -> None:
         self.spec = spec

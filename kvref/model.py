@@ -56,6 +56,9 @@ class ModelConfig:
     # StreamingLLM's attention sinks: a window layer's queries also see the session's first
     # ``sinks`` tokens (contract, section 8.5). Only with a window.
     sinks: int = 0
+    # Where a query sees its sinks (section 8.5): at the positions they were given, or, as
+    # StreamingLLM assigns positions within its cache, just before the query's window.
+    sink_positions: Literal["original", "in cache"] = "original"
     # The residual width; None: num_heads x head_dim. Set apart from the heads (as Gemma does,
     # the query and output projections mapping between the two), a model can be small
     # everywhere but where a cache looks: wide heads, many kv heads, on a narrow residual.
@@ -86,6 +89,10 @@ class ModelConfig:
             raise ValueError(f"sinks must be an int >= 0, got {self.sinks!r}")
         if self.sinks and self.window is None:
             raise ValueError(f"sinks is {self.sinks}: attention sinks need a window")
+        if self.sink_positions not in ("original", "in cache"):
+            raise ValueError(
+                f'sink_positions must be "original" or "in cache", got {self.sink_positions!r}'
+            )
         if self.window_layers not in ("all", "alternate"):
             raise ValueError(
                 f"window_layers must be 'all' or 'alternate', got {self.window_layers!r}"
@@ -246,6 +253,7 @@ def attention(
     window: int | None = None,
     valid: Tensor | None = None,
     sink_end: int | Tensor | None = None,
+    sink_query: Tensor | None = None,
 ) -> Tensor:
     """Softmax attention of ``query`` (B, H, T, D) over ``keys`` and ``values`` (B, H_kv,
     rows, D) at the given absolute positions, (T,) and (rows,) or each batch row's own (B, T)
@@ -253,7 +261,9 @@ def attention(
     8.5), scaled by 1/sqrt(D). Query head h reads kv
     head h // (H // H_kv) (grouped-query attention). With ``valid`` (B, rows) booleans, the
     rows it marks False are no keys at all: masked, and their values zeroed, so that a pad of
-    nan a cache keeps costs nothing (0 x nan is nan). A query that sees no key gives nan."""
+    nan a cache keeps costs nothing (0 x nan is nan). A query that sees no key gives nan.
+    With ``sink_query`` (the query rotated where it sits relative to its sinks, section 8.5),
+    the scores of the keys below ``sink_end`` are taken with it."""
     group = query.shape[1] // keys.shape[1]
     if group > 1:
         # Skipped for ordinary multi-head attention: repeat_interleave copies even when
@@ -268,6 +278,12 @@ def attention(
     exact = query.dtype in HALF_DTYPES and query.device.type != "mps"  # MPS has no float64
     wide = torch.float64 if exact else at_least_float32(query.dtype)
     scores = (query.to(wide) @ keys.to(wide).transpose(-2, -1)) / math.sqrt(query.shape[-1])
+    if sink_query is not None:
+        below = sink_end[:, None] if isinstance(sink_end, Tensor) and sink_end.ndim else sink_end
+        sinks = key_positions < below  # (rows,) or (B, rows)
+        sinks = sinks[:, None, None, :] if sinks.ndim == 2 else sinks
+        at_sinks = sink_query.to(wide) @ keys.to(wide).transpose(-2, -1)
+        scores = torch.where(sinks, at_sinks / math.sqrt(query.shape[-1]), scores)
     allowed = causal_mask(query_positions, key_positions, window, sink_end)
     if allowed.ndim == 3:  # per row: broadcast over the heads
         allowed = allowed[:, None]
@@ -364,6 +380,7 @@ class Attention(nn.Module):
         q = self.query(x).view(batch, new_tokens, c.num_heads, c.head_dim).transpose(1, 2)
         unrotated = self.key(x).view(batch, new_tokens, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = self.value(x).view(batch, new_tokens, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        sink_query = self._sink_query(q, positions, first if rows is None else rows.firsts)
         q = apply_rope(q, positions, c.rope_base)
         k = apply_rope(unrotated, positions, c.rope_base)
         # What the cache is handed: keys rotated at their positions, never rotated again; or,
@@ -372,8 +389,10 @@ class Attention(nn.Module):
         stored = "rotated" if cache is None else keys_stored(cache)
         handed = k if stored == "rotated" else unrotated
         if rows is not None:
-            mixed = self._attend_rows(q, handed, v, positions, cache, rows)
-        elif stored == "rotated" and callable(getattr(cache, "attend", None)):
+            mixed = self._attend_rows(q, handed, v, positions, cache, rows, sink_query)
+        elif (
+            stored == "rotated" and sink_query is None and callable(getattr(cache, "attend", None))
+        ):
             # The cache computes attention itself (a paged kernel, say): no rows come back.
             mixed = cache.attend(q, k, v)
             self._check_attended(mixed, q)
@@ -393,13 +412,41 @@ class Attention(nn.Module):
             if stored == "unrotated":
                 all_k = apply_rope(all_k, key_positions, c.rope_base)
             mixed = attention(
-                q, all_k, all_v, positions, key_positions, self.window, sink_end=first + self.sinks
+                q,
+                all_k,
+                all_v,
+                positions,
+                key_positions,
+                self.window,
+                sink_end=first + self.sinks,
+                sink_query=sink_query,
             )
         mixed = mixed.transpose(1, 2).reshape(batch, new_tokens, c.attention_width)
         return self.out(mixed), k if keys == "rotated" else unrotated, v
 
+    def _sink_query(self, q: Tensor, positions: Tensor, first) -> Tensor | None:
+        """With sinks at their positions in the cache (section 8.5): ``q`` (not yet rotated)
+        rotated as far back as its sinks sit closer to it, else None. StreamingLLM numbers a
+        query's keys by their slots, sinks first: the window keeps its distance from the
+        query, and sink j sits just before the window, at index j + max(0, i - W + 1 - S)
+        for the query at index i; the scores depending on the distance alone, that is the
+        query rotated max(0, i - W + 1 - S) positions back against the sinks as given."""
+        if not self.sinks or self.config.sink_positions == "original":
+            return None
+        firsts = torch.as_tensor(first, device=positions.device)
+        index = positions - (firsts[:, None] if firsts.ndim else firsts)
+        gap = (index - (self.window - 1) - self.sinks).clamp(min=0)
+        return apply_rope(q, (positions - gap).clamp(min=0), self.config.rope_base)
+
     def _attend_rows(
-        self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cache, rows: RowBatch
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        positions: Tensor,
+        cache,
+        rows: RowBatch,
+        sink_query: Tensor | None = None,
     ) -> Tensor:
         """Hand the new rows to ``append_rows``, pads poisoned, and attend each batch row over
         the rows it marks valid, at that row's positions."""
@@ -422,7 +469,9 @@ class Attention(nn.Module):
         if keys_stored(cache) == "unrotated":  # each row's keys at its own positions
             all_k = apply_rope(all_k, key_positions.clamp(min=0), self.config.rope_base)
         sink_end = firsts + self.sinks
-        return attention(q, all_k, all_v, positions, key_positions, self.window, valid, sink_end)
+        return attention(
+            q, all_k, all_v, positions, key_positions, self.window, valid, sink_end, sink_query
+        )
 
     def _check_returned_row_batch(
         self, keys: object, values: object, valid: object, batch: int, rows: RowBatch
@@ -837,12 +886,6 @@ class ReferenceTransformer(nn.Module):
                 raise CacheContractError(
                     f"layer {layer}: keys_stored is {stored[layer]!r}, neither "
                     f'"rotated" nor "unrotated" (contract, section 8.4)'
-                )
-            positions = getattr(cache, "sink_positions", "original")
-            if positions != "original":
-                raise CacheContractError(
-                    f"layer {layer}: sink_positions is {positions!r}; the model keeps every "
-                    f'key at the position it was given ("original" only: contract, section 8.5)'
                 )
             if id(cache) in first_layer_of:
                 raise CacheContractError(

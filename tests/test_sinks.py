@@ -25,7 +25,9 @@ def test_kept_rows_are_the_sinks_then_the_most_recent():
 
 
 def sink_attention_by_hand(model: ReferenceTransformer, tokens: torch.Tensor) -> torch.Tensor:
-    """Layer 0's attention output, each query over exactly the keys it may see, listed."""
+    """Layer 0's attention output, each query over exactly the keys it may see, each key
+    rotated where the query sees it: at its own position, or, with the sinks' positions in
+    the cache (StreamingLLM), sink j at j + max(0, p - W + 1 - S), just before the window."""
     c, layer = model.config, model.blocks[0]
     x = layer.attention_norm(model.embedding(tokens))
     attention = layer.attention
@@ -33,23 +35,25 @@ def sink_attention_by_hand(model: ReferenceTransformer, tokens: torch.Tensor) ->
     q = attention.query(x).view(batch, length, c.num_heads, c.head_dim).transpose(1, 2)
     k = attention.key(x).view(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2)
     v = attention.value(x).view(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2)
-    positions = torch.arange(length)
-    q, k = apply_rope(q, positions, c.rope_base), apply_rope(k, positions, c.rope_base)
     out = torch.empty_like(q)
     for p in range(length):
         seen = sorted({*range(min(c.sinks, p + 1)), *range(max(0, p - c.window + 1), p + 1)})
-        scores = q[:, :, p : p + 1] @ k[:, :, seen].transpose(-2, -1) / math.sqrt(c.head_dim)
+        gap = max(0, p - c.window + 1 - c.sinks) if c.sink_positions == "in cache" else 0
+        at = torch.tensor([j + gap if j < c.sinks else j for j in seen])
+        keys = apply_rope(k[:, :, seen], at, c.rope_base)
+        query = apply_rope(q[:, :, p : p + 1], torch.tensor([p]), c.rope_base)
+        scores = query @ keys.transpose(-2, -1) / math.sqrt(c.head_dim)
         out[:, :, p : p + 1] = scores.softmax(-1) @ v[:, :, seen]
     return out
 
 
+@pytest.mark.parametrize("positions", ["original", "in cache"])
 @pytest.mark.parametrize(("sinks", "window"), [(1, 1), (4, 3), (2, 7)])
-def test_the_sink_mask_is_the_sinks_and_the_window(sinks, window):
-    config = ModelConfig(num_layers=1, window=window, sinks=sinks)
+def test_the_sink_mask_is_the_sinks_and_the_window(sinks, window, positions):
+    config = ModelConfig(num_layers=1, window=window, sinks=sinks, sink_positions=positions)
     model = ReferenceTransformer(config)
-    tokens = torch.randint(
-        0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1)
-    )
+    seeded = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, config.vocab_size, (2, 17), generator=seeded)
     captured = {}
     out = model.blocks[0].attention.out
     handle = out.register_forward_hook(lambda module, args, result: captured.update(x=args[0]))
@@ -59,6 +63,18 @@ def test_the_sink_mask_is_the_sinks_and_the_window(sinks, window):
         handle.remove()
     by_hand = sink_attention_by_hand(model, tokens)
     torch.testing.assert_close(captured["x"], by_hand.transpose(1, 2).reshape(2, 17, -1))
+
+
+def test_sinks_at_their_positions_in_the_cache_change_what_a_query_computes():
+    # Else the convention would be a name: past the window's first wrap the two differ.
+    seeded = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 64, (1, 20), generator=seeded)
+    logits = [
+        ReferenceTransformer(ModelConfig(window=3, sinks=2, sink_positions=positions))(tokens)
+        for positions in ("original", "in cache")
+    ]
+    torch.testing.assert_close(logits[0][:, :5], logits[1][:, :5])  # no gap yet
+    assert not torch.allclose(logits[0][:, 6:], logits[1][:, 6:])
 
 
 @pytest.mark.parametrize("sinks", [0, 1, 4])

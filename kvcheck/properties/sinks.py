@@ -4,9 +4,12 @@ S tokens of a session, as StreamingLLM does, so that a model can stream past its
 A cache offers sinks by declaring the counts it takes (``kv_sizes = {"supports": {"sinks":
 (0, 1, 4)}}``); the other properties draw plain windows (0 sinks) for it, and this one draws
 every declared count beside windows around the chunk sizes, in sessions long enough that the
-ring wraps many times. The oracle is the one of every property: the uncached model under the
-sink-and-window mask (``ModelConfig.sinks``), each step's logits over the whole session,
-and what ``append`` returned bit for bit the sinks, then a recent run of the rows given.
+ring wraps many times, with the sinks at the positions they were given or, as StreamingLLM
+numbers its cache, just before each query's window (``ModelConfig.sink_positions``: the
+model's convention, under which a cache returns the same rows). The oracle is the one of
+every property: the uncached model under the sink-and-window mask (``ModelConfig.sinks``),
+each step's logits over the whole session, and what ``append`` returned bit for bit the
+sinks, then a recent run of the rows given.
 
 - ``attention sinks``: where the cache declares a sink count other than 0.
 """
@@ -56,8 +59,12 @@ def sink_plans(draw) -> SinkPlan:
         scenario.config,
         window=draw(SINK_WINDOWS, label="window"),
         sinks=draw(st.sampled_from(counts), label="sinks"),
+        # Both conventions on every sink cache: what it returns is the same under each.
+        sink_positions=draw(st.sampled_from(("original", "in cache")), label="sink positions"),
     )
-    path = draw(st.sampled_from(("append", "attend")), label="path")
+    # Sinks at positions in the cache take the append path: the model attends over them.
+    paths = ("append",) if config.sink_positions == "in cache" else ("append", "attend")
+    path = draw(st.sampled_from(paths), label="path")
     return SinkPlan(dataclasses.replace(scenario, config=config), path)
 
 

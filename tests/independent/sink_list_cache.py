@@ -41,7 +41,6 @@ _MAX_CHUNKS = 32
 
 class SinkListCache:
     kv_sizes: ClassVar[dict[str, dict]] = {"supports": {"sinks": (0, 1, 4)}}
-    sink_positions: ClassVar[str] = "original"  # keys stay at the positions they were given
 
     def __init__(self, spec: CacheSpec) -> None:
         self.spec = spec
