@@ -107,9 +107,9 @@ def feeds_prompt_again() -> Iterator[None]:
     original = model.ReferenceTransformer.forward
     prompt: list[Tensor] = []  # the last cold call's tokens
 
-    def forward(self: model.ReferenceTransformer, token_ids: Tensor, caches=None) -> Tensor:
+    def forward(self: model.ReferenceTransformer, token_ids: Tensor, caches=None, **kw) -> Tensor:
         if caches is None:
-            return original(self, token_ids)
+            return original(self, token_ids, **kw)  # uncached calls are the oracle's: right
         if caches[0].length == 0:
             prompt[:] = [token_ids]
             return original(self, token_ids, caches)

@@ -26,6 +26,7 @@ import hypothesis
 import torch
 from hypothesis import settings
 
+from kvcheck import sizes as kvsizes
 from tests import mutants as kvmut
 from tests.mutants.attend import ATTEND_MUTANTS
 from tests.mutants.caches import CACHE_MUTANTS
@@ -60,7 +61,8 @@ def row(mutant: kvmut.Mutant) -> str:
     catch = catch or hunt(mutant, PROPERTIES, max_examples=EXAMPLES_PER_PROPERTY)
     if catch is None:
         return f"| `{mutant.name}` | {mutant.bug} | **not caught** | | | | |"
-    with mutant.patch():
+    # As the hunt does: the mutant's patch, and the sizes its factory declares.
+    with mutant.patch(), kvsizes.aiming_at(kvsizes.declared_by(mutant.factory)):
         others = [
             prop.name
             for prop in PROPERTIES
