@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvcheck import failures
+from kvcheck.harness import Recorder
 from kvcheck.properties import shift as shift_property
 from kvcheck.properties.shift import ShiftPlan, check_context_shift
 from kvimpl import PreallocatedCache, UnrotatedCache
@@ -136,3 +137,26 @@ def test_a_first_position_a_shift_moves_is_caught_where_the_logits_cannot_show_i
     plan = dataclasses.replace(shift_property.PINNED[0], dtype=torch.float64)
     with pytest.raises(failures.DataLoss, match="first_position"):
         check_context_shift(FirstPositionMovedByShift, plan)
+
+
+def test_layers_that_keep_keys_differently_are_refused():
+    model = ReferenceTransformer(ModelConfig(num_layers=2))
+    spec = model.cache_spec(1, 8)
+    with pytest.raises(CacheContractError, match="keys_stored by layer"):
+        model(
+            torch.zeros(1, 1, dtype=torch.long),
+            caches=[PreallocatedCache(spec), UnrotatedCache(spec)],
+        )
+
+
+def test_the_rounding_budget_reaches_only_the_keys_a_shift_moved():
+    spec = ReferenceTransformer(ModelConfig(num_layers=1)).cache_spec(1, 32)
+    recorder = Recorder(PreallocatedCache(spec))
+    rows = torch.randn(1, spec.kv_heads, 15, spec.head_dim, dtype=spec.dtype)
+    recorder.append(rows, rows)
+    recorder.shift(5, 2)  # 13 left: indices 5..12 moved once
+    assert recorder.rerotated == {i: (2,) for i in range(5, 13)}
+    recorder.truncate(10)  # then appended again: exact from 10 on
+    recorder.append(rows[:, :, :3], rows[:, :, :3])
+    recorder.shift(11, 1)  # moves 12 down to 11; 10 stays exact, 5..9 stay moved once
+    assert recorder.rerotated == {**{i: (2,) for i in range(5, 10)}, 11: (1,)}
