@@ -294,8 +294,7 @@ class Engine:
         widest window first, as ``ReferenceTransformer.truncate`` asks. True when done, False
         when a window layer refused as section 4 allows for some row (nothing changed)."""
         rows = self._rows(request)
-        config = self.model.config
-        windows = [config.layer_window(layer) for layer in range(config.num_layers)]
+        windows = self._windows()
         what = f"truncate_rows to {keep}{at}"
         for done, layer in enumerate(self.model.widest_window_first()):
             error = kvassert.raised_by(lambda i=layer: request.caches[i].truncate_rows(tuple(keep)))
@@ -406,16 +405,9 @@ class Engine:
         held, what = request.held, f"shift({start}, {count}){at}"
         error = kvassert.raised_by(lambda: self.model.shift(request.caches, start, count))
         if error is not None:
-            windows = map(self.model.config.layer_window, range(self.model.config.num_layers))
-            allowed = isinstance(error, ValueError) and not isinstance(error, CacheContractError)
-            if allowed and may_refuse_shift(windows, held, start, count):
-                self._check_lengths(request, f"a refused {what}")
-                return False
-            raise failures.RefusesValidInput(
-                f"{request.name}: {what} of {held} tokens refused with {type(error).__name__}: "
-                f"{error}; no layer may refuse it: every row the next query needs is among "
-                f"those a window cache must keep\n  at {self.where(what)}"
-            ) from error
+            may_refuse = may_refuse_shift(self._windows(), held, start, count)
+            self._refusal_allowed(request, error, may_refuse, what)
+            return False
         stored = keys_stored(request.caches[0])
         if request.shifted is None:  # the uncached pass's rows: what the caches held so far
             first = self._first(request)
@@ -475,16 +467,28 @@ class Engine:
             request.history = request.history[:, :target]
             self._check_lengths(request, f"truncate to {target}{at}")
             return True
-        windows = map(self.model.config.layer_window, range(self.model.config.num_layers))
+        may_refuse = may_refuse_truncate(self._windows(), held, target)
+        self._refusal_allowed(request, error, may_refuse, f"truncate to {target}{at}")
+        return False
+
+    def _windows(self) -> list[int | None]:
+        """Each layer's window (None: a global layer)."""
+        return [
+            self.model.config.layer_window(layer) for layer in range(self.model.config.num_layers)
+        ]
+
+    def _refusal_allowed(self, request: Request, error: Exception, may_refuse: bool, what: str):
+        """A refusal of ``what`` by the model's caches: allowed where the contract lets a
+        window refuse (``may_refuse``) and it is a cache's ``ValueError`` (not the model's
+        guard), the history then left as it was; any other is a crash on valid input."""
         allowed = isinstance(error, ValueError) and not isinstance(error, CacheContractError)
-        if allowed and may_refuse_truncate(windows, held, target):
-            self._check_lengths(request, f"a refused truncate to {target}{at}")
-            return False
+        if allowed and may_refuse:
+            self._check_lengths(request, f"a refused {what}")
+            return
         raise failures.RefusesValidInput(
-            f"{request.name}: truncate from {held} tokens to {target} refused with "
+            f"{request.name}: {what} of {request.held} tokens refused with "
             f"{type(error).__name__}: {error}; no layer may refuse it: every position the next "
-            f"query needs is among those a window cache must keep\n  at "
-            f"{self.where(f'{request.name} truncates{at}')}"
+            f"query needs is among those a window cache must keep\n  at {self.where(what)}"
         ) from error
 
     def reorder(self, request: Request, indices: Tensor, *, at: str = "") -> None:

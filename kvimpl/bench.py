@@ -52,7 +52,7 @@ from torch.utils import benchmark
 import kvimpl
 from kvcheck import selection
 from kvref import CacheFactory, LayerCache, ModelConfig, ReferenceTransformer, min_nbytes
-from kvref.protocol import keys_stored
+from kvref.protocol import keys_stored, row_slots
 
 
 @dataclass(frozen=True)
@@ -211,13 +211,14 @@ def _padded(keys: Tensor, values: Tensor, counts: list[int], cache: LayerCache):
     """``keys`` and ``values``, whose row b has its new rows in its first ``counts[b]`` slots,
     laid out as ``cache`` takes them: as they are, or with left padding in its last slots
     (contract, section 8.1)."""
-    if getattr(cache, "padding", "right") != "left":
+    padding = getattr(cache, "padding", "right")
+    if padding == "right":
         return keys, values
     laid = (torch.zeros_like(keys), torch.zeros_like(values))
-    width = keys.shape[2]
     for b, count in enumerate(counts):
+        slots = row_slots(padding, keys.shape[2], count)
         for out, given in zip(laid, (keys, values), strict=True):
-            out[b, :, width - count :] = given[b, :, :count]
+            out[b, :, slots] = given[b, :, :count]
     return laid
 
 

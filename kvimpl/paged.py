@@ -429,13 +429,9 @@ class PagedCache(RowBook):
         self.pool._drop(leaving)
 
     def join(self, other: PagedCache) -> None:
-        if not isinstance(other, PagedCache) or other is self or other.pool is not self.pool:
-            raise ValueError(
-                f"join: needs another PagedCache of the same pool, got {type(other).__name__}"
-            )
-        mine, theirs = (dataclasses.replace(s, batch=1) for s in (self.spec, other.spec))
-        if mine != theirs:
-            raise ValueError(f"join: built for {other.spec}, this cache for {self.spec}")
+        self._check_joinable(other, PagedCache, "another PagedCache of the same pool")
+        if other.pool is not self.pool:
+            raise ValueError("join: needs another PagedCache of the same pool, got one of another")
         # The blocks change owner, not place: ``other``'s tables are emptied in place, so that
         # its finalizer gives nothing back.
         self._tables.extend(other._tables)

@@ -115,11 +115,7 @@ class PreallocatedCache(RowBook):
         self._firsts = [self._firsts[row] for row in picked]
 
     def join(self, other: PreallocatedCache) -> None:
-        if not isinstance(other, PreallocatedCache) or other is self:
-            raise ValueError(f"join: needs another PreallocatedCache, got {type(other).__name__}")
-        mine, theirs = (dataclasses.replace(s, batch=1) for s in (self.spec, other.spec))
-        if mine != theirs:
-            raise ValueError(f"join: built for {other.spec}, this cache for {self.spec}")
+        self._check_joinable(other, PreallocatedCache, "another PreallocatedCache")
         rows, more = self._rows(), other._rows()
         if rows + more > self.spec.batch:
             raise ValueError(

@@ -5,16 +5,19 @@ share this bookkeeping."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
-from kvref.protocol import is_count
+from kvref.protocol import CacheSpec, is_count
 
 
 class RowBook:
     """Per-row lengths and first positions; ``_lengths`` and ``_firsts`` are set by the cache."""
 
     padding = "right"  # append_rows: a row's new tokens in its first slots
+    spec: CacheSpec
     _lengths: list[int]
     _firsts: list[int]
 
@@ -81,6 +84,15 @@ class RowBook:
                 f"select_rows: indices must be distinct rows of the {rows} held, got {picked}"
             )
         return picked
+
+    def _check_joinable(self, other: object, kind: type, needs: str) -> None:
+        """``join``'s argument: another cache of ``kind`` (``needs`` says which, for the
+        message), built for the same spec but the batch."""
+        if not isinstance(other, kind) or other is self:
+            raise ValueError(f"join: needs {needs}, got {type(other).__name__}")
+        mine, theirs = (dataclasses.replace(s, batch=1) for s in (self.spec, other.spec))
+        if mine != theirs:
+            raise ValueError(f"join: built for {other.spec}, this cache for {self.spec}")
 
     @staticmethod
     def _checked_firsts(first_position, rows: int) -> list[int]:
