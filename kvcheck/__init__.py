@@ -27,8 +27,9 @@ kit, with no change on your side.
 ``IsolationTests``, ``RejectionTests``, ``MemoryTests``, ``StatefulTests``,
 ``RequestsTests``, and for the optional capabilities ``AttendTests``, ``ForkTests``,
 ``PoolTests`` (a factory that is a ``kvref.BlockPool``), ``TruncateTests``, ``ReorderTests``
-``RowsTests`` (rows of their own, ``append_rows``), ``ShiftTests`` (context shift, ``shift``)
-and ``SinksTests`` (attention sinks a cache declares)); subclass one of them instead to run
+``RowsTests`` (rows of their own, ``append_rows``), ``ShiftTests`` (context shift, ``shift``),
+``SinksTests`` (attention sinks a cache declares) and ``ServingTests`` (prefix caching and
+offload)); subclass one of them instead to run
 only that area. The contract a cache must keep is in ``kvref.protocol`` and
 ``docs/contract.md``.
 """
@@ -47,6 +48,7 @@ __all__ = [
     "RequestsTests",
     "ResetTests",
     "RowsTests",
+    "ServingTests",
     "ShiftTests",
     "SinksTests",
     "Sizes",

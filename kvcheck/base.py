@@ -27,6 +27,7 @@ from kvcheck.properties.rejection import RejectionTests
 from kvcheck.properties.requests import ForkTests, RequestsTests
 from kvcheck.properties.reset import ResetTests
 from kvcheck.properties.rows import RowsTests
+from kvcheck.properties.serving import ServingTests
 from kvcheck.properties.shift import ShiftTests
 from kvcheck.properties.sinks import SinksTests
 from kvcheck.properties.stateful import StatefulTests
@@ -43,6 +44,7 @@ class CacheTests(
     AttendTests,
     ForkTests,
     PoolTests,
+    ServingTests,
     TruncateTests,
     ReorderTests,
     RowsTests,
@@ -67,6 +69,7 @@ __all__ = [
     "RequestsTests",
     "ResetTests",
     "RowsTests",
+    "ServingTests",
     "ShiftTests",
     "SinksTests",
     "StatefulTests",

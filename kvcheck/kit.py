@@ -25,12 +25,14 @@ from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.harness import PATHS, offers_attend
 from kvcheck.session import young_objects_only
-from kvref import BlockPool, CacheFactory, CacheSpec, capabilities
+from kvref import BlockPool, CacheFactory, CacheSpec, PrefixCaching, capabilities
 
 NOT_OFFERED = "not offered"
 OUTSIDE = "outside the declared domain"
 # Capabilities of the factory itself, not of its caches.
-FACTORY_CAPABILITIES = {"block pool": BlockPool}
+FACTORY_CAPABILITIES = {"block pool": BlockPool, "prefix caching": PrefixCaching}
+# The methods a capability takes, where it is not the one named after it.
+METHODS = {"tree": "append_tree() and commit_tree()", "offload": "offload() and restore()"}
 # Capabilities a cache declares in its sizes, not by a method, and why one is missing.
 DECLARED_CAPABILITIES = {
     "sinks": "the cache declares no attention sinks (its supports' sinks, contract 8.5)",
@@ -143,7 +145,7 @@ class Property:
         needed = (*self.requires, *(("attend",) if path == "attend" else ()))
         lacks = [name for name in needed if name not in offered(factory)] if needed else []
         methods = [
-            f"{name}()"
+            METHODS.get(name, f"{name}()")
             for name in lacks
             if name not in FACTORY_CAPABILITIES and name not in DECLARED_CAPABILITIES
         ]
@@ -153,6 +155,11 @@ class Property:
             reasons.append(
                 "the factory is not a kvref.BlockPool (block_size, blocks_in_use, "
                 "blocks_free, with_blocks)"
+            )
+        if "prefix caching" in lacks:
+            reasons.append(
+                "the factory is not a kvref.PrefixCaching pool (lookup_prefix, "
+                "blocks_cached, blocks_evictable)"
             )
         if not reasons and (why := nothing_to_draw(self, path)):
             reasons.append(f"{OUTSIDE}: {why}")

@@ -17,13 +17,17 @@ from __future__ import annotations
 import math
 
 from kvcheck import failures
-from kvref import BlockPool, BlockTables, CacheFactory, min_nbytes
+from kvref import BlockPool, BlockTables, CacheFactory, PrefixCaching, min_nbytes
 
 
-def fresh_pool(factory: CacheFactory, blocks: int) -> CacheFactory:
-    """A pool of the factory's kind with room for ``blocks``, when it is a BlockPool; else
-    the factory itself."""
-    return factory.with_blocks(blocks) if isinstance(factory, BlockPool) else factory
+def fresh_pool(factory: CacheFactory, blocks: int, block_hash=None) -> CacheFactory:
+    """A pool of the factory's kind with room for ``blocks``, when it is a BlockPool (keyed
+    by ``block_hash`` where one is given); else the factory itself."""
+    if not isinstance(factory, BlockPool):
+        return factory
+    if block_hash is None:
+        return factory.with_blocks(blocks)
+    return factory.with_blocks(blocks, block_hash=block_hash)
 
 
 def audit(pool: BlockPool, engine, *, where: str) -> None:
@@ -41,9 +45,12 @@ def audit(pool: BlockPool, engine, *, where: str) -> None:
     for request in engine.live.values():
         for layer, recorder in enumerate(request.caches or ()):
             cache = recorder.cache
+            who = f"{request.name}'s layer {layer}"
+            if getattr(cache, "offloaded", False):  # its rows are out of the pool (9.3)
+                _check_offloaded(cache, who, where)
+                continue
             # Each row's tokens: its own where rows have lengths of their own (section 8.1).
             lengths = list(getattr(cache, "row_lengths", [cache.length] * request.batch))
-            who = f"{request.name}'s layer {layer}"
             # The spec the model built this layer's cache from, not one the cache may show.
             spec = engine.model.cache_spec(1, engine.max_length, layer=layer)
             kept = [n if spec.window is None else min(n, spec.window - 1) for n in lengths]
@@ -87,6 +94,39 @@ def audit(pool: BlockPool, engine, *, where: str) -> None:
         raise failures.DataLoss(
             f"the pool: blocks_in_use is {in_use}; the live caches need at least {least} and "
             f"at most {most} blocks\n  {where}"
+        )
+    if isinstance(pool, PrefixCaching):
+        _check_cached(pool, capacity, where)
+
+
+def _check_offloaded(cache, who: str, where: str) -> None:
+    """An offloaded cache holds no block of the pool (contract, section 9.3)."""
+    tables = cache.block_tables if isinstance(cache, BlockTables) else []
+    if any(tables):
+        raise failures.DataLoss(
+            f"{who}: offloaded, yet its block tables still reference {tables}: an offloaded "
+            f"cache gives its blocks back to the pool\n  {where}"
+        )
+
+
+def _check_cached(pool, capacity: int, where: str) -> None:
+    """The cached blocks of a prefix-caching pool (section 9.1): the evictable ones among
+    them, the others in use, all of them inside the pool's room."""
+    cached, evictable, in_use = pool.blocks_cached, pool.blocks_evictable, pool.blocks_in_use
+    said = (
+        f"the pool: blocks_cached {cached}, blocks_evictable {evictable}, blocks_in_use "
+        f"{in_use}, blocks_free {pool.blocks_free}, room {capacity}"
+    )
+    if not 0 <= evictable <= cached:
+        raise failures.DataLoss(f"{said}: evictable blocks are cached ones\n  {where}")
+    if cached - evictable > in_use:
+        raise failures.DataLoss(
+            f"{said}: a cached block no live cache holds must be evictable\n  {where}"
+        )
+    if in_use + evictable > capacity or evictable > pool.blocks_free:
+        raise failures.DataLoss(
+            f"{said}: cached blocks no cache holds stay inside the room, counted free, and "
+            f"are evicted when it runs short\n  {where}"
         )
 
 

@@ -4,8 +4,10 @@ An ``Engine`` holds one reference model, the factory under test and the requests
 it. A ``Request`` is one history (token ids, one row per batch row) and one recorded cache
 per layer. Events are the calls an engine makes: ``start`` (fresh caches, or the reset ones
 of a finished request), ``feed``, ``truncate``, ``reorder``, ``fork``, ``reset``, ``drop``
-and ``poison``. After each, the engine checks what the contract says holds whatever the
-plan: every layer's length is the history's, and
+and ``poison``; on a serving pool (contract, section 9) ``lookup`` (a prefix hit, held to
+the rows written there: ``kvcheck.prefix_books``), ``declare``, ``offload`` and ``restore``.
+After each, the engine checks what the contract says holds whatever the plan: every layer's
+length is the history's, and
 
 - ``feed`` compares each new position's logits with the uncached model over the request's
   whole history (the oracle), and on the append path what ``append`` returned with the rows
@@ -35,17 +37,19 @@ from kvcheck import devices as kvdevices
 from kvcheck import failures, pool_books
 from kvcheck import strategies as kvst
 from kvcheck.harness import Recorder, assert_views_kept, builder, record
+from kvcheck.prefix_books import PrefixBooks
 from kvref import (
     BlockPool,
     CacheContractError,
     CacheFactory,
+    PrefixCaching,
     ReferenceTransformer,
     capabilities,
     may_refuse_shift,
     may_refuse_truncate,
 )
 from kvref.model import HeldRows, rows_laid_out, shifted_rows
-from kvref.protocol import kept_rows, keys_stored, row_slots
+from kvref.protocol import is_count, kept_rows, keys_stored, row_slots
 
 
 @dataclass
@@ -65,6 +69,7 @@ class Request:
     # model's dtype and in float64 (the truth half precision is judged by); no uncached pass
     # over the tokens left computes it, so every later step runs the model over these rows.
     shifted: tuple[list[tuple[Tensor, Tensor]], list[tuple[Tensor, Tensor]]] | None = None
+    salt: object = None  # its tenant, for a prefix-caching pool (section 9.1)
 
     @property
     def held(self) -> int:
@@ -93,16 +98,21 @@ class Engine:
         max_length: int,
         path: str = "append",
         blocks: int = 4096,
+        block_hash: Callable | None = None,
         describe: Callable[[], str] = lambda: "",
     ) -> None:
-        # On a pool of its own, so that the books can be audited against this engine's caches.
-        self.factory = pool_books.fresh_pool(factory, blocks)
+        # On a pool of its own, so that the books can be audited against this engine's caches
+        # (keyed by ``block_hash`` where given: a prefix-caching pool, section 9.1).
+        self.factory = pool_books.fresh_pool(factory, blocks, block_hash)
         self.model = model
         self.max_length = max_length
         self.path = path
         self.describe = describe  # the plan so far, for every message
         self.live: dict[str, Request] = {}
         self.pool = self.factory if isinstance(self.factory, BlockPool) else None
+        # What each block was last written with, where a pool shares blocks by content.
+        prefix = isinstance(self.factory, PrefixCaching)
+        self.prefix = PrefixBooks(self.factory.block_size) if prefix else None
         # A fresh pool holds nothing yet; the books compare what this engine's caches hold
         # against what was there before, and its room must be what was asked for.
         self.pool_before = self._pool_counts()
@@ -163,6 +173,8 @@ class Engine:
             error.add_note(f"  at {where}")
             raise
         request.history = torch.cat((request.history, new), dim=1)
+        if self.prefix is not None:
+            self.prefix.wrote(request, start, end)
         if request.rows is not None:  # rows of their own, fed as one batch this time
             fed = zip(request.rows, new, strict=True)
             request.rows = [torch.cat((row, tokens)) for row, tokens in fed]
@@ -511,6 +523,7 @@ class Engine:
             return child
         caches = [cache.fork() for cache in parent.caches]
         child = Request(name, caches, parent.history.clone(), offered=parent.offered)
+        child.salt = parent.salt
         self.live[name] = child
         self._check_lengths(child, f"{name} = fork of {parent.name}{at}")
         return child
@@ -543,6 +556,63 @@ class Engine:
         request.caches = None
         if self.pool is not None:
             gc.collect()
+
+    # --- serving pools (contract, section 9) ---------------------------------------------
+    def lookup(self, request: Request, tokens: Tensor, *, at: str = "") -> int:
+        """Declare ``tokens`` to ``request``'s empty caches and take the longest prefix the
+        pool has of them: its blocks must hold what was written there, for this request's
+        salt and tokens, and at least the blocks of it a live request holds (section 9.1)."""
+        where = self.where(
+            f"{request.name} looks up its first {tokens.shape[1]} tokens (salt "
+            f"{request.salt!r}){at}"
+        )
+        least = self.prefix.least_hit(self, request, tokens)
+        raw = [recorder.cache for recorder in request.caches]
+        hit = self.pool.lookup_prefix(raw, tokens, salt=request.salt)
+        size = self.pool.block_size
+        if not is_count(hit) or hit > tokens.shape[1] or hit % size:
+            raise failures.DataLoss(
+                f"lookup_prefix returned {hit!r}: a number of tokens from 0 to "
+                f"{tokens.shape[1]}, in whole blocks of {size}, was due\n  {where}"
+            )
+        for layer, cache in enumerate(request.caches):
+            who = f"{request.name}'s layer {layer}"
+            kvassert.assert_length(cache, hit, who=who, where=where)
+        self.prefix.check_hit(request, tokens, hit, where)
+        if hit < least:
+            raise failures.DataLoss(
+                f"lookup_prefix found {hit} tokens, but another live request of salt "
+                f"{request.salt!r} holds the first {least} in full blocks written once each, "
+                f"which the pool must have published and cannot have evicted: the index lost "
+                f"them (or keys them by something that changes)\n  {where}"
+            )
+        request.history = tokens[:, :hit].clone()
+        return hit
+
+    def declare(self, request: Request, tokens: Tensor) -> None:
+        """The tokens ``request`` is to be fed next, declared to every layer before."""
+        for recorder in request.caches:
+            recorder.views = recorder.rows_returned = None  # a call: its views may go
+            recorder.cache.declare_tokens(tokens)
+
+    def offload(self, request: Request, *, at: str = "") -> None:
+        """Move ``request``'s rows out of the pool (preemption by swapping, section 9.3)."""
+        for layer, recorder in enumerate(request.caches):
+            recorder.views = recorder.rows_returned = None
+            recorder.cache.offload()
+            if not recorder.cache.offloaded:
+                raise failures.DataLoss(
+                    f"{request.name}'s layer {layer}: offloaded is False after offload()\n"
+                    f"  {self.where(f'{request.name} is swapped out{at}')}"
+                )
+
+    def restore(self, request: Request, *, at: str = "") -> None:
+        """Bring ``request``'s rows back; its next feed reads them back bit for bit."""
+        for recorder in request.caches:
+            recorder.cache.restore()
+        self._check_lengths(request, f"its restore{at}")
+        if self.prefix is not None:  # in other blocks now
+            self.prefix.wrote(request, 0, request.held)
 
     # --- what holds after every event -----------------------------------------------------
     def _check_lengths(self, request: Request, what: str) -> None:

@@ -69,6 +69,7 @@ import torch
 from torch import Tensor
 
 from kvimpl.blockwise import attend_blocks
+from kvimpl.prefix_index import BlockHash, Prefix, PrefixIndex
 from kvimpl.rows import RowBook
 from kvref.protocol import (
     CacheSpec,
@@ -116,7 +117,11 @@ class PagedPool:
     counts blocks."""
 
     def __init__(
-        self, block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int = DEFAULT_NUM_BLOCKS
+        self,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int = DEFAULT_NUM_BLOCKS,
+        *,
+        block_hash: BlockHash | None = None,
     ) -> None:
         if isinstance(block_size, CacheSpec):
             raise TypeError(
@@ -133,6 +138,7 @@ class PagedPool:
         self._segment_starts: list[int] = []  # first ids, increasing, for bisect
         self._next_id = 0
         self._refs: dict[int, int] = {}  # id -> references from live block tables
+        self._index = PrefixIndex(block_hash)  # published blocks (prefix caching, 9.1)
 
     def __repr__(self) -> str:
         return f"PagedPool(block_size={self._block_size}, num_blocks={self.num_blocks})"
@@ -150,7 +156,16 @@ class PagedPool:
 
     @property
     def blocks_free(self) -> int:
+        """Blocks an append may take: the free ones and the cached ones no cache holds."""
         return self.num_blocks - len(self._refs)
+
+    @property
+    def blocks_cached(self) -> int:
+        return self._index.cached
+
+    @property
+    def blocks_evictable(self) -> int:
+        return self._index.idle
 
     @property
     def nbytes_in_use(self) -> int:
@@ -162,8 +177,63 @@ class PagedPool:
         """Key and value bytes of every segment allocated, in use or free."""
         return sum(group.reserved * group.block_nbytes for group in self._groups.values())
 
-    def with_blocks(self, num_blocks: int) -> PagedPool:
-        return PagedPool(self._block_size, num_blocks)
+    def with_blocks(self, num_blocks: int, *, block_hash: BlockHash | None = None) -> PagedPool:
+        return type(self)(self._block_size, num_blocks, block_hash=block_hash)
+
+    def lookup_prefix(self, caches, tokens: Tensor, *, salt=None) -> int:
+        """Declare ``tokens`` (B, T) to one request's empty caches, one per layer in layer
+        order, and make each hold the longest whole-block prefix of every row's tokens
+        published for its layer, salt and first position (contract, section 9.1)."""
+        caches = self._checked_request(caches, tokens, salt)
+        rows = tokens.tolist()
+        found = [
+            [cache._published_prefix(layer, salt, tokens, row) for row, tokens in enumerate(rows)]
+            for layer, cache in enumerate(caches)
+        ]
+        blocks = min(len(hits) for layer in found for hits in layer)
+        for layer, (cache, hits) in enumerate(zip(caches, found, strict=True)):
+            cache._layer = layer
+            cache._salts = [salt] * len(rows)
+            cache._tokens = [list(row) for row in rows]
+            for row, row_hits in enumerate(hits):
+                kept = [block for block, _ in row_hits[:blocks]]
+                self._hold(kept)
+                cache._tables[row].extend(kept)
+                cache._chain[row] = [key for _, key in row_hits[:blocks]]
+            cache._lengths = [blocks * self._block_size] * len(rows)
+        return blocks * self._block_size
+
+    def _checked_request(self, caches, tokens: Tensor, salt) -> list[PagedCache]:
+        if not isinstance(caches, (list, tuple)) or not caches:
+            raise ValueError("lookup_prefix: caches must be a list of one request's caches")
+        caches = list(caches)
+        for layer, cache in enumerate(caches):
+            if not isinstance(cache, PagedCache) or cache.pool is not self:
+                raise ValueError(f"lookup_prefix: caches[{layer}] is not a cache of {self!r}")
+            if cache.offloaded or any(cache._lengths) or cache._rows() != cache.spec.batch:
+                raise ValueError(
+                    f"lookup_prefix: caches[{layer}] is not empty (rows {cache._lengths})"
+                )
+        if len({id(cache) for cache in caches}) != len(caches):
+            raise ValueError("lookup_prefix: the same cache is given for two layers")
+        batch = caches[0].spec.batch
+        if (
+            not isinstance(tokens, Tensor)
+            or tokens.dtype != torch.int64
+            or tokens.ndim != 2
+            or tokens.shape[0] != batch
+            or any(cache.spec.batch != batch for cache in caches)
+        ):
+            got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+            raise ValueError(
+                f"lookup_prefix: tokens must be int64 shaped (batch {batch}, T) for caches of "
+                f"one batch, got {got}"
+            )
+        try:
+            hash(salt)
+        except TypeError:
+            raise ValueError(f"lookup_prefix: salt must be hashable, got {salt!r}") from None
+        return caches
 
     def refcount(self, block: int) -> int:
         """How many block-table entries reference ``block`` (0 when it is free)."""
@@ -190,6 +260,10 @@ class PagedPool:
     def _take(self, group: _Group, count: int) -> list[int]:
         """``count`` free blocks of ``group``, smallest ids first, each now referenced once.
         The caller has checked that the pool has them (``_refuse_unless_free``)."""
+        # Cached blocks no cache holds stay in the room: evict the oldest to make space.
+        for _ in range(len(self._refs) + self._index.idle + count - self.num_blocks):
+            evicted = self._index.evict_oldest()
+            heapq.heappush(self._locate(evicted)[0].group.free, evicted)
         if len(group.free) < count:
             self._grow(group, count - len(group.free))
         ids = [heapq.heappop(group.free) for _ in range(count)]
@@ -216,7 +290,12 @@ class PagedPool:
 
     def _hold(self, ids: Iterable[int]) -> None:
         for block in ids:
-            self._refs[block] += 1
+            if block in self._refs:
+                self._refs[block] += 1
+            else:  # an idle cached block, found by a prefix lookup
+                self._index.wake(block)
+                self._refs[block] = 1
+                self._locate(block)[0].group.in_use += 1
 
     def _drop(self, ids: Iterable[int]) -> None:
         for block in ids:
@@ -227,7 +306,10 @@ class PagedPool:
             del self._refs[block]
             group = self._locate(block)[0].group
             group.in_use -= 1
-            heapq.heappush(group.free, block)
+            if self._index.is_published(block):
+                self._index.rest(block)  # kept for later hits until evicted
+            else:
+                heapq.heappush(group.free, block)
 
     def _release(self, tables: list[list[int]]) -> None:
         """Give back every block of ``tables`` and empty them (reset, and the finalizer)."""
@@ -281,7 +363,21 @@ class PagedCache(RowBook):
         self._tables: list[list[int]] = [[] for _ in range(spec.batch)]
         self._lengths = [0] * spec.batch  # per row: its tokens
         self._firsts = [0] * spec.batch  # per row: the position of its first token
+        self._shape = (spec.kv_heads, spec.head_dim, spec.dtype, torch.device(spec.device))
+        self._forget_tokens()
+        self._away: list[tuple[Tensor, Tensor]] | None = None  # the rows, while offloaded
         self._give_back_when_collected()
+
+    def _forget_tokens(self) -> None:
+        """Prefix caching (contract, section 9.1): per row, the tokens declared (None: not
+        known, so nothing of the row is published), the chained keys of its leading blocks
+        that are published (by it or another cache), its salt; and the cache's layer, told
+        by ``lookup_prefix``."""
+        rows = len(self._tables)
+        self._tokens: list[list[int] | None] = [None] * rows
+        self._chain: list[list] = [[] for _ in range(rows)]
+        self._salts: list = [None] * rows
+        self._layer: int | None = None
 
     def _give_back_when_collected(self) -> None:
         finalizer = weakref.finalize(self, self.pool._release, self._tables)
@@ -294,6 +390,8 @@ class PagedCache(RowBook):
 
     @property
     def nbytes(self) -> int:
+        if self._away is not None:  # held in host memory until restored
+            return sum(key.nbytes + value.nbytes for key, value in self._away)
         references = sum(len(row) for row in self._tables)
         return references * self._group.block_nbytes
 
@@ -302,33 +400,34 @@ class PagedCache(RowBook):
         return [list(row) for row in self._tables]
 
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        self._usable("append")
         self._one_length("append", "append_rows")
         new_tokens = check_append(self._batch_spec, self._length, key, value)
         self._write(key, value, new_tokens, doing="append")
         self._length += new_tokens
+        self._publish_full_blocks()
         return self._joined()
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        self._usable("attend")
         self._one_length("attend", "append_rows")
         new_tokens = check_attend(self._batch_spec, self._length, query, key, value)
         first = self._length
         self._write(key, value, new_tokens, doing="attend")
         self._length += new_tokens
+        self._publish_full_blocks()
         return attend_blocks(
             query, self.spec, first, self._length, self.pool.block_size, self._read
         )
 
     def truncate(self, length: int) -> None:
+        self._usable("truncate")
         self._one_length("truncate", "truncate_rows")
         check_truncate(self._length, length)
-        keep = -(-length // self.pool.block_size)
-        dropped = [block for row in self._tables for block in row[keep:]]
-        for row in self._tables:
-            del row[keep:]
-        self.pool._drop(dropped)
-        self._length = length
+        self.truncate_rows([length] * self._rows())
 
     def reorder(self, indices: Tensor) -> None:
+        self._usable("reorder")
         check_reorder(self._batch_spec, indices)
         old = [list(row) for row in self._tables]
         sources = indices.tolist()
@@ -336,15 +435,28 @@ class PagedCache(RowBook):
         self.pool._hold(block for row in new for block in row)  # before dropping: none freed
         self.pool._drop(block for row in old for block in row)
         self._tables[:] = new
-        self._lengths = [self._lengths[source] for source in sources]
-        self._firsts = [self._firsts[source] for source in sources]
+        self._take_rows(sources)
 
     def fork(self) -> PagedCache:
+        self._usable("fork")
         twin = type(self)(self.pool, self.spec)  # a subclass's forks are of its class
         twin._tables[:] = [list(row) for row in self._tables]
         self.pool._hold(block for row in twin._tables for block in row)
+        twin._layer = self._layer
         twin._lengths, twin._firsts = list(self._lengths), list(self._firsts)
+        twin._take_rows(range(self._rows()), source=self)
         return twin
+
+    def _take_rows(self, rows: Iterable[int], source: PagedCache | None = None) -> None:
+        """Per-row state of ``source``'s (this cache's) rows ``rows``, in that order: after
+        a reorder, a selection or a fork (the tables are done by the caller)."""
+        source, rows = source or self, list(rows)
+        self._lengths = [source._lengths[row] for row in rows]
+        self._firsts = [source._firsts[row] for row in rows]
+        self._tokens = [None if source._tokens[row] is None else list(source._tokens[row])
+                        for row in rows]  # fmt: skip
+        self._chain = [list(source._chain[row]) for row in rows]
+        self._salts = [source._salts[row] for row in rows]
 
     def reset(self) -> None:
         """Every block back; the rows the cache was built for, empty, from position 0."""
@@ -352,6 +464,8 @@ class PagedCache(RowBook):
         self._tables[:] = [[] for _ in range(self.spec.batch)]
         self._lengths = [0] * self.spec.batch
         self._firsts = [0] * self.spec.batch
+        self._forget_tokens()
+        self._away = None
 
     def reset_at(self, first_position) -> None:
         firsts = self._checked_firsts(first_position, self.spec.batch)
@@ -360,6 +474,7 @@ class PagedCache(RowBook):
 
     # --- rows of their own (contract, section 8.1) ---------------------------------------
     def append_rows(self, key: Tensor, value: Tensor, counts) -> tuple[Tensor, Tensor, Tensor]:
+        self._usable("append_rows")
         counts = check_append_rows(self.spec, self._lengths, key, value, counts)
         size = self.pool.block_size
         needed = 0
@@ -372,7 +487,25 @@ class PagedCache(RowBook):
         for row, count in enumerate(counts):
             if count:
                 self._write_row(row, key[row, :, :count], value[row, :, :count])
+        self._publish_full_blocks()
         return self._held_rows()
+
+    def _own_last_block(self, row: int, start: int) -> None:
+        """Before row ``row`` writes from ``start`` into its last block: a copy of its own
+        if another table references it (copy-on-write), else out of the prefix index if it
+        is published there (a published block never changes; unpublishing needs no block,
+        where a copy would need one more than the rows)."""
+        size, table = self.pool.block_size, self._tables[row]
+        if not start % size:
+            return
+        block = table[start // size]
+        if self.pool.refcount(block) > 1:
+            [copy] = self.pool._take(self._group, 1)
+            self.pool._copy_block(block, copy)
+            self.pool._drop([block])
+            table[start // size] = copy
+        else:
+            self.pool._index.withdraw(block)
 
     def _write_row(self, row: int, key: Tensor, value: Tensor) -> None:
         """Store ``key`` and ``value`` (H_kv, T, D) after batch row ``row``'s tokens, in its
@@ -380,11 +513,7 @@ class PagedCache(RowBook):
         size, table = self.pool.block_size, self._tables[row]
         start = self._lengths[row]
         end = start + key.shape[1]
-        if start % size and self.pool.refcount(table[start // size]) > 1:
-            shared, [copy] = table[start // size], self.pool._take(self._group, 1)
-            self.pool._copy_block(shared, copy)
-            self.pool._drop([shared])
-            table[start // size] = copy
+        self._own_last_block(row, start)
         table += self.pool._take(self._group, -(-end // size) - len(table))
         for index in range(start // size, -(-end // size)):
             low, high = max(start, index * size), min(end, (index + 1) * size)
@@ -412,32 +541,135 @@ class PagedCache(RowBook):
         return keys, values, valid
 
     def truncate_rows(self, lengths) -> None:
+        self._usable("truncate_rows")
         lengths = self._checked_lengths(lengths)
-        for table, length in zip(self._tables, lengths, strict=True):
-            keep = -(-length // self.pool.block_size)
-            self.pool._drop(table[keep:])
-            del table[keep:]
+        size = self.pool.block_size
+        for row, (table, length) in enumerate(zip(self._tables, lengths, strict=True)):
+            self.pool._drop(table[-(-length // size) :])
+            del table[-(-length // size) :]
+            del self._chain[row][length // size :]  # a block cut into is no longer its prefix
+            if self._tokens[row] is not None:
+                del self._tokens[row][length:]
         self._lengths = list(lengths)
 
     def select_rows(self, indices: Tensor) -> None:
+        self._usable("select_rows")
         picked = self._checked_selection(indices, torch.device(self.spec.device))
         rows = self._rows()
         leaving = [block for row in set(range(rows)) - set(picked) for block in self._tables[row]]
         self._tables[:] = [self._tables[row] for row in picked]
-        self._lengths = [self._lengths[row] for row in picked]
-        self._firsts = [self._firsts[row] for row in picked]
+        self._take_rows(picked)
         self.pool._drop(leaving)
 
     def join(self, other: PagedCache) -> None:
         self._check_joinable(other, PagedCache, "another PagedCache of the same pool")
         if other.pool is not self.pool:
             raise ValueError("join: needs another PagedCache of the same pool, got one of another")
+        self._usable("join")
+        other._usable("join")
         # The blocks change owner, not place: ``other``'s tables are emptied in place, so that
         # its finalizer gives nothing back.
         self._tables.extend(other._tables)
         self._lengths += other._lengths
         self._firsts += other._firsts
+        # Rows of another layer (or none told) publish nothing here.
+        same_layer = other._layer == self._layer
+        self._tokens += other._tokens if same_layer else [None] * len(other._tables)
+        self._chain += other._chain if same_layer else [[] for _ in other._tables]
+        self._salts += other._salts
         other._tables[:], other._lengths, other._firsts = [], [], []
+        other._forget_tokens()
+
+    # --- prefix caching (contract, section 9.1) -------------------------------------------
+    def declare_tokens(self, tokens: Tensor) -> None:
+        """The next T tokens of every row, (B, T) int64, before their rows are appended."""
+        self._usable("declare_tokens")
+        if (
+            not isinstance(tokens, Tensor)
+            or tokens.dtype != torch.int64
+            or tokens.ndim != 2
+            or tokens.shape[0] != self._rows()
+        ):
+            got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+            raise ValueError(
+                f"declare_tokens: tokens must be int64 shaped ({self._rows()}, T), got {got}"
+            )
+        for row, new in enumerate(tokens.tolist()):
+            if self._tokens[row] is not None:
+                self._tokens[row] += new
+
+    def _published_prefix(self, layer: int, salt, tokens: list[int], row: int) -> list:
+        """The published blocks holding the longest whole-block prefix of ``tokens`` for
+        ``layer`` and ``salt`` from batch row ``row``'s first position, each with its
+        chained key."""
+        size, found, key = self.pool.block_size, [], None
+        for end in range(size, len(tokens) + 1, size):
+            key = self.pool._index.chained(key, tuple(tokens[end - size : end]), salt)
+            prefix = Prefix(self._shape, layer, salt, self._firsts[row], tuple(tokens[:end]))
+            block = self.pool._index.find(key, prefix)
+            if block is None:
+                break
+            found.append((block, key))
+        return found
+
+    def _publish_full_blocks(self) -> None:
+        """Publish every block that is now full, written and of declared tokens."""
+        if self._layer is None:
+            return
+        size, index = self.pool.block_size, self.pool._index
+        for row, (table, tokens, chain) in enumerate(
+            zip(self._tables, self._tokens, self._chain, strict=True)
+        ):
+            if tokens is None:
+                continue
+            if self._lengths[row] > len(tokens):  # rows past the tokens declared: unknown
+                self._tokens[row] = None
+                continue
+            salt = self._salts[row]
+            for block in range(len(chain), self._lengths[row] // size):
+                end = (block + 1) * size
+                key = index.chained(
+                    chain[-1] if chain else None, tuple(tokens[end - size : end]), salt
+                )
+                prefix = Prefix(
+                    self._shape, self._layer, salt, self._firsts[row], tuple(tokens[:end])
+                )
+                index.publish(table[block], key, prefix)
+                chain.append(key)
+
+    # --- offload (contract, section 9.3) -------------------------------------------------
+    @property
+    def offloaded(self) -> bool:
+        return self._away is not None
+
+    def _usable(self, call: str) -> None:
+        if self._away is not None:
+            raise ValueError(f"{call}: the cache is offloaded; restore() it first")
+
+    def offload(self) -> None:
+        """Copy every row to host memory and give the blocks back to the pool."""
+        self._usable("offload")
+        keys, values, _ = self._held_rows()
+        self._away = [
+            (keys[row, :, :held].to("cpu", copy=True), values[row, :, :held].to("cpu", copy=True))
+            for row, held in enumerate(self._lengths)
+        ]
+        self.pool._release(self._tables)
+        self._chain = [[] for _ in self._tables]  # the rows come back in other blocks
+
+    def restore(self) -> None:
+        """Take blocks again and copy the rows back; refuse, changing nothing, without room."""
+        if self._away is None:
+            raise ValueError("restore: the cache is not offloaded")
+        size = self.pool.block_size
+        self.pool._refuse_unless_free(sum(-(-n // size) for n in self._lengths), "restore")
+        away, self._away = self._away, None
+        device = torch.device(self.spec.device)
+        for row, (keys, values) in enumerate(away):
+            self._lengths[row] = 0
+            if keys.shape[1]:
+                self._write_row(row, keys.to(device), values.to(device))
+        self._publish_full_blocks()
 
     def _column_ids(self, index: int) -> list[int]:
         return [row[index] for row in self._tables]
@@ -463,6 +695,9 @@ class PagedCache(RowBook):
             self.pool._copy_block(shared, copy)
             self.pool._drop([shared])
             row[first_index] = copy
+        if start % size:  # a published block about to be written: out of the index first
+            for row in self._tables:
+                self.pool._index.withdraw(row[first_index])
         written = 0
         for index in range(first_index, -(-end // size)):
             low = max(start, index * size) - index * size

@@ -423,6 +423,42 @@ class RowsOfTheirOwn(Protocol):
     ) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
+@runtime_checkable
+class TreeDrafts(Protocol):
+    """A cache that holds a speculative draft tree until one path per row is committed
+    (contract, section 9.2)."""
+
+    def append_tree(
+        self, key: Tensor, value: Tensor, parents: Sequence[int]
+    ) -> tuple[Tensor, Tensor]:
+        """Store T draft nodes after the committed rows (node i's parent ``parents[i]``, an
+        earlier node, or -1) and return the committed rows then the nodes, as ``append``."""
+        ...
+
+    def commit_tree(self, accepted: Sequence[Sequence[int]]) -> None:
+        """Keep, per batch row, the nodes of ``accepted[b]`` (a path from a root down), in
+        path order after the committed rows; forget every other node."""
+        ...
+
+
+@runtime_checkable
+class Offloadable(Protocol):
+    """A cache whose rows can leave its pool and come back (preemption by swapping, section
+    9.3)."""
+
+    @property
+    def offloaded(self) -> bool: ...
+
+    def offload(self) -> None:
+        """Move every row out of the pool, giving its blocks back; ``length`` is unchanged."""
+        ...
+
+    def restore(self) -> None:
+        """Take blocks again and copy the rows back, bit for bit (ValueError, changing
+        nothing, when the pool has too few free blocks)."""
+        ...
+
+
 CAPABILITIES = {
     "truncate": Truncatable,
     "reorder": Reorderable,
@@ -430,6 +466,8 @@ CAPABILITIES = {
     "attend": Attending,
     "append_rows": RowsOfTheirOwn,
     "shift": Shiftable,
+    "tree": TreeDrafts,
+    "offload": Offloadable,
 }
 
 
@@ -469,6 +507,94 @@ class BlockTables(Protocol):
     def block_tables(self) -> list[list[int]]:
         """Per batch row, the ids of the pool blocks it reads, oldest first."""
         ...
+
+
+@runtime_checkable
+class PrefixCaching(Protocol):
+    """A ``BlockPool`` that shares blocks by content (contract, section 9.1): a request's
+    caches start holding the longest published prefix of its tokens; its caches take the
+    tokens of their rows with ``declare_tokens``. ``with_blocks(n, block_hash=...)`` keys
+    blocks by a hash the caller controls."""
+
+    @property
+    def blocks_cached(self) -> int:
+        """Blocks published for matching, in use or not."""
+        ...
+
+    @property
+    def blocks_evictable(self) -> int:
+        """Published blocks no live cache references (counted in ``blocks_free``)."""
+        ...
+
+    def lookup_prefix(
+        self, caches: Sequence[LayerCache], tokens: Tensor, *, salt: str | None = None
+    ) -> int:
+        """Declare ``tokens`` (B, T) to one request's empty caches (one per layer, in layer
+        order) and make each hold the longest whole-block prefix published for its layer,
+        ``salt`` and first position; return its length."""
+        ...
+
+
+def check_tree(parents: object, nodes: int) -> tuple[int, ...]:
+    """``parents`` as a tuple: one int per draft node, node i's an earlier node or -1
+    (contract, section 9.2); ValueError naming the problem otherwise."""
+    if isinstance(parents, Tensor):
+        parents = parents.tolist()
+    if not isinstance(parents, Sequence) or isinstance(parents, str):
+        raise ValueError(f"parents must be a sequence of ints, got {type(parents).__name__}")
+    parents = tuple(parents)
+    if len(parents) != nodes:
+        raise ValueError(
+            f"parents must have one entry per draft node ({nodes}), got {len(parents)}"
+        )
+    for node, parent in enumerate(parents):
+        if isinstance(parent, bool) or not isinstance(parent, int) or not -1 <= parent < node:
+            raise ValueError(
+                f"parents[{node}] is {parent!r}: a node's parent must be an earlier node or -1"
+            )
+    return parents
+
+
+def check_accepted(
+    accepted: object, parents: Sequence[int], batch: int, *, same_length: bool = False
+) -> tuple[tuple[int, ...], ...]:
+    """``accepted`` as tuples: per batch row, a path of draft nodes from a root (parent -1)
+    down, each node the parent of the next (section 9.2); with ``same_length``, all of one
+    length (a cache without rows of their own). ValueError naming the problem otherwise."""
+    if not isinstance(accepted, Sequence) or isinstance(accepted, str) or len(accepted) != batch:
+        raise ValueError(f"accepted must be one sequence of nodes per batch row ({batch})")
+    paths = []
+    for row, path in enumerate(accepted):
+        if isinstance(path, Tensor):
+            path = path.tolist()
+        if not isinstance(path, Sequence) or isinstance(path, str):
+            raise ValueError(f"accepted[{row}] must be a sequence of node indices")
+        path = tuple(path)
+        above = -1
+        for node in path:
+            if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < len(parents):
+                raise ValueError(f"accepted[{row}] holds {node!r}, not a draft node")
+            if parents[node] != above:
+                raise ValueError(
+                    f"accepted[{row}] = {list(path)} is not a path from a root down: node "
+                    f"{node}'s parent is {parents[node]}, not {above}"
+                )
+            above = node
+        paths.append(path)
+    if same_length and len({len(path) for path in paths}) > 1:
+        raise ValueError(
+            f"accepted paths of lengths {[len(path) for path in paths]}: this cache keeps one "
+            f"length for every row"
+        )
+    return tuple(paths)
+
+
+def tree_depths(parents: Sequence[int]) -> tuple[int, ...]:
+    """Each draft node's depth: 0 for a root, its parent's plus 1 otherwise."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return tuple(depths)
 
 
 def capabilities(cache: object) -> set[str]:

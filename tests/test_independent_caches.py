@@ -7,6 +7,7 @@ import torch
 
 from kvcheck import CacheTests
 from kvcheck import badinput as kvbad
+from kvcheck.properties.serving import ServingTests
 from kvcheck.properties.shift import ShiftTests
 from kvcheck.properties.sinks import SinksTests
 from tests import depth
@@ -17,6 +18,7 @@ from tests.independent.left_padded_batch_cache import LeftPaddedBatchCache
 from tests.independent.list_cache import ListCache
 from tests.independent.paged_cache import PagedCache
 from tests.independent.pooled_ring_cache import RingCache
+from tests.independent.radix_prefix_pool import RadixPrefixPool
 from tests.independent.sdpa_cache import SdpaCache
 from tests.independent.shifting_list_cache import ShiftingListCache
 from tests.independent.sink_list_cache import SinkListCache
@@ -135,6 +137,23 @@ class TestHalfKernelCache(Independent):
     factory = HalfKernelCache
     # Every draw in half precision: the budget's hardest case.
     examples_scale = depth.pick(0.15, soak=1.0)
+
+
+class TestRadixPrefixPoolServing(ServingTests):
+    """Prefix caching in a radix tree of block-sized token edges, evicting unlocked leaves
+    least recently used first, keyed by the tokens themselves (no hash), with offload to host
+    memory (contract, sections 9.1 and 9.3), written from the contract alone: the default run
+    holds it to the properties it was written for, --soak to every property."""
+
+    factory = RadixPrefixPool()
+    cache_name = "RadixPrefixPool"
+    examples_scale = depth.pick(0.5, soak=1.0)
+
+
+@pytest.mark.soak
+class TestRadixPrefixPool(Independent):
+    factory = RadixPrefixPool()
+    cache_name = "RadixPrefixPool"
 
 
 BY_NAME = {case.name: case for case in kvbad.BAD_APPENDS}

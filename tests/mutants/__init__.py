@@ -6,7 +6,8 @@ model (those of ``tests/mutants/paged.py`` are broken paged pools and a broken c
 those of ``tests/mutants/interplay.py`` a bug that shows only where capabilities mix, those
 of ``tests/mutants/domain.py`` a bug inside the domain a cache declares, those of
 ``tests/mutants/rows.py`` a bug in rows of their own, those of ``tests/mutants/sinks.py``
-a bug in attention sinks, those of ``tests/mutants/shift.py`` a bug in context shift); a
+a bug in attention sinks, those of ``tests/mutants/shift.py`` a bug in context shift, those
+of ``tests/mutants/serving.py`` a bug in prefix caching or offload); a
 model mutant is a patch of the reference model with one bug, run on ``ConcatCache``.
 ``tests/test_mutants.py`` checks that some property catches each one, and
 ``python -m tests.mutants.report`` prints which property does and the shrunk counterexample.
@@ -28,6 +29,7 @@ from tests.mutants.interplay import INTERPLAY_MUTANTS
 from tests.mutants.model import MODEL_MUTANTS
 from tests.mutants.paged import PAGED_MUTANTS
 from tests.mutants.rows import ROWS_MODEL_MUTANTS, ROWS_MUTANTS
+from tests.mutants.serving import SERVING_MUTANTS
 from tests.mutants.shift import SHIFT_MUTANTS
 from tests.mutants.sinks import SINKS_MUTANTS
 from tests.mutants.sizes import SIZE_MUTANTS
@@ -63,6 +65,7 @@ MUTANTS = (
     *(Mutant(factory) for factory in ROWS_MUTANTS),
     *(Mutant(factory) for factory in SINKS_MUTANTS),
     *(Mutant(factory) for factory in SHIFT_MUTANTS),
+    *(Mutant(factory) for factory in SERVING_MUTANTS),
     *(Mutant(ConcatCache, patch) for patch in MODEL_MUTANTS),
     *(Mutant(LeftPaddedBatchCache, patch) for patch in ROWS_MODEL_MUTANTS),
 )

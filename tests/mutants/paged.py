@@ -55,8 +55,8 @@ class _MutantPool(PagedPool):
     def __call__(self, spec) -> PagedCache:
         return self.cache_class(self, spec)
 
-    def with_blocks(self, num_blocks: int) -> _MutantPool:
-        return type(self)(self.block_size, num_blocks)
+    def with_blocks(self, num_blocks: int, *, block_hash=None) -> _MutantPool:
+        return type(self)(self.block_size, num_blocks, block_hash=block_hash)
 
 
 class _SharesWithoutCopy(_MutantCache):

@@ -1,0 +1,190 @@
+"""What the kit saw written into each block of a prefix-caching pool, and the hits held to it
+(contract, section 9.1).
+
+A prefix hit hands a request rows it never computed, so the oracle for them is not the model
+but the request that wrote them: after every feed the engine records, for each block a
+request's tables show it writing, the layer, the salt, every token from position 0 to what
+the block holds, and the rows given. A lookup's blocks must then be ones last written full,
+in that layer, for that salt, with the request's own tokens up to their end; the request's
+recorders take those rows as given, so its later appends are checked bit for bit against
+them. This sees what logits cannot: a hit on another tenant's block (identical tokens,
+identical rows) is a leak all the same.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvcheck import failures
+from kvref import BlockTables, CacheContractError
+
+
+@dataclass(frozen=True)
+class Written:
+    """One block as last written: whose rows, for which tokens (0 to what it holds)."""
+
+    request: str
+    layer: int
+    salt: object
+    tokens: tuple[int, ...]
+    keys: Tensor  # (H_kv, rows written in the block, D), batch row of the writer dropped
+    values: Tensor
+
+    def identity(self) -> tuple:
+        return self.layer, self.salt, self.tokens
+
+
+class PrefixBooks:
+    """Per block id, the last write the kit saw; and how often each full prefix was written."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.blocks: dict[int, Written] = {}
+        self.full_writes: Counter[tuple] = Counter()
+
+    def wrote(self, request, start: int, end: int) -> None:
+        """``request``'s caches were given its positions ``start`` to ``end`` - 1."""
+        size = self.block_size
+        for layer, recorder in enumerate(request.caches):
+            keys, values = recorder.given
+            for row, table in enumerate(_tables(recorder.cache)):
+                if len(table) != -(-end // size):  # blocks dropped outside a window: unmapped
+                    continue
+                history = tuple(request.history[row, :end].tolist())
+                for index in range(start // size, -(-end // size)):
+                    held = min(end, (index + 1) * size)
+                    rows = slice(index * size, held)
+                    written = Written(
+                        request.name,
+                        layer,
+                        request.salt,
+                        history[:held],
+                        keys[row, :, rows].clone(),
+                        values[row, :, rows].clone(),
+                    )
+                    self.blocks[table[index]] = written
+                    if held - index * size == size:
+                        self.full_writes[written.identity()] += 1
+
+    def check_hit(self, request, tokens: Tensor, hit: int, where: str) -> None:
+        """The blocks ``request``'s caches hold after a lookup that found ``hit`` tokens of
+        ``tokens``: each last written full, in its layer, for its salt, with these tokens;
+        the recorders then take the rows written there as given."""
+        size = self.block_size
+        for layer, recorder in enumerate(request.caches):
+            keys, values = [], []
+            for row, table in enumerate(_tables(recorder.cache)):
+                want = tuple(tokens[row, :hit].tolist())
+                if len(table) < hit // size:
+                    raise failures.DataLoss(
+                        f"{request.name}'s layer {layer}, batch row {row}: its lookup found "
+                        f"{hit} tokens, but its block table {table} has {len(table)} blocks "
+                        f"of {size}\n  {where}"
+                    )
+                for index, block in enumerate(table[: hit // size]):
+                    end = (index + 1) * size
+                    seen = self.blocks.get(block)
+                    said = (
+                        f"{request.name}'s layer {layer}, batch row {row}: its lookup of "
+                        f"{tokens.shape[1]} tokens (salt {request.salt!r}) found {hit}, and "
+                        f"block {block} holds its positions {end - size}..{end - 1}"
+                    )
+                    if seen is None:
+                        raise failures.DataLoss(
+                            f"{said}, but no request wrote that block\n  {where}"
+                        )
+                    why = _mismatch(seen, layer, request.salt, want[:end])
+                    if why:
+                        raise failures.DataLoss(
+                            f"{said}, but it was last written by {seen.request} {why}\n  {where}"
+                        )
+                keys.append(_rows(self.blocks, table[: hit // size], "keys", recorder, hit))
+                values.append(_rows(self.blocks, table[: hit // size], "values", recorder, hit))
+            recorder.given = (torch.stack(keys), torch.stack(values)) if hit else None
+
+    def least_hit(self, engine, request, tokens: Tensor) -> int:
+        """The fewest tokens a lookup of ``tokens`` by ``request`` must find: the whole blocks
+        of that prefix that another live request holds in every layer, each the only block
+        ever written full with that prefix (so no pool can have kept a twin instead)."""
+        size, least = self.block_size, None
+        for row in range(tokens.shape[0]):
+            want = tuple(tokens[row].tolist())
+            best = 0
+            for other in engine.live.values():
+                if other is request or other.caches is None or other.salt != request.salt:
+                    continue
+                if any(getattr(recorder.cache, "offloaded", False) for recorder in other.caches):
+                    continue
+                for other_row in range(other.batch):
+                    best = max(best, self._held_by(other, other_row, want, size))
+            least = best if least is None else min(least, best)
+        return least or 0
+
+    def _held_by(self, other, row: int, want: tuple[int, ...], size: int) -> int:
+        """How many leading tokens of ``want`` ``other``'s row ``row`` holds in whole blocks
+        of every layer, each written once."""
+        fewest = None
+        for layer, recorder in enumerate(other.caches):
+            table = _tables(recorder.cache)[row]
+            count = 0
+            for index, block in enumerate(table):
+                end = (index + 1) * size
+                seen = self.blocks.get(block)
+                if (
+                    end > len(want)
+                    or seen is None
+                    or _mismatch(seen, layer, other.salt, want[:end])
+                ):
+                    break
+                if self.full_writes[seen.identity()] != 1:
+                    break
+                count = end
+            fewest = count if fewest is None else min(fewest, count)
+        return fewest or 0
+
+
+def _tables(cache) -> list[list[int]]:
+    """A prefix-caching pool's cache shows its blocks (section 9.1): the hits are judged by
+    them."""
+    if not isinstance(cache, BlockTables):
+        raise CacheContractError(
+            f"{type(cache).__name__} is a cache of a prefix-caching pool without block_tables "
+            f"(kvref.BlockTables): prefix caching needs them"
+        )
+    return cache.block_tables
+
+
+def _mismatch(seen: Written, layer: int, salt: object, tokens: tuple[int, ...]) -> str:
+    """Why ``seen`` is not a full block of ``tokens`` for ``layer`` and ``salt``, or ""."""
+    if len(seen.tokens) < len(tokens) and seen.tokens == tokens[: len(seen.tokens)]:
+        return (
+            f"when it held {seen.keys.shape[1]} rows, up to position {len(seen.tokens) - 1}: "
+            f"a block published before it was full and written"
+        )
+    if seen.layer != layer:
+        return f"for layer {seen.layer}: a hit must be of its own layer"
+    if seen.salt != salt:
+        return f"with salt {seen.salt!r}: another tenant's rows (salts isolate tenants)"
+    if seen.tokens[: len(tokens)] != tokens or len(seen.tokens) != len(tokens):
+        first = next(
+            (i for i, (a, b) in enumerate(zip(seen.tokens, tokens, strict=False)) if a != b),
+            min(len(seen.tokens), len(tokens)),
+        )
+        return (
+            f"for other tokens (from position {first}: {list(seen.tokens[first : first + 4])} "
+            f"where this request has {list(tokens[first : first + 4])}): a key trusted without "
+            f"comparing the tokens, or a block evicted and reused while still matched"
+        )
+    return ""
+
+
+def _rows(blocks: dict[int, Written], table: list[int], part: str, recorder, hit: int) -> Tensor:
+    """One batch row's hit rows, (H_kv, hit, D), as written into the blocks of ``table``."""
+    if not table:
+        spec = recorder.cache.spec
+        return torch.empty(spec.kv_heads, 0, spec.head_dim, dtype=spec.dtype, device=spec.device)
+    return torch.cat([getattr(blocks[block], part) for block in table], dim=1)
