@@ -23,6 +23,7 @@ for bit (``kvcheck.prefix_books``); the books balance after every event
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 from dataclasses import dataclass
@@ -31,11 +32,13 @@ from typing import Literal
 import torch
 from hypothesis import strategies as st
 
+from kvcheck import asserts as kvassert
 from kvcheck import failures
 from kvcheck import strategies as kvst
 from kvcheck.devices import dtype_name
-from kvcheck.harness import PATHS
+from kvcheck.harness import PATHS, build
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
+from kvcheck.properties.pool import fill
 from kvcheck.session import Engine, Request
 from kvref import BlockPool, CacheFactory, ModelConfig, PrefixCaching
 
@@ -419,6 +422,54 @@ def check_serving(factory: CacheFactory, plan: ServingPlan) -> None:
     serve(factory, plan)
 
 
+def check_offload(factory: CacheFactory, plan: ServingPlan) -> None:
+    """The plan's swaps, then (on a pool) a restore into a full pool: refused, changing
+    nothing, and done once there is room."""
+    serve(factory, plan)
+    if isinstance(factory, BlockPool):
+        restore_without_room(factory, plan)
+
+
+def restore_without_room(factory: CacheFactory, plan: ServingPlan) -> None:
+    """An offloaded cache of ``plan``'s model (batch 1, two blocks and a bit) is restored
+    while a filler holds every block: ``ValueError``, and its length, its ``offloaded`` and
+    the pool's counts unchanged; with the filler gone, restored bit for bit."""
+    size = factory.block_size
+    spec = kvst.build_model(plan.config, plan.dtype).cache_spec(1, 2 * size + 2)
+    pool = factory.with_blocks(3)
+    cache = build(pool, spec)
+    keys, values = kvst.random_rows(spec, 2 * size + 1, 1), kvst.random_rows(spec, 2 * size + 1, 2)
+    cache.append(keys.clone(), values.clone())
+    cache.offload()
+    where = f"a cache holding {2 * size + 1} rows in blocks of {size}, offloaded, of {spec}"
+    filler = fill(pool, spec, 0, where)
+    before = (cache.length, cache.offloaded, pool.blocks_in_use, pool.blocks_free)
+    error = kvassert.raised_by(cache.restore)
+    after = (cache.length, cache.offloaded, pool.blocks_in_use, pool.blocks_free)
+    said = "(length, offloaded, blocks_in_use, blocks_free)"
+    if not isinstance(error, ValueError):
+        raise failures.DataLoss(
+            f"the pool: restore() with no block free returned {error!r}, not a ValueError: "
+            f"the pool overcommits or restored nothing\n  at {where}"
+        )
+    if after != before:
+        raise failures.RefusalChangedState(
+            f"the pool: a refused restore() changed {said} from {before} to {after}\n  at {where}"
+        )
+    del filler
+    gc.collect()
+    cache.restore()
+    returned = cache.append(keys[:, :, :1].clone(), values[:, :, :1].clone())
+    for part, got, given in zip(("keys", "values"), returned, (keys, values), strict=True):
+        want = torch.cat((given, given[:, :, :1]), dim=2)
+        bad = kvassert.differing_rows(got, want) if got.shape == want.shape else ["all"]
+        if bad:
+            raise failures.DataLoss(
+                f"the pool: after a refused restore() and one with room, the cache returned "
+                f"{part} unlike the rows it held, at rows {bad[:8]}\n  at {where}"
+            )
+
+
 _tiny = ModelConfig(vocab_size=5, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, seed=5)
 _system = (0, 1) * 20
 PINNED = (
@@ -505,7 +556,7 @@ OFFLOAD = Property(
     "offload",
     "a request swapped out of the pool and back in, while others reuse its blocks, holds "
     "its rows bit for bit and decodes as the model",
-    check_serving,
+    check_offload,
     serving_plans(swaps=4),
     failures.DATA_LOSS,
     requires=("offload",),
