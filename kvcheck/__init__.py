@@ -28,8 +28,8 @@ kit, with no change on your side.
 ``RequestsTests``, and for the optional capabilities ``AttendTests``, ``ForkTests``,
 ``PoolTests`` (a factory that is a ``kvref.BlockPool``), ``TruncateTests``, ``ReorderTests``
 ``RowsTests`` (rows of their own, ``append_rows``), ``ShiftTests`` (context shift, ``shift``),
-``SinksTests`` (attention sinks a cache declares) and ``ServingTests`` (prefix caching and
-offload)); subclass one of them instead to run
+``SinksTests`` (attention sinks a cache declares), ``ServingTests`` (prefix caching and
+offload) and ``TreeTests`` (tree drafts)); subclass one of them instead to run
 only that area. The contract a cache must keep is in ``kvref.protocol`` and
 ``docs/contract.md``.
 """
@@ -53,6 +53,7 @@ __all__ = [
     "SinksTests",
     "Sizes",
     "StatefulTests",
+    "TreeTests",
     "TruncateTests",
 ]
 

@@ -31,6 +31,7 @@ from kvcheck.properties.serving import ServingTests
 from kvcheck.properties.shift import ShiftTests
 from kvcheck.properties.sinks import SinksTests
 from kvcheck.properties.stateful import StatefulTests
+from kvcheck.properties.tree import TreeTests
 
 
 class CacheTests(
@@ -45,6 +46,7 @@ class CacheTests(
     ForkTests,
     PoolTests,
     ServingTests,
+    TreeTests,
     TruncateTests,
     ReorderTests,
     RowsTests,
@@ -73,5 +75,6 @@ __all__ = [
     "ShiftTests",
     "SinksTests",
     "StatefulTests",
+    "TreeTests",
     "TruncateTests",
 ]

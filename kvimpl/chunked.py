@@ -5,6 +5,8 @@ so each append joins the chunks with one ``torch.cat``: a copy of the whole hist
 model calls ``attend`` instead when a cache has it, and this one does: it computes attention
 chunk by chunk where the chunks lie, merging them with an online softmax
 (``kvimpl.blockwise``), so decoding through ``attend`` copies nothing but the new rows.
+Tree drafts (contract, section 9.2) come from ``kvimpl.tree``, through ``append`` and
+``truncate``: every row accepts a path of one length.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import torch
 from torch import Tensor
 
 from kvimpl.blockwise import attend_blocks
+from kvimpl.tree import TreeDraftsMixin
 from kvref.protocol import CacheSpec, check_append, check_attend, check_reorder, check_truncate
 
 DEFAULT_CHUNK_SIZE = 16
 
 
-class ChunkedCache:
+class ChunkedCache(TreeDraftsMixin):
     # Its sizes, for the suite to hit its chunk boundaries on purpose (kvcheck.Sizes; a
     # plain dict, so that the cache needs nothing from the kit).
     kv_sizes: ClassVar[dict[str, int]] = {"page": DEFAULT_CHUNK_SIZE}

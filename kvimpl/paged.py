@@ -71,6 +71,7 @@ from torch import Tensor
 from kvimpl.blockwise import attend_blocks
 from kvimpl.prefix_index import BlockHash, Prefix, PrefixIndex
 from kvimpl.rows import RowBook
+from kvimpl.tree import TreeDraftsMixin
 from kvref.protocol import (
     CacheSpec,
     check_append,
@@ -351,7 +352,7 @@ class PagedPool:
         to_segment.value[to_slot] = from_segment.value[from_slot]
 
 
-class PagedCache(RowBook):
+class PagedCache(TreeDraftsMixin, RowBook):
     """One layer's keys and values in blocks of a ``PagedPool``; see the module docstring."""
 
     def __init__(self, pool: PagedPool, spec: CacheSpec) -> None:

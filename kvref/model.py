@@ -8,7 +8,10 @@ function of its weights, which come from ``config.seed`` alone.
 ``model(token_ids)`` runs the whole sequence at once. ``model(token_ids, caches=caches)`` runs
 only the new tokens: their positions start at the caches' common length, their rotated keys
 and values are appended to each layer's cache, and the mask compares absolute positions so
-a chunk of several new tokens on a warm cache is masked correctly.
+a chunk of several new tokens on a warm cache is masked correctly. ``forward_rows`` gives
+each batch row new tokens of its own count, and ``forward_tree`` verifies a tree of draft
+tokens in one call, each node seeing the committed tokens, its ancestors and itself alone
+(speculative decoding).
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ from kvref.protocol import (
     check_counts,
     check_reorder,
     check_shift,
+    check_tree,
     check_truncate,
     is_count,
     kept_rows,
     keys_stored,
     row_slots,
     rows_needed,
+    tree_depths,
 )
 
 
@@ -254,6 +259,7 @@ def attention(
     valid: Tensor | None = None,
     sink_end: int | Tensor | None = None,
     sink_query: Tensor | None = None,
+    visible: Tensor | None = None,
 ) -> Tensor:
     """Softmax attention of ``query`` (B, H, T, D) over ``keys`` and ``values`` (B, H_kv,
     rows, D) at the given absolute positions, (T,) and (rows,) or each batch row's own (B, T)
@@ -263,7 +269,10 @@ def attention(
     rows it marks False are no keys at all: masked, and their values zeroed, so that a pad of
     nan a cache keeps costs nothing (0 x nan is nan). A query that sees no key gives nan.
     With ``sink_query`` (the query rotated where it sits relative to its sinks, section 8.5),
-    the scores of the keys below ``sink_end`` are taken with it."""
+    the scores of the keys below ``sink_end`` are taken with it. With ``visible`` (T, rows)
+    or (B, T, rows) booleans, query i sees only the rows it marks True for it, beside the
+    causal mask (a draft tree's node sees its own ancestors, section 9.2): a row one query may
+    not see, another may, so its value is zeroed for that query alone."""
     group = query.shape[1] // keys.shape[1]
     if group > 1:
         # Skipped for ordinary multi-head attention: repeat_interleave copies even when
@@ -290,8 +299,14 @@ def attention(
     if valid is not None:
         allowed = allowed & valid[:, None, None, :]
         values = values.masked_fill(~valid[:, None, :, None], 0)
+    if visible is not None:
+        allowed = allowed & (visible[:, None] if visible.ndim == 3 else visible)
     weights = F.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-    return (weights @ values.to(wide)).to(query.dtype)
+    if visible is None:
+        return (weights @ values.to(wide)).to(query.dtype)
+    # Each query sums values of its own: (B, H, T, rows, D), every row it may not see zeroed.
+    seen_values = values.to(wide)[:, :, None].masked_fill(~allowed[..., None], 0)
+    return (weights[..., None, :] @ seen_values).squeeze(-2).to(query.dtype)
 
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -349,6 +364,36 @@ class RowBatch:
     pad: float
 
 
+def tree_paths(parents: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """Each draft node's path (contract, section 9.2): its root, ..., its parent, itself."""
+    paths: list[tuple[int, ...]] = []
+    for node, parent in enumerate(parents):
+        paths.append((*(paths[parent] if parent >= 0 else ()), node))
+    return tuple(paths)
+
+
+def tree_mask(parents: Sequence[int], device=None) -> Tensor:
+    """(T, T) booleans: ``[i, j]`` where node j is node i or one of its ancestors, the only
+    draft nodes node i sees (section 9.2)."""
+    nodes = len(parents)
+    seen = torch.zeros(nodes, nodes, dtype=torch.bool, device=device)
+    for node, path in enumerate(tree_paths(parents)):
+        seen[node, list(path)] = True
+    return seen
+
+
+@dataclass(frozen=True)
+class TreeBatch:
+    """How one call of ``ReferenceTransformer.forward_tree`` lays its draft nodes out
+    (contract, section 9.2): node i's parent is ``parents[i]`` (-1: the last committed
+    token), after the ``held`` tokens the caches hold, and it sees the nodes ``seen[i]``
+    marks (``tree_mask``)."""
+
+    parents: tuple[int, ...]
+    held: int
+    seen: Tensor  # (T, T) booleans
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -367,20 +412,22 @@ class Attention(nn.Module):
         x: Tensor,
         positions: Tensor,
         cache: LayerCache | None,
-        rows: RowBatch | None = None,
+        rows: RowBatch | TreeBatch | None = None,
         first: int = 0,
         keys: str = "rotated",
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Return the attention output and the new tokens' keys (rotated, or with ``keys``
-        "unrotated" as they were before RoPE) and values; with ``rows``, through
-        ``append_rows`` with each row's own positions (``positions`` (B, T)). ``first`` is
-        the position of the session's first token (where its sinks are)."""
+        "unrotated" as they were before RoPE) and values; with ``rows`` a ``RowBatch``, through
+        ``append_rows`` with each row's own positions (``positions`` (B, T)); a ``TreeBatch``,
+        through ``append_tree``, each draft node at its depth. ``first`` is the position of
+        the session's first token (where its sinks are)."""
         c = self.config
         batch, new_tokens, _ = x.shape
         q = self.query(x).view(batch, new_tokens, c.num_heads, c.head_dim).transpose(1, 2)
         unrotated = self.key(x).view(batch, new_tokens, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = self.value(x).view(batch, new_tokens, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        sink_query = self._sink_query(q, positions, first if rows is None else rows.firsts)
+        firsts = rows.firsts if isinstance(rows, RowBatch) else first
+        sink_query = self._sink_query(q, positions, firsts)
         q = apply_rope(q, positions, c.rope_base)
         k = apply_rope(unrotated, positions, c.rope_base)
         # What the cache is handed: keys rotated at their positions, never rotated again; or,
@@ -388,7 +435,9 @@ class Attention(nn.Module):
         # what it returns at their current positions.
         stored = "rotated" if cache is None else keys_stored(cache)
         handed = k if stored == "rotated" else unrotated
-        if rows is not None:
+        if isinstance(rows, TreeBatch):
+            mixed = self._attend_tree(q, handed, v, positions, cache, rows, first, sink_query)
+        elif rows is not None:
             mixed = self._attend_rows(q, handed, v, positions, cache, rows, sink_query)
         elif (
             stored == "rotated" and sink_query is None and callable(getattr(cache, "attend", None))
@@ -473,6 +522,45 @@ class Attention(nn.Module):
             q, all_k, all_v, positions, key_positions, self.window, valid, sink_end, sink_query
         )
 
+    def _attend_tree(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        positions: Tensor,
+        cache,
+        tree: TreeBatch,
+        first: int,
+        sink_query: Tensor | None = None,
+    ) -> Tensor:
+        """Hand the draft nodes to ``append_tree`` and attend each node over the committed rows
+        (by position: causal, within the window) and its own ancestors and itself alone."""
+        nodes = len(tree.parents)
+        all_k, all_v = cache.append_tree(k, v, tree.parents)
+        self._check_returned_rows(
+            all_k, all_v, q.shape[0], start=tree.held, end=tree.held + nodes, call="append_tree"
+        )
+        # The rows returned: the sinks and a recent run of the committed ones, then every node.
+        kept = torch.tensor(
+            kept_rows(self.sinks, all_k.shape[-2], tree.held + nodes), device=q.device
+        )
+        committed, node = kept < tree.held, (kept - tree.held).clamp(min=0)
+        key_positions = torch.where(committed, first + kept, positions[node])
+        if keys_stored(cache) == "unrotated":
+            all_k = apply_rope(all_k, key_positions, self.config.rope_base)
+        visible = committed | tree.seen[:, node]  # (nodes, rows)
+        return attention(
+            q,
+            all_k,
+            all_v,
+            positions,
+            key_positions,
+            self.window,
+            sink_end=first + self.sinks,
+            sink_query=sink_query,
+            visible=visible,
+        )
+
     def _check_returned_row_batch(
         self, keys: object, values: object, valid: object, batch: int, rows: RowBatch
     ) -> Tensor:
@@ -533,10 +621,17 @@ class Attention(nn.Module):
             )
 
     def _check_returned_rows(
-        self, keys: Tensor, values: Tensor, batch: int, *, start: int, end: int
+        self,
+        keys: Tensor,
+        values: Tensor,
+        batch: int,
+        *,
+        start: int,
+        end: int,
+        call: str = "append",
     ) -> None:
-        """What append returned is a run of the most recent rows: all ``end`` of them, or with
-        a window at least the last W - 1 before the new ones and the new ones."""
+        """What append (or ``call``) returned is a run of the most recent rows: all ``end`` of
+        them, or with a window at least the last W - 1 before the new ones and the new ones."""
         c = self.config
         new_tokens = end - start
         fewest = rows_needed(self.window, end, new_tokens, self.sinks)
@@ -553,7 +648,7 @@ class Attention(nn.Module):
                 window = f" (window {self.window} and {self.sinks} sinks)"
             raise CacheContractError(
                 f"layer {self.layer}: the caches' length was {start} before this call, so "
-                f"after appending {new_tokens} tokens append must return {rows} rows{window}, "
+                f"after appending {new_tokens} tokens {call} must return {rows} rows{window}, "
                 f"shaped ({batch}, {c.num_kv_heads}, rows, {c.head_dim}); it returned keys "
                 f"{tuple(keys.shape)} and values {tuple(values.shape)}"
             )
@@ -573,7 +668,7 @@ class Block(nn.Module):
         x: Tensor,
         positions: Tensor,
         cache: LayerCache | None,
-        rows: RowBatch | None = None,
+        rows: RowBatch | TreeBatch | None = None,
         first: int = 0,
         keys: str = "rotated",
     ):
@@ -754,6 +849,57 @@ class ReferenceTransformer(nn.Module):
                 f"by layer: {seen}"
             )
         return seen[0]
+
+    @torch.no_grad()
+    def forward_tree(
+        self, token_ids: Tensor, parents: Sequence[int], caches: Sequence[LayerCache]
+    ) -> Tensor:
+        """Logits (batch, T, vocab) of T draft nodes verified as a tree (contract, section 9.2),
+        through caches that offer ``append_tree``: node i is a child of node ``parents[i]`` (an
+        earlier one, or -1 for the last committed token) and sits at position L + depth(i)
+        after the L tokens the caches hold. Node i attends the committed rows and its own
+        ancestors and itself, nothing else, so its logits are the uncached model's on the
+        committed tokens and its path's (``forward_tree_uncached``). The caches then hold L + T
+        rows until ``commit_tree``."""
+        self._check_token_ids(token_ids)
+        batch, nodes = token_ids.shape
+        parents = check_tree(parents, nodes)
+        held = self._check_caches(caches, batch=batch)
+        self._check_offered(caches, "append_tree")
+        first = self._first_position(caches)
+        depths = torch.tensor(tree_depths(parents), device=self.device)
+        tree = TreeBatch(parents, held, tree_mask(parents, self.device))
+        x = self.embedding(token_ids)
+        for layer, block in enumerate(self.blocks):
+            x, _, _ = block(x, first + held + depths, caches[layer], tree, first)
+        return self.final_norm(x) @ self.embedding.weight.T
+
+    @torch.no_grad()
+    def forward_tree_uncached(
+        self, history: Tensor, token_ids: Tensor, parents: Sequence[int], *, start_position=0
+    ) -> Tensor:
+        """The oracle of ``forward_tree``: (batch, T, vocab), node i's logits the uncached
+        model's on ``history`` (batch, L: the committed tokens, from ``start_position``) then
+        the tokens of node i's path (``tree_paths``), at its last position. One uncached pass
+        over every leaf's path, the leaves side by side in one batch (right-padded: a causal
+        model's earlier positions never see the padding)."""
+        self._check_token_ids(token_ids)
+        batch, nodes = token_ids.shape
+        parents = check_tree(parents, nodes)
+        paths = tree_paths(parents)
+        leaves = [path for node, path in enumerate(paths) if node not in parents]
+        deepest = max(len(path) for path in leaves)
+        laid = torch.zeros(len(leaves), batch, deepest, dtype=token_ids.dtype, device=self.device)
+        for leaf, path in enumerate(leaves):
+            laid[leaf, :, : len(path)] = token_ids[:, list(path)]
+        held = history.shape[1]
+        tokens = torch.cat((history.expand(len(leaves), *history.shape), laid), dim=2)
+        logits = self(tokens.flatten(0, 1), start_position=start_position)[:, held:]
+        logits = logits.unflatten(0, (len(leaves), batch))
+        by_node = logits.new_empty(batch, nodes, logits.shape[-1])
+        for leaf, path in enumerate(leaves):
+            by_node[:, list(path)] = logits[leaf, :, : len(path)]
+        return by_node
 
     def truncate(self, caches: Sequence[LayerCache], length: int) -> None:
         """Forget every token at position >= ``length`` in every layer's cache (speculative

@@ -24,6 +24,7 @@ from kvcheck.properties import (
     shift,
     sinks,
     stateful,
+    tree,
 )
 
 # The verdict's order: what everything rests on first, then the capabilities.
@@ -38,6 +39,7 @@ AREAS = (
     attend,
     pool,
     serving,
+    tree,
     edits,
     rows,
     shift,

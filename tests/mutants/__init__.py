@@ -7,7 +7,9 @@ those of ``tests/mutants/interplay.py`` a bug that shows only where capabilities
 of ``tests/mutants/domain.py`` a bug inside the domain a cache declares, those of
 ``tests/mutants/rows.py`` a bug in rows of their own, those of ``tests/mutants/sinks.py``
 a bug in attention sinks, those of ``tests/mutants/shift.py`` a bug in context shift, those
-of ``tests/mutants/serving.py`` a bug in prefix caching or offload); a
+of ``tests/mutants/serving.py`` a bug in prefix caching or offload, those of
+``tests/mutants/tree.py`` a bug in tree drafts, some of them patches of the model run on
+``ChunkedCache``); a
 model mutant is a patch of the reference model with one bug, run on ``ConcatCache``.
 ``tests/test_mutants.py`` checks that some property catches each one, and
 ``python -m tests.mutants.report`` prints which property does and the shrunk counterexample.
@@ -19,7 +21,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
-from kvimpl import ConcatCache
+from kvimpl import ChunkedCache, ConcatCache
 from kvref import CacheFactory
 from tests.independent.left_padded_batch_cache import LeftPaddedBatchCache
 from tests.mutants.attend import ATTEND_MUTANTS
@@ -33,6 +35,7 @@ from tests.mutants.serving import SERVING_MUTANTS
 from tests.mutants.shift import SHIFT_MUTANTS
 from tests.mutants.sinks import SINKS_MUTANTS
 from tests.mutants.sizes import SIZE_MUTANTS
+from tests.mutants.tree import TREE_MODEL_MUTANTS, TREE_MUTANTS
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,8 @@ MUTANTS = (
     *(Mutant(factory) for factory in SINKS_MUTANTS),
     *(Mutant(factory) for factory in SHIFT_MUTANTS),
     *(Mutant(factory) for factory in SERVING_MUTANTS),
+    *(Mutant(factory) for factory in TREE_MUTANTS),
     *(Mutant(ConcatCache, patch) for patch in MODEL_MUTANTS),
     *(Mutant(LeftPaddedBatchCache, patch) for patch in ROWS_MODEL_MUTANTS),
+    *(Mutant(ChunkedCache, patch) for patch in TREE_MODEL_MUTANTS),
 )

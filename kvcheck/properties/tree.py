@@ -1,0 +1,555 @@
+"""Tree drafts (docs/contract.md, section 9.2): speculative decoding that verifies a tree of
+draft tokens in one call, then keeps one path per batch row.
+
+A ``TreePlan`` is a batch, a warm prefix fed in 1 to 3 chunks, and two rounds, each a draft
+tree (depth 1 to 4, 1 to 3 children a node, up to 3 roots, in any order its parents come
+first), per batch row the path accepted (empty, part of a branch, a whole branch; one
+length for every row or each its own) and the nodes whose rows are poisoned with nan or
+1e30 on their way into the cache (nodes off that row's path, with their subtrees; 1e30
+alone in bfloat16, ``TreePlan.poison_held``), then decode steps after the commit. The oracle
+is the one of every property: node i's logits are the uncached model's on the committed
+tokens and node i's path (``ReferenceTransformer.forward_tree_uncached``), for every node
+no poisoned row can reach; ``append_tree`` returns the committed rows then the nodes, bit
+for bit; after the commit, every step is the uncached model on the committed and accepted
+tokens, and on the append path every append returns exactly those rows (the recorders are
+told what the commit keeps). Paths of different lengths are drafted for a cache without rows
+of their own too, and cut to the shortest there (it may take one length only); where the
+rows differ after a commit, the batch goes on through ``feed_rows``, and each row is fed up
+to the longest before the next tree (a tree starts after one length).
+
+The engine (``kvcheck.session``) runs the prefix and the steps after each commit; the tree's
+own steps (``draft``, ``commit``) are here.
+
+- ``tree drafts``: where ``append_tree`` and ``commit_tree`` are offered.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+from torch import Tensor
+
+from kvcheck import asserts as kvassert
+from kvcheck import devices as kvdevices
+from kvcheck import failures
+from kvcheck import sizes as kvsizes
+from kvcheck import strategies as kvst
+from kvcheck.devices import dtype_name
+from kvcheck.harness import PATHS, Recorder
+from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
+from kvcheck.session import Engine, Request, assert_logits
+from kvref import CacheFactory, ModelConfig
+from kvref.model import tree_paths
+from kvref.protocol import kept_rows, tree_depths
+
+EDGE = kvst.EDGE
+MAX_NODES = 10
+MAX_DEPTH = 4  # levels: a root's depth is 0, the deepest node's 3
+MAX_CHILDREN = 3
+MAX_ROOTS = 3
+POISONS = ("nan", "huge")  # strategies.POISON_VALUES
+ROUNDS = 2  # a second tree after the first commit
+# The most a plan's caches hold: a prefix of 3 chunks of 17, then per round a tree, the rows
+# fed up to one length and the steps after (TreePlan.max_length); the model's budget.
+MOST_HELD = 3 * (EDGE + 1) + ROUNDS * (MAX_NODES + MAX_DEPTH + 2 * 3)
+
+# Built once: a strategy is validated the first time it is drawn from, and a plan draws
+# per node and per row (integers are built once per range by Hypothesis itself).
+ACCEPTANCE = st.sampled_from(("branch", "partial", "empty"))
+POISONED = st.integers(0, 2)  # 2: a third of the nodes off the path root a poisoned subtree
+PREFIX_CHUNKS = st.lists(
+    st.one_of(st.integers(1, 6), st.sampled_from((EDGE - 2, EDGE - 1, EDGE, EDGE + 1))),
+    min_size=1,
+    max_size=3,
+)
+STEPS_AFTER = {last: st.lists(st.integers(1, 3), min_size=last, max_size=2) for last in (0, 1)}
+# In bfloat16, 1e30 alone (``TreePlan.poison_held``).
+POISON_DRAWS = {False: st.sampled_from(POISONS), True: st.just("huge")}
+
+
+@dataclass(frozen=True)
+class TreeRound:
+    """One draft tree: node i's parent ``parents[i]`` (-1: the last committed token); per
+    batch row the path it accepts and the nodes whose rows it poisons (subtrees whole); the
+    tokens fed after the commit."""
+
+    parents: tuple[int, ...]
+    accepted: tuple[tuple[int, ...], ...]
+    poisoned: tuple[tuple[int, ...], ...]
+    after: tuple[int, ...]
+
+    def describe(self) -> str:
+        return (
+            f"a tree of parents {list(self.parents)}, accepted per row "
+            f"{[list(path) for path in self.accepted]}, poisoned per row "
+            f"{[list(nodes) for nodes in self.poisoned]}, then feeds of {list(self.after)}"
+        )
+
+
+@dataclass(frozen=True)
+class TreePlan:
+    """A prefix fed in chunks, then draft trees verified and committed, each followed by
+    decode steps."""
+
+    config: ModelConfig
+    dtype: torch.dtype
+    batch: int
+    prefix: tuple[int, ...]
+    rounds: tuple[TreeRound, ...]
+    token_seed: int
+    poison: str = "nan"  # what the poisoned nodes' keys and values hold
+    path: str = "append"  # the model's path through the caches for the prefix and decode
+
+    @property
+    def poison_held(self) -> str:
+        """The poison the rows hold: ``poison``, but 1e30 in bfloat16. A poisoned node sees
+        its own rows, so its activations are nan, and torch's bfloat16 matmul on the CPU
+        lets a nan (or inf) in one row of its input reach the row beside it: a neighbour's
+        logits would be nan through no cache's doing (1e30 keeps every activation finite
+        there, and any row that leaks still moves a logit far past the budget)."""
+        return "huge" if self.dtype == torch.bfloat16 else self.poison
+
+    @property
+    def max_length(self) -> int:
+        """The most a cache holds: the prefix, every tree whole, the rows fed up to the
+        longest (at most a path) and the steps after."""
+        return sum(self.prefix) + sum(
+            len(tree.parents) + MAX_DEPTH + sum(tree.after) for tree in self.rounds
+        )
+
+    def describe(self) -> str:
+        trees = "; ".join(
+            f"tree #{index}: {tree.describe()}" for index, tree in enumerate(self.rounds)
+        )
+        return (
+            f"tree plan: batch {self.batch}, {dtype_name(self.dtype)}, poison {self.poison_held}, "
+            f"{self.path} path, prefix chunks {list(self.prefix)}; {trees}\n  model: "
+            f"{kvst.describe_config(self.config)}"
+        )
+
+    def summary(self) -> tuple[str, str, str]:
+        nodes = "+".join(str(len(tree.parents)) for tree in self.rounds)
+        fed = sum(self.prefix) + sum(sum(tree.after) for tree in self.rounds)
+        return f"{fed} (trees of {nodes} nodes)", str(self.config.num_layers), str(self.batch)
+
+
+@st.composite
+def draft_trees(draw, max_nodes: int = MAX_NODES) -> tuple[int, ...]:
+    """Parents, one node at a time: each a child of an earlier node with room (depth below
+    ``MAX_DEPTH`` levels, fewer than ``MAX_CHILDREN`` children) or, up to ``MAX_ROOTS``, a
+    root. The latest node comes first among the choices, so a tree shrinks to a chain."""
+    nodes = draw(st.integers(1, max_nodes), label="nodes")
+    parents: list[int] = []
+    depths: list[int] = []
+    children = [0] * nodes
+    for node in range(nodes):
+        choices = [
+            n
+            for n in reversed(range(node))
+            if depths[n] < MAX_DEPTH - 1 and children[n] < MAX_CHILDREN
+        ]
+        if parents.count(-1) < MAX_ROOTS:
+            choices.append(-1)
+        parent = choices[draw(st.integers(0, len(choices) - 1), label="parent")]
+        parents.append(parent)
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+        if parent >= 0:
+            children[parent] += 1
+    return tuple(parents)
+
+
+@st.composite
+def accepted_paths(draw, parents: tuple[int, ...], batch: int) -> tuple[tuple[int, ...], ...]:
+    """Per batch row, the path it accepts: one length for every row (each row its own path
+    of it), or each row empty, part of a branch or a whole branch."""
+    paths = tree_paths(parents)
+    leaves = [node for node in range(len(parents)) if node not in parents]
+    inner = [node for node in range(len(parents)) if node in parents]
+    if draw(st.booleans(), label="one accepted length for every row"):
+        length = draw(st.integers(0, max(map(len, paths))), label="accepted length")
+        ends = [node for node, path in enumerate(paths) if len(path) == length]
+        return tuple(
+            paths[ends[draw(st.integers(0, len(ends) - 1), label="accepted node")]]
+            if length
+            else ()
+            for _ in range(batch)
+        )
+    accepted = []
+    for _ in range(batch):
+        kind = draw(ACCEPTANCE, label="accepted")
+        if kind == "empty":
+            accepted.append(())
+            continue
+        ends = leaves if kind == "branch" or not inner else inner
+        accepted.append(paths[ends[draw(st.integers(0, len(ends) - 1), label="accepted node")]])
+    return tuple(accepted)
+
+
+@st.composite
+def poisoned_nodes(draw, parents: tuple[int, ...], path: tuple[int, ...]) -> tuple[int, ...]:
+    """Nodes off ``path`` (siblings of its nodes, nodes below its end, other roots) whose
+    rows are poisoned, each with its whole subtree."""
+    picked = {
+        node
+        for node in range(len(parents))
+        if node not in path and draw(POISONED, label="poisons its subtree") == 2
+    }
+    return tuple(
+        node for node, above in enumerate(tree_paths(parents)) if picked.intersection(above)
+    )
+
+
+@st.composite
+def tree_rounds(draw, batch: int, last: bool) -> TreeRound:
+    """A tree, each row's accepted path and poison, and the feeds after its commit (at least
+    one after the ``last`` tree's, so that what it kept is read back)."""
+    parents = draw(draft_trees(), label="tree")
+    accepted = draw(accepted_paths(parents, batch), label="accepted paths")
+    poisoned = tuple(draw(poisoned_nodes(parents, path), label="row's poison") for path in accepted)
+    steps = draw(STEPS_AFTER[int(last)], label="feeds after")
+    return TreeRound(parents, accepted, poisoned, tuple(steps))
+
+
+@st.composite
+def tree_plans(draw) -> TreePlan:
+    """A prefix of 1 to 3 chunks (ending before, at and past a 16-row block edge), then two
+    trees, each committed and followed by decode steps (at least one after the last)."""
+    prefix = draw(PREFIX_CHUNKS, label="prefix chunks")
+    config = draw(kvst.model_configs(max_layers=2, tokens=MOST_HELD), label="config")
+    room = kvst.attention_room(config, MOST_HELD)
+    batch = draw(kvsizes.batches(small_max=3, room=room), label="batch")
+    rounds = tuple(
+        draw(tree_rounds(batch, index == ROUNDS - 1), label="round") for index in range(ROUNDS)
+    )
+    dtype = draw(kvst.dtypes_on_device(kvst.WITH_HALF), label="dtype")
+    return TreePlan(
+        config=config,
+        dtype=dtype,
+        batch=batch,
+        prefix=tuple(prefix),
+        rounds=rounds,
+        token_seed=draw(st.integers(0, 2**16), label="token seed"),
+        poison=draw(POISON_DRAWS[dtype == torch.bfloat16], label="poison"),
+        path=draw(st.sampled_from(PATHS), label="path"),
+    )
+
+
+# --- the tree's steps of the session ----------------------------------------------------
+def committed_rows(recorder: Recorder, like: Tensor) -> tuple[Tensor, Tensor]:
+    """The rows a layer was given since its reset, (B, H_kv, L, D) each: by row where rows
+    were fed their own (then all of one length here), else as one batch; none yet: empty
+    rows shaped like ``like``'s."""
+    if recorder.rows_given is not None:
+        return tuple(torch.stack([row[which] for row in recorder.rows_given]) for which in (0, 1))
+    if recorder.given is None:
+        return like[:, :, :0], like[:, :, :0]
+    return recorder.given
+
+
+class TreeTap:
+    """A layer's recorder as ``forward_tree`` sees it: ``append_tree`` goes to the cache with
+    the poisoned nodes' keys and values replaced (per batch row) and lent as the recorder
+    lends (scribbled over at that cache's next call), and what the cache returns must be the
+    committed rows, then the nodes as handed to it, bit for bit. Everything else is the
+    recorder's."""
+
+    def __init__(
+        self, recorder: Recorder, poisoned: tuple[tuple[int, ...], ...], poison: float, who: str
+    ) -> None:
+        self.recorder, self.poisoned, self.poison, self.who = recorder, poisoned, poison, who
+        self.where = ""
+        self.nodes: tuple[Tensor, Tensor] | None = None  # the node rows handed to the cache
+
+    def __getattr__(self, name: str):
+        if name == "recorder":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self.recorder, name)
+
+    @property
+    def length(self) -> int:
+        return self.recorder.length
+
+    def append_tree(self, key: Tensor, value: Tensor, parents) -> tuple[Tensor, Tensor]:
+        key, value = key.clone(), value.clone()
+        for row, nodes in enumerate(self.poisoned):
+            if nodes:
+                key[row, :, list(nodes)] = self.poison
+                value[row, :, list(nodes)] = self.poison
+        recorder = self.recorder
+        recorder.views = recorder.returned = recorder.rows_returned = None
+        committed = committed_rows(recorder, key)
+        returned = recorder.cache.append_tree(*recorder._lend(key, value), parents)
+        self.nodes = (key, value)
+        self._check_returned(returned, committed)
+        return returned
+
+    def _check_returned(self, returned, committed) -> None:
+        """Bit for bit the committed rows then the nodes, as many as returned (a window may
+        return a recent run: rule 7); a count the model refuses is left to its guard."""
+        if not (isinstance(returned, (tuple, list)) and len(returned) == 2):
+            return
+        for which, (name, got) in enumerate(zip(("keys", "values"), returned, strict=True)):
+            nodes = self.nodes[which]
+            given = torch.cat((committed[which], nodes), dim=2)
+            shaped = isinstance(got, Tensor) and got.ndim == 4
+            if not shaped or got.shape[:2] + got.shape[3:] != given.shape[:2] + given.shape[3:]:
+                return
+            if not 0 < got.shape[2] <= given.shape[2]:
+                return
+            kept = kept_rows(self.recorder.sinks, got.shape[2], given.shape[2])
+            if bad := kvassert.differing_rows(got, given[:, :, kept]):
+                held = given.shape[2] - nodes.shape[2]
+                index = kept[bad[0]]
+                said = f"committed row {index}" if index < held else f"draft node {index - held}"
+                raise failures.DataLoss(
+                    f"{self.who}: {name} row {index} that append_tree returned is not the "
+                    f"{said} given there ({len(bad)} of {got.shape[2]} rows returned differ: "
+                    f"{[kept[row] for row in bad[:8]]})\n  at {self.where}"
+                )
+
+
+def histories(request: Request) -> Tensor:
+    """The committed tokens of every row, (B, L): a tree starts after one length."""
+    if request.rows is None:
+        return request.history
+    return torch.stack(request.rows)
+
+
+def node_said(node: int, parents, row: int, poisoned, accepted) -> str:
+    path = tree_paths(parents)[node]
+    return (
+        f"row {row}, node {node} (path {list(path)}, depth {len(path) - 1}; the row accepts "
+        f"{list(accepted)}, its poisoned nodes {list(poisoned)})"
+    )
+
+
+def draft(
+    engine: Engine,
+    request: Request,
+    tree: TreeRound,
+    new: Tensor,
+    accepted: tuple[tuple[int, ...], ...],
+    poison: float,
+    label: str,
+) -> list[tuple[Tensor, Tensor]]:
+    """Verify the draft tree ``tree.parents`` of tokens ``new`` (B, T) in one call
+    (``forward_tree``), its poisoned nodes' rows poisoned on the way into every layer: every
+    node no poisoned row reaches must give the uncached model's logits on the committed tokens
+    and its path. Returns the node rows each layer was handed, (keys, values) (B, H_kv, T,
+    D): poisoned where the plan says."""
+    model, parents = engine.model, tree.parents
+    history = histories(request)
+    first = request.firsts[0] if request.firsts else 0
+    held, nodes = history.shape[1], len(parents)
+    depths = tree_depths(parents)
+    where = engine.where(
+        f"{request.name}, its step #{request.steps}: {label}, a draft tree of {nodes} node"
+        f"{'s' * (nodes > 1)} (parents {list(parents)}) after {held} tokens, at absolute "
+        f"positions {first + held}..{first + held + max(depths)}"
+    )
+    taps = [
+        TreeTap(recorder, tree.poisoned, poison, f"{request.name}'s layer {layer}")
+        for layer, recorder in enumerate(request.caches)
+    ]
+    for tap in taps:
+        tap.where = where
+    try:
+        logits = model.forward_tree(new, parents, taps)
+    except Exception as error:
+        error.add_note(f"  at {where}")
+        raise
+    request.steps += 1
+    expected = model.forward_tree_uncached(history, new, parents, start_position=first)
+    truth = functools.cache(
+        lambda: engine.truth.forward_tree_uncached(history, new, parents, start_position=first)
+    )
+    paths = tree_paths(parents)
+    compared = [  # (row, node): those no poisoned row reaches (the others' logits say nothing)
+        (row, node)
+        for row in range(new.shape[0])
+        for node in range(nodes)
+        if not set(tree.poisoned[row]).intersection(paths[node])
+    ]
+    if compared:  # all at once first, each node a position; one by one where one diverges
+        index = tuple(
+            torch.tensor(axis, device=logits.device) for axis in zip(*compared, strict=True)
+        )
+        reference = truth()[index][None] if kvassert.needs_reference(expected.dtype) else None
+        if not kvassert.diverging_positions(
+            logits[index][None], expected[index][None], 1, reference
+        ):
+            compared = []
+    for row, node in compared:
+        position = first + held + depths[node]
+        at = slice(node, node + 1)
+        said = node_said(node, parents, row, tree.poisoned[row], accepted[row])
+        try:
+            assert_logits(
+                logits[row : row + 1, at],
+                expected[row : row + 1, at],
+                lambda row=row, at=at: truth()[row : row + 1, at],
+                where=f"{said}, at absolute position {position}\n  at {where}",
+                start=position,
+                path="append",  # append_tree returns rows: the model attends over them
+                what="the draft node's logits and the uncached model's on the committed tokens "
+                "and its path",
+            )
+        except failures.WrongResults as error:
+            error.add_note(
+                "  diagnosis: every layer's append_tree returned the committed rows and the nodes "
+                "as given, so the model saw other rows than its ancestors' (mask, positions)"
+            )
+            raise
+    return [tap.nodes for tap in taps]
+
+
+def commit(
+    engine: Engine,
+    request: Request,
+    handed: list[tuple[Tensor, Tensor]],
+    new: Tensor,
+    accepted: tuple[tuple[int, ...], ...],
+    label: str,
+) -> None:
+    """``commit_tree(accepted)`` on every layer; then the request's history is the committed
+    tokens and each row's path, and each layer's recorder holds the rows it was given before
+    the tree and each row's accepted nodes as ``handed`` to it (B, H_kv, T, D), for every
+    later call to be checked against. Rows of different lengths go on fed by row."""
+    said = [list(path) for path in accepted]
+    what = f"{label}, commit_tree({said})"
+    where = engine.where(f"{request.name}: {what}")
+    for layer, recorder in enumerate(request.caches):
+        recorder.views = recorder.returned = recorder.rows_returned = None
+        error = kvassert.raised_by(lambda cache=recorder.cache: cache.commit_tree(accepted))
+        if error is not None:
+            raise failures.RefusesValidInput(
+                f"{request.name}'s layer {layer}: commit_tree({said}), a path from a root down "
+                f"per row, refused with {type(error).__name__}: {error}\n  at {where}"
+            ) from error
+    by_row = request.rows is not None or len({len(path) for path in accepted}) > 1
+    for recorder, nodes in zip(request.caches, handed, strict=True):
+        committed = committed_rows(recorder, nodes[0])
+        kept = [  # per row, (keys, values) (H_kv, rows, D): what it holds now
+            tuple(
+                torch.cat((held[row], rows[row][:, list(path)]), dim=1)
+                for held, rows in zip(committed, nodes, strict=True)
+            )
+            for row, path in enumerate(accepted)
+        ]
+        if by_row:
+            recorder.given, recorder.rows_given = None, kept  # fed by row from now on
+        else:
+            recorder.given = tuple(torch.stack([row[which] for row in kept]) for which in (0, 1))
+    paths = [new[row, list(path)] for row, path in enumerate(accepted)]
+    if by_row:
+        request.rows = [torch.cat(both) for both in zip(histories(request), paths, strict=True)]
+    else:
+        request.history = torch.cat((request.history, torch.stack(paths)), dim=1)
+    request.steps += 1
+    for layer, recorder in enumerate(request.caches):
+        who = f"{request.name}'s layer {layer}"
+        kvassert.assert_length(recorder, request.held, who=who, where=where)
+        if request.rows is not None:
+            want = tuple(len(row) for row in request.rows)
+            if tuple(recorder.cache.row_lengths) != want:
+                raise failures.DataLoss(
+                    f"{who}: row_lengths {tuple(recorder.cache.row_lengths)} after {what}; "
+                    f"the rows hold {want}\n  at {where}"
+                )
+    engine.check(what)
+
+
+def one_length(accepted: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    """Each row's path cut to the shortest: what a cache without rows of their own takes."""
+    shortest = min(len(path) for path in accepted)
+    return tuple(path[:shortest] for path in accepted)
+
+
+def check_tree_drafts(factory: CacheFactory, plan: TreePlan) -> None:
+    """Each tree's nodes equal the uncached model on the committed tokens and their path, and
+    after each commit every step equals it on the committed and accepted tokens."""
+    model = kvst.build_model(plan.config, plan.dtype)
+    path = path_for(plan.path, factory)
+    engine = Engine(factory, model, max_length=plan.max_length, path=path, describe=plan.describe)
+    generator = torch.Generator().manual_seed(plan.token_seed)
+    device = kvdevices.current()
+
+    def tokens(*shape: int) -> Tensor:
+        drawn = torch.randint(0, plan.config.vocab_size, shape, generator=generator)
+        return drawn.to(device)
+
+    request = engine.start("the request", plan.batch)
+    for index, size in enumerate(plan.prefix):
+        engine.feed(request, tokens(plan.batch, size), at=f" (prefix chunk #{index})")
+        engine.check(f"prefix chunk #{index}")
+    own_lengths = "append_rows" in request.offered
+    poison = kvst.poison_value(plan.poison_held, model.dtype)
+    for index, tree in enumerate(plan.rounds):
+        label = f"tree #{index}"
+        if request.rows is not None:  # up to one length: a tree starts after one
+            longest = max(len(row) for row in request.rows)
+            if any(len(row) < longest for row in request.rows):
+                more = [tokens(longest - len(row)) for row in request.rows]
+                engine.feed_rows(request, more, at=f" (each row fed up to {longest} for {label})")
+                engine.check(f"rows fed up to one length for {label}")
+        accepted = tree.accepted if own_lengths else one_length(tree.accepted)
+        new = tokens(plan.batch, len(tree.parents))
+        handed = draft(engine, request, tree, new, accepted, poison, label)
+        commit(engine, request, handed, new, accepted, label)
+        for step, size in enumerate(tree.after):
+            at = f" (step #{step} after {label}'s commit_tree({[list(p) for p in accepted]}))"
+            if request.rows is None:
+                engine.feed(request, tokens(plan.batch, size), at=at)
+            else:
+                engine.feed_rows(request, [tokens(size) for _ in request.rows], at=at)
+            engine.check(f"{label}, step #{step} after the commit")
+    engine.finish()
+
+
+# Tried first on every run: a tree that crosses the 16-row block edge, two roots, the
+# accepted paths neither the first nodes in order nor of one length, the nodes before them in
+# order poisoned (a sibling seen, or a rejected row kept, shows as nan), then a second tree.
+PINNED = (
+    TreePlan(
+        config=ModelConfig(vocab_size=23, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8),
+        dtype=torch.float64,
+        batch=2,
+        prefix=(EDGE - 3, 1),
+        rounds=(
+            TreeRound(
+                parents=(-1, -1, 0, 1, 1, 3, 2),
+                accepted=((1, 4), (0, 2, 6)),
+                poisoned=((0, 2, 3, 5, 6), (1, 3, 4, 5)),
+                after=(1,),
+            ),
+            TreeRound(
+                parents=(-1, 0, 0, 1, 2),
+                accepted=((0, 2, 4), (0, 2)),
+                poisoned=((1, 3), (1, 3, 4)),
+                after=(1, 2),
+            ),
+        ),
+        token_seed=7,
+    ),
+)
+
+TREE = Property(
+    "tree drafts",
+    "each node of a draft tree verified in one call equals the uncached model on the "
+    "committed tokens and its path, and after the commit the cache holds the accepted path "
+    "alone",
+    check_tree_drafts,
+    tree_plans(),
+    failures.WRONG_RESULTS,
+    requires=("tree",),
+    pinned=on_both_paths(PINNED),
+)
+
+
+class TreeTests(KitTests):
+    """Tree drafts (``append_tree``, ``commit_tree``): run when offered."""
+
+    test_tree_drafts_match_the_model_on_each_path = property_test(TREE)
