@@ -28,6 +28,7 @@ class Written:
     """One block as last written: whose rows, for which tokens (0 to what it holds)."""
 
     request: str
+    step: int  # the writer's step that wrote it (or restored it)
     layer: int
     salt: object
     tokens: tuple[int, ...]
@@ -46,8 +47,9 @@ class PrefixBooks:
         self.blocks: dict[int, Written] = {}
         self.full_writes: Counter[tuple] = Counter()
 
-    def wrote(self, request, start: int, end: int) -> None:
-        """``request``'s caches were given its positions ``start`` to ``end`` - 1."""
+    def wrote(self, request, start: int, end: int, *, count: bool = True) -> None:
+        """``request``'s caches were given its positions ``start`` to ``end`` - 1 (or, without
+        ``count``, had them restored: no new write of their prefixes)."""
         size = self.block_size
         for layer, recorder in enumerate(request.caches):
             keys, values = recorder.given
@@ -60,6 +62,7 @@ class PrefixBooks:
                     rows = slice(index * size, held)
                     written = Written(
                         request.name,
+                        request.steps,
                         layer,
                         request.salt,
                         history[:held],
@@ -67,7 +70,7 @@ class PrefixBooks:
                         values[row, :, rows].clone(),
                     )
                     self.blocks[table[index]] = written
-                    if held - index * size == size:
+                    if count and held - index * size == size:
                         self.full_writes[written.identity()] += 1
 
     def check_hit(self, request, tokens: Tensor, hit: int, where: str) -> None:
@@ -100,36 +103,43 @@ class PrefixBooks:
                     why = _mismatch(seen, layer, request.salt, want[:end])
                     if why:
                         raise failures.DataLoss(
-                            f"{said}, but it was last written by {seen.request} {why}\n  {where}"
+                            f"{said}, but it was last written by {seen.request} (its step "
+                            f"#{seen.step}) {why}\n  {where}"
                         )
                 keys.append(_rows(self.blocks, table[: hit // size], "keys", recorder, hit))
                 values.append(_rows(self.blocks, table[: hit // size], "values", recorder, hit))
             recorder.given = (torch.stack(keys), torch.stack(values)) if hit else None
 
-    def least_hit(self, engine, request, tokens: Tensor) -> int:
-        """The fewest tokens a lookup of ``tokens`` by ``request`` must find: the whole blocks
-        of that prefix that another live request holds in every layer, each the only block
-        ever written full with that prefix (so no pool can have kept a twin instead)."""
-        size, least = self.block_size, None
+    def least_hit(self, engine, request, tokens: Tensor) -> tuple[int, str]:
+        """The fewest tokens a lookup of ``tokens`` by ``request`` must find, and who holds
+        them: the whole blocks of that prefix (but its last token, which a pool may keep
+        back to compute) that another live request holds in every layer, inside the tokens
+        it looked up itself (a pool may publish decode blocks later) and its rows now, each
+        the only block ever written full with that prefix (no pool can have kept a twin)."""
+        size, least, holder = self.block_size, None, ""
         for row in range(tokens.shape[0]):
-            want = tuple(tokens[row].tolist())
-            best = 0
+            want = tuple(tokens[row, :-1].tolist())
+            best, by = 0, ""
             for other in engine.live.values():
                 if other is request or other.caches is None or other.salt != request.salt:
                     continue
                 if any(getattr(recorder.cache, "offloaded", False) for recorder in other.caches):
                     continue
                 for other_row in range(other.batch):
-                    best = max(best, self._held_by(other, other_row, want, size))
-            least = best if least is None else min(least, best)
-        return least or 0
+                    held = self._held_by(other, other_row, want, size)
+                    if held > best:
+                        best, by = held, f"{other.name}'s batch row {other_row}"
+            if least is None or best < least:
+                least, holder = best, f"{by}, for this request's row {row}"
+        return least or 0, holder
 
     def _held_by(self, other, row: int, want: tuple[int, ...], size: int) -> int:
         """How many leading tokens of ``want`` ``other``'s row ``row`` holds in whole blocks
-        of every layer, each written once."""
+        of every layer, inside what it looked up and holds now, each written once."""
         fewest = None
+        mine = min(other.looked_up, other.history.shape[1]) // size
         for layer, recorder in enumerate(other.caches):
-            table = _tables(recorder.cache)[row]
+            table = _tables(recorder.cache)[row][:mine]
             count = 0
             for index, block in enumerate(table):
                 end = (index + 1) * size
@@ -177,7 +187,8 @@ def _mismatch(seen: Written, layer: int, salt: object, tokens: tuple[int, ...]) 
         return (
             f"for other tokens (from position {first}: {list(seen.tokens[first : first + 4])} "
             f"where this request has {list(tokens[first : first + 4])}): a key trusted without "
-            f"comparing the tokens, or a block evicted and reused while still matched"
+            f"comparing the tokens, a block evicted and reused while still matched, or a "
+            f"published block written into (after a rollback, say) while still matched"
         )
     return ""
 

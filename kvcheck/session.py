@@ -70,6 +70,7 @@ class Request:
     # over the tokens left computes it, so every later step runs the model over these rows.
     shifted: tuple[list[tuple[Tensor, Tensor]], list[tuple[Tensor, Tensor]]] | None = None
     salt: object = None  # its tenant, for a prefix-caching pool (section 9.1)
+    looked_up: int = 0  # the tokens its last prefix lookup declared
 
     @property
     def held(self) -> int:
@@ -523,7 +524,7 @@ class Engine:
             return child
         caches = [cache.fork() for cache in parent.caches]
         child = Request(name, caches, parent.history.clone(), offered=parent.offered)
-        child.salt = parent.salt
+        child.salt, child.looked_up = parent.salt, parent.looked_up
         self.live[name] = child
         self._check_lengths(child, f"{name} = fork of {parent.name}{at}")
         return child
@@ -547,7 +548,7 @@ class Engine:
         for cache in request.caches:
             cache.reset()
         request.history = request.history[:, :0]
-        request.steps, request.shifted = 0, None
+        request.steps, request.shifted, request.looked_up = 0, None, 0
 
     def drop(self, request: Request) -> None:
         """The request ends and its caches go: the last reference, then a collection, so
@@ -566,7 +567,7 @@ class Engine:
             f"{request.name} looks up its first {tokens.shape[1]} tokens (salt "
             f"{request.salt!r}){at}"
         )
-        least = self.prefix.least_hit(self, request, tokens)
+        least, holder = self.prefix.least_hit(self, request, tokens)
         raw = [recorder.cache for recorder in request.caches]
         hit = self.pool.lookup_prefix(raw, tokens, salt=request.salt)
         size = self.pool.block_size
@@ -581,12 +582,13 @@ class Engine:
         self.prefix.check_hit(request, tokens, hit, where)
         if hit < least:
             raise failures.DataLoss(
-                f"lookup_prefix found {hit} tokens, but another live request of salt "
-                f"{request.salt!r} holds the first {least} in full blocks written once each, "
-                f"which the pool must have published and cannot have evicted: the index lost "
-                f"them (or keys them by something that changes)\n  {where}"
+                f"lookup_prefix found {hit} tokens, but {holder} holds the first {least} "
+                f"(salt {request.salt!r}) in full blocks written once each, which the pool "
+                f"must have published and cannot have evicted: the index lost them (or keys "
+                f"them by something that changes)\n  {where}"
             )
         request.history = tokens[:, :hit].clone()
+        request.looked_up = tokens.shape[1]
         return hit
 
     def declare(self, request: Request, tokens: Tensor) -> None:
@@ -611,8 +613,8 @@ class Engine:
         for recorder in request.caches:
             recorder.cache.restore()
         self._check_lengths(request, f"its restore{at}")
-        if self.prefix is not None:  # in other blocks now
-            self.prefix.wrote(request, 0, request.held)
+        if self.prefix is not None:  # in other blocks now: the same writes, not new ones
+            self.prefix.wrote(request, 0, request.held, count=False)
 
     # --- what holds after every event -----------------------------------------------------
     def _check_lengths(self, request: Request, what: str) -> None:

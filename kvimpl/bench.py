@@ -26,9 +26,17 @@ paged pool, whose blocks in use are compared with the sum of the requests' own f
 on every other cache (``preallocated`` reserving the longest request's length for each); and
 samples forked from one prompt on one pool, sharing the prompt's blocks.
 
-Last, the same requests' next token in one step (batch.csv): on one batched cache whose rows
+Then the same requests' next token in one step (batch.csv): on one batched cache whose rows
 hold lengths of their own (``append_rows``, contract section 8.1), one call for every
 request, against the requests on caches of their own, one call each.
+
+Last, many requests opening with one long system prompt (shared_prefix.csv), served in turn
+and held side by side: on one paged pool with prefix caching (contract section 9.1: each
+request looks its prompt up and prefills only the rest), on the same kind of pool without
+lookups, and on separate preallocated caches. The prefills of all the requests are timed
+as one statement, each time on fresh caches (and a fresh pool, so the first request misses)
+whose storage was allocated off the clock; the ways must first give the same logits, for
+every prompt's last token and every decoded one.
 """
 
 from __future__ import annotations
@@ -56,6 +64,17 @@ from kvref.protocol import keys_stored, row_slots
 
 
 @dataclass(frozen=True)
+class SharedPrefix:
+    """Requests that open with one system prompt, each then its own prompt and a few
+    decoded tokens: the shared-prefix workload (shared_prefix.csv)."""
+
+    requests: int
+    system: int  # tokens of the system prompt every request starts with
+    own: int  # tokens of each request's own prompt after it
+    decode: int  # tokens each request then decodes, one model call each
+
+
+@dataclass(frozen=True)
 class Workload:
     """The model every cache is timed on, and how long to time each row."""
 
@@ -67,6 +86,7 @@ class Workload:
     # Context lengths of requests of batch 1 decoding side by side on one paged pool (cut to
     # the longest of ``lengths``); the second is also the prompt that samples fork from.
     requests: tuple[int, ...]
+    shared_prefix: SharedPrefix  # requests opening with one system prompt
     dtype: torch.dtype = torch.float32
 
 
@@ -78,6 +98,7 @@ FULL = Workload(
     min_run_time=2.0,
     rounds=5,
     requests=(4096, 1536, 512, 64),
+    shared_prefix=SharedPrefix(requests=16, system=512, own=32, decode=4),
 )
 QUICK = Workload(
     ModelConfig(64, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16, ffn_dim=64),
@@ -86,6 +107,7 @@ QUICK = Workload(
     min_run_time=0.05,
     rounds=2,
     requests=(256, 100, 33, 5),
+    shared_prefix=SharedPrefix(requests=4, system=40, own=6, decode=3),
 )
 
 
@@ -141,6 +163,35 @@ class BatchRow:
     samples: int
     nbytes: int  # summed over layers (and requests), after the step
     formula_bytes: int  # the sum of every request's own formula (kvref.min_nbytes)
+
+
+@dataclass
+class PrefixRow:
+    """One line of shared_prefix.csv: the requests of the shared-prefix workload, one way."""
+
+    scenario: str  # prefix caching, one pool without lookups, or separate caches
+    cache: str
+    requests: str  # requests x system prompt + own prompt + decoded tokens, e.g. 16 x 512+32+4
+    prompt_tokens: int  # summed over requests
+    hit_tokens: int | None  # of those, found by prefix lookups; None without lookups
+    prefill_ms: float  # median over samples of every request's prefill (and lookup), in turn
+    ms_spread: float | None  # interquartile range of the same samples
+    samples: int
+    # Keys and values at the busiest moment (every request held, after its decode): a pool's
+    # nbytes_in_use (a shared block once), else the sum of the caches' nbytes.
+    peak_bytes: int
+    formula_bytes: int  # the sum of every request's own formula (kvref.min_nbytes)
+    note: str = ""
+
+
+@dataclass
+class Served:
+    """The shared-prefix workload served one way, untimed: what is checked and reported."""
+
+    logits: Tensor  # (requests, 1 + decode, vocab): each prompt's last token, each decoded
+    hits: list[int]  # per request, the tokens its lookup found (0 without lookups)
+    peak_bytes: int  # as PrefixRow's
+    peak_blocks: int  # a pool's blocks in use at the same moment; 0 for other caches
 
 
 class IdealCache:
@@ -520,6 +571,178 @@ class Bench:
             )
         return out[0], out[1]
 
+    def shared_prefix_rows(self, pool: Callable[[], kvimpl.PagedPool]) -> list[PrefixRow]:
+        """The shared-prefix workload, three ways: on a fresh ``pool()`` with prefix caching
+        (each request looks its prompt up, then prefills the rest), on another without
+        lookups, and on separate preallocated caches (each built for its request's length).
+        Each way first serves every request, prefill and decode, held side by side: its
+        logits must agree with separate caches', and its busiest moment's memory is
+        reported. Then the prefills alone are timed, the ways taking turns."""
+        prompts, decoded = self._shared_prefix_tokens()
+        ways = {  # scenario: cache, a fresh factory, whether each request looks its prompt up
+            "prefix caching": ("paged", pool, True),
+            "one pool, no lookups": ("paged", pool, False),
+            "separate caches": ("preallocated", lambda: kvimpl.PreallocatedCache, False),
+        }
+        served = {
+            scenario: self._serve(make(), lookups, prompts, decoded)
+            for scenario, (_, make, lookups) in ways.items()
+        }
+        expected = served["separate caches"].logits
+        for scenario, way in served.items():
+            torch.testing.assert_close(
+                way.logits,
+                expected,
+                rtol=1e-4,
+                atol=1e-4,
+                msg=lambda report, scenario=scenario, hits=way.hits: (
+                    f"shared prefix: {scenario} computes the requests' logits unlike separate "
+                    f"caches (hits per request {hits}), so its timing would mean nothing; run "
+                    f"the test suite on it.\n{report}"
+                ),
+            )
+        timers = {
+            scenario: self._prefill_timer(make, lookups, prompts, served[scenario].peak_blocks)
+            for scenario, (_, make, lookups) in ways.items()
+        }
+        parts: dict[str, list[benchmark.Measurement]] = {scenario: [] for scenario in timers}
+        for _ in range(self.workload.rounds):
+            for scenario, timer in timers.items():
+                share = self.workload.min_run_time / self.workload.rounds
+                parts[scenario].append(timer.blocked_autorange(min_run_time=share))
+        shared = self.workload.shared_prefix
+        tokens = f"{shared.requests} x {shared.system}+{shared.own}+{shared.decode}"
+        length = shared.system + shared.own + shared.decode
+        formula = shared.requests * formula_bytes(self.model, 1, length)
+        rows = []
+        for scenario, (cache, _, lookups) in ways.items():
+            hits = served[scenario].hits
+            note = ""
+            if lookups:  # on a fresh pool the first request misses, and the others find alike
+                first, *later = hits
+                if len(set(later)) == 1:
+                    note = f"hits: {first} for the first request, then {later[0]} each"
+                else:
+                    note = "hits: " + "+".join(map(str, hits))
+            measured = benchmark.Measurement.merge(parts[scenario])[0]
+            spread = measured.iqr * 1000 if len(measured.times) > 1 else None
+            rows.append(
+                PrefixRow(
+                    scenario,
+                    cache,
+                    tokens,
+                    prompts.numel(),
+                    sum(hits) if lookups else None,
+                    measured.median * 1000,
+                    spread,
+                    len(measured.times),
+                    served[scenario].peak_bytes,
+                    formula,
+                    note,
+                )
+            )
+        return rows
+
+    def _shared_prefix_tokens(self) -> tuple[Tensor, Tensor]:
+        """Every request's prompt, (requests, system + own): one system prompt, then tokens
+        of its own; and the tokens each then decodes, (requests, decode)."""
+        shared = self.workload.shared_prefix
+        vocab = self.workload.config.vocab_size
+        generator = torch.Generator().manual_seed(1)
+        system = torch.randint(vocab, (1, shared.system), generator=generator)
+        own = torch.randint(
+            vocab, (shared.requests, shared.own + shared.decode), generator=generator
+        )
+        prompts = torch.cat([system.expand(shared.requests, -1), own[:, : shared.own]], dim=1)
+        return prompts.to(self.device), own[:, shared.own :].to(self.device)
+
+    def _request_caches(self, factory: CacheFactory) -> list[list[LayerCache]]:
+        """Every request's caches, one per layer, each built for the request's length."""
+        shared = self.workload.shared_prefix
+        length = shared.system + shared.own + shared.decode
+        return [
+            self.model.new_caches(factory, batch=1, max_length=length)
+            for _ in range(shared.requests)
+        ]
+
+    def _prefill_requests(
+        self,
+        factory: CacheFactory,
+        lookups: bool,
+        prompts: Tensor,
+        requests: list[list[LayerCache]],
+    ) -> tuple[list[int], list[Tensor]]:
+        """Each request's prompt into its empty caches, in turn: looked up in the pool (with
+        ``lookups``), the rest prefilled. Returns each request's hit and its prompt's last
+        logits, (1, vocab)."""
+        hits, logits = [], []
+        for prompt, caches in zip(prompts, requests, strict=True):
+            hit = 0
+            if lookups:
+                # All but the last token, as engines look up: the model must compute the last
+                # token's logits, so a hit never covers it. It is declared after the hit.
+                hit = factory.lookup_prefix(caches, prompt[None, :-1])
+                for cache in caches:
+                    cache.declare_tokens(prompt[None, -1:])
+            hits.append(hit)
+            logits.append(self.model(prompt[None, hit:], caches)[:, -1])
+        return hits, logits
+
+    def _serve(
+        self, factory: CacheFactory, lookups: bool, prompts: Tensor, decoded: Tensor
+    ) -> Served:
+        """Every request in turn, held side by side: its prompt (``_prefill_requests``), then
+        its decoded tokens, one call each."""
+        requests = self._request_caches(factory)
+        hits, first = self._prefill_requests(factory, lookups, prompts, requests)
+        pooled = isinstance(factory, kvimpl.PagedPool)
+        logits, peak_bytes, peak_blocks = [], 0, 0
+        for number, (caches, last, tokens) in enumerate(zip(requests, first, decoded, strict=True)):
+            steps = [last]
+            for token in tokens:
+                if lookups:  # declared before their rows are appended (contract, 9.1)
+                    for cache in caches:
+                        cache.declare_tokens(token.view(1, 1))
+                steps.append(self.model(token.view(1, 1), caches)[:, -1])
+            logits.append(torch.stack(steps, dim=1))
+            held = (cache.nbytes for done in requests[: number + 1] for cache in done)
+            peak_bytes = max(peak_bytes, factory.nbytes_in_use if pooled else sum(held))
+            peak_blocks = max(peak_blocks, factory.blocks_in_use if pooled else 0)
+        return Served(torch.cat(logits), hits, peak_bytes, peak_blocks)
+
+    def _prefill_timer(
+        self, make: Callable[[], CacheFactory], lookups: bool, prompts: Tensor, blocks: int
+    ) -> benchmark.Timer:
+        """A timer of every request's prefill (``_prefill_requests``) on fresh caches of a
+        fresh ``make()``, built off the clock: storage is allocated before serving, as the
+        decode rows' caches are built before timing and an engine allocates its pool at
+        startup. A pool is grown to ``blocks`` (what its way takes) and given them back."""
+        state: dict[str, object] = {}
+
+        def fresh() -> None:
+            state.clear()  # the last call's caches (and pool) go
+            factory = make()
+            if blocks:
+                self._grow(factory, blocks)
+            state.update(factory=factory, requests=self._request_caches(factory))
+
+        def prefill_all() -> None:
+            self._prefill_requests(state["factory"], lookups, prompts, state["requests"])
+
+        return self._timer(prefill_all, fresh)
+
+    def _grow(self, pool: kvimpl.PagedPool, blocks: int) -> None:
+        """Make ``pool`` allocate storage for ``blocks`` blocks, then free them: a cache of it
+        appends that many blocks of zeros and is reset (a pool keeps the storage it has
+        grown; nothing is published, no tokens being declared)."""
+        rows = blocks * pool.block_size
+        spec = self.model.cache_spec(1, rows)
+        shape = (1, spec.kv_heads, rows, spec.head_dim)
+        zeros = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+        cache = pool(spec)
+        cache.append(zeros, zeros)
+        cache.reset()
+
     def uncached_row(self, length: int) -> Row:
         """Time the model recomputing all ``length`` tokens, which is how it decodes the last."""
         timer = self._timer(partial(self.model, self.tokens[:, :length]), restore=lambda: None)
@@ -593,8 +816,8 @@ class Bench:
 
 def run(
     workload: Workload, caches: dict[str, CacheFactory], args: argparse.Namespace
-) -> tuple[list[Row], list[RequestRow], list[BatchRow]]:
-    progress = Progress(total=len(workload.lengths) * (workload.rounds + 1) + 1)
+) -> tuple[list[Row], list[RequestRow], list[BatchRow], list[PrefixRow]]:
+    progress = Progress(total=len(workload.lengths) * (workload.rounds + 1) + 2)
     progress.show(f"prefill of {max(workload.lengths)} tokens")
     bench = Bench(workload, torch.device(args.device), args.threads)
     rows = []
@@ -604,6 +827,8 @@ def run(
     request_rows = bench.request_rows(caches, args.block_size)
     batch_rows = bench.batch_rows(caches)
     progress.advance("requests side by side")
+    prefix_rows = bench.shared_prefix_rows(partial(kvimpl.PagedPool, args.block_size))
+    progress.advance("requests sharing a system prompt")
     # Last, so that its (batch, heads, L, L) scores do not set the peak RSS of the rows above.
     for length in workload.lengths:
         progress.show(f"uncached at {length} tokens")
@@ -613,10 +838,10 @@ def run(
             note = f"not timed: above --uncached-max-length {args.uncached_max_length}"
             rows.append(bench.skipped_row("uncached", length, note))
         progress.advance(f"uncached at {length} tokens")
-    return rows, request_rows, batch_rows
+    return rows, request_rows, batch_rows, prefix_rows
 
 
-def write_csv(rows: list[Row] | list[RequestRow], path: Path) -> None:
+def write_csv(rows: Sequence[object], path: Path) -> None:
     with path.open("w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=[field.name for field in fields(type(rows[0]))])
         writer.writeheader()
@@ -687,6 +912,33 @@ def batch_table(rows: list[BatchRow]) -> str:
         for row in rows
     ]
     return markdown(header.split(","), lines, text_columns=(0, 1, 2))
+
+
+def shared_prefix_table(rows: list[PrefixRow]) -> str:
+    """The shared-prefix workload, as a Markdown table: each way against separate caches."""
+    alone = next(row.prefill_ms for row in rows if row.scenario == "separate caches")
+    header = "scenario,cache,requests,prompt tokens,hit tokens,hit rate,prefill ms,IQR ms"
+    header += ",x separate,samples,peak MiB,formula MiB,x formula,note"
+    lines = [
+        [
+            row.scenario,
+            row.cache,
+            row.requests,
+            str(row.prompt_tokens),
+            "-" if row.hit_tokens is None else str(row.hit_tokens),
+            "-" if row.hit_tokens is None else f"{row.hit_tokens / row.prompt_tokens:.2f}",
+            f"{row.prefill_ms:.1f}",
+            "-" if row.ms_spread is None else f"{row.ms_spread:.1f}",
+            f"{row.prefill_ms / alone:.2f}",
+            str(row.samples),
+            f"{row.peak_bytes / MIB:.1f}",
+            f"{row.formula_bytes / MIB:.1f}",
+            f"{row.peak_bytes / row.formula_bytes:.2f}",
+            row.note,
+        ]
+        for row in rows
+    ]
+    return markdown(header.split(","), lines, text_columns=(0, 1, 2, 13))
 
 
 def markdown(header: list[str], lines: list[list[str]], text_columns: tuple[int, ...]) -> str:
@@ -865,13 +1117,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args.out.mkdir(parents=True, exist_ok=True)  # before the run, so it fails fast
     try:
-        rows, request_rows, batch_rows = run(workload, caches, args)
+        rows, request_rows, batch_rows, prefix_rows = run(workload, caches, args)
     except AssertionError as wrong:  # a cache that decodes unlike the ideal: no timing
         sys.exit(f"\nkvimpl.bench: error: {wrong}")
     write_csv(rows, args.out / "results.csv")
     write_csv(request_rows, args.out / "requests.csv")
     if batch_rows:  # where some cache offers rows of their own
         write_csv(batch_rows, args.out / "batch.csv")
+    write_csv(prefix_rows, args.out / "shared_prefix.csv")
     print(describe(workload, args))
     print(markdown_table(rows))
     print()
@@ -879,6 +1132,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if batch_rows:
         print()
         print(batch_table(batch_rows))
+    print()
+    print(shared_prefix_table(prefix_rows))
     try:
         plot(rows, describe(workload, args), args.out / "decode.png")
     except ImportError:  # the plot is the one part that needs the bench extra

@@ -623,11 +623,8 @@ class PagedCache(TreeDraftsMixin, RowBook):
         ):
             if tokens is None:
                 continue
-            if self._lengths[row] > len(tokens):  # rows past the tokens declared: unknown
-                self._tokens[row] = None
-                continue
             salt = self._salts[row]
-            for block in range(len(chain), self._lengths[row] // size):
+            for block in range(len(chain), min(self._lengths[row], len(tokens)) // size):
                 end = (block + 1) * size
                 key = index.chained(
                     chain[-1] if chain else None, tuple(tokens[end - size : end]), salt
@@ -637,6 +634,8 @@ class PagedCache(TreeDraftsMixin, RowBook):
                 )
                 index.publish(table[block], key, prefix)
                 chain.append(key)
+            if self._lengths[row] > len(tokens):  # rows past the tokens declared: unknown
+                self._tokens[row] = None
 
     # --- offload (contract, section 9.3) -------------------------------------------------
     @property

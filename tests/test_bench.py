@@ -5,8 +5,11 @@ Timings are machine-dependent, so nothing here asserts on them beyond being posi
 
 import csv
 import sys
+from dataclasses import replace
+from functools import partial
 
 import pytest
+import torch
 
 import kvimpl
 from kvimpl import bench
@@ -66,6 +69,63 @@ def test_quick_run_writes_results_and_plot(tmp_path):
             row = batch[scenario, cache]
             assert float(row["ms_per_step"]) > 0, row
             assert int(row["nbytes"]) >= int(row["formula_bytes"]) > 0, row
+
+    # The shared-prefix workload, three ways (its own test checks what they measure).
+    with (tmp_path / "shared_prefix.csv").open(newline="") as file:
+        shared = [row["scenario"] for row in csv.DictReader(file)]
+    assert shared == ["prefix caching", "one pool, no lookups", "separate caches"], shared
+
+
+# 3 requests, each a system prompt of two 16-token blocks, 4 tokens of its own, 2 decoded.
+TINY_SHARED_PREFIX = replace(
+    bench.QUICK,
+    lengths=(2,),  # the Bench's own prefill, unused here
+    min_run_time=0.001,
+    rounds=1,
+    shared_prefix=bench.SharedPrefix(requests=3, system=32, own=4, decode=2),
+)
+
+
+def shared_prefix_rows(pool) -> dict[str, bench.PrefixRow]:
+    runner = bench.Bench(TINY_SHARED_PREFIX, torch.device("cpu"), threads=1)
+    return {row.scenario: row for row in runner.shared_prefix_rows(pool)}
+
+
+def test_shared_prefix_hits_the_system_prompt_and_holds_it_once():
+    rows = shared_prefix_rows(partial(kvimpl.PagedPool, bench.QUICK_BLOCK_SIZE))
+    cached, unshared, alone = (
+        rows[scenario] for scenario in ("prefix caching", "one pool, no lookups", "separate caches")
+    )
+    # The first request finds nothing; each later one the system prompt's two blocks.
+    assert cached.hit_tokens == 2 * 32, cached
+    assert cached.hit_tokens / cached.prompt_tokens > 0
+    assert unshared.hit_tokens is None, unshared  # no lookups
+    assert alone.hit_tokens is None, alone
+    # Its blocks once, against once per request; separate caches hold exactly the formula.
+    assert 0 < cached.peak_bytes < unshared.peak_bytes, (cached, unshared)
+    assert cached.peak_bytes < cached.formula_bytes == alone.peak_bytes, (cached, alone)
+    for row in rows.values():  # timed, but nothing asserted about how fast
+        assert row.prefill_ms > 0, row
+        assert row.samples >= 1, row
+    table = bench.shared_prefix_table(list(rows.values()))
+    assert "| prefix caching | paged | 3 x 32+4+2 | 108 | 64 | 0.59 |" in table, table
+
+
+class _UnderstatesHits(kvimpl.PagedPool):
+    """Its lookup returns one block less than it made the caches hold, so the request
+    prefills that block's tokens again, after the rows it already has."""
+
+    def lookup_prefix(self, caches, tokens, *, salt=None) -> int:
+        hit = super().lookup_prefix(caches, tokens, salt=salt)
+        return max(hit - self.block_size, 0)
+
+
+def test_shared_prefix_is_not_timed_when_the_logits_disagree():
+    # Every arm's logits (each prompt's last token, each decoded one) are checked against
+    # separate caches' before anything is timed: a wrong pool raises, as a wrong cache
+    # does in the decode table (and main exits naming it).
+    with pytest.raises(AssertionError, match="prefix caching computes the requests' logits"):
+        shared_prefix_rows(partial(_UnderstatesHits, bench.QUICK_BLOCK_SIZE))
 
 
 @pytest.mark.parametrize(

@@ -40,8 +40,9 @@ from kvcheck.harness import PATHS, build
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
 from kvcheck.properties.pool import fill
 from kvcheck.session import Engine, Request
-from kvref import BlockPool, CacheFactory, ModelConfig, PrefixCaching
+from kvref import BlockPool, CacheContractError, CacheFactory, ModelConfig, PrefixCaching
 
+EDGE = kvst.EDGE
 MAX_LENGTH = 64  # per request
 MAX_LIVE = 4
 SALTS = (None, "tenant b")
@@ -57,8 +58,10 @@ HASHES = {
 @dataclass(frozen=True)
 class Arrive:
     """Request ``request`` arrives on fresh caches: each row's prompt is the first ``shared``
-    tokens of system prompt ``system`` and ``own`` tokens of its own; the prompt is declared
-    and looked up (where the pool caches prefixes)."""
+    tokens of system prompt ``system`` (or, with ``continues``, of that request's history, as
+    the next turn of a chat: the tokens it holds, or held before its last rollback) and
+    ``own`` tokens of its own; the prompt is declared and looked up (where the pool caches
+    prefixes)."""
 
     request: int
     batch: int
@@ -67,6 +70,8 @@ class Arrive:
     shared: int
     own: int
     seed: int
+    continues: int | None = None
+    before_rollback: bool = False
 
     @property
     def prompt(self) -> int:
@@ -74,9 +79,13 @@ class Arrive:
 
     def describe(self) -> str:
         tenant = "" if self.salt is None else f", salt {self.salt!r}"
+        source = f"system prompt {self.system}"
+        if self.continues is not None:
+            when = " before its last rollback" if self.before_rollback else ""
+            source = f"r{self.continues}'s history{when}"
         return (
             f"r{self.request} arrives (batch {self.batch}{tenant}): a prompt of {self.prompt} "
-            f"tokens, the first {self.shared} of system prompt {self.system}"
+            f"tokens, the first {self.shared} of {source}"
         )
 
 
@@ -202,6 +211,7 @@ class _Live:
     length: int = 0
     swapped: bool = False
     decoded: int = 0  # tokens decoded since the prompt or the last rollback
+    before: int = 0  # its length before its last rollback
 
 
 @st.composite
@@ -210,23 +220,47 @@ def serving_plans(draw, *, swaps: int = 1, max_events: int = 14) -> ServingPlan:
     swap events."""
     vocab = draw(st.sampled_from((2, 3)), label="vocabulary")
     token = st.integers(0, vocab - 1)
-    # Long enough to fill blocks of 16 (a common page) once, twice, or just short of it.
-    length = st.one_of(st.integers(4, 48), st.sampled_from((16, 17, 31, 32, 33, 48)))
-    systems = tuple(
-        tuple(draw(st.lists(token, min_size=n, max_size=n), label="system prompt"))
-        for n in draw(st.lists(length, min_size=1, max_size=2), label="system prompt lengths")
+    # System prompts of whole 16-token phrases (a common page) and a tail: the same phrase
+    # after other ones is the same block under another parent.
+    phrases = draw(
+        st.lists(st.lists(token, min_size=EDGE, max_size=EDGE), min_size=2, max_size=3),
+        label="phrases",
     )
+    systems = []
+    for _ in range(draw(st.integers(1, 2), label="system prompts")):
+        order = draw(
+            st.lists(st.integers(0, len(phrases) - 1), min_size=1, max_size=3),
+            label="phrases in it",
+        )
+        tail = draw(st.lists(token, max_size=4), label="tail")
+        systems.append(tuple(t for index in order for t in phrases[index]) + tuple(tail))
+    if not any(systems):
+        systems[0] = tuple(phrases[0])
     live: dict[int, _Live] = {}
+    histories: dict[int, _Live] = {}  # every request so far, for a later turn to continue
     events: list[Event] = []
     next_request = 0
 
     def arrive() -> None:
         nonlocal next_request
         request, next_request = next_request, next_request + 1
-        system = draw(st.integers(0, len(systems) - 1), label="system")
+        system, continues, before = (
+            draw(st.integers(0, len(systems) - 1), label="system"),
+            None,
+            False,
+        )
         whole = len(systems[system])
+        earlier = sorted(r for r, state in histories.items() if state.length)
+        if earlier and draw(st.booleans(), label="the next turn of a chat"):
+            continues = draw(st.sampled_from(earlier), label="continues")
+            before = histories[continues].before > 0 and draw(
+                st.booleans(), label="before rollback"
+            )
+            source = histories[continues]
+            whole = source.before if before else source.length
         shared = draw(st.one_of(st.just(whole), st.integers(0, whole)), label="shared tokens")
         own = draw(st.integers(0 if shared else 1, 8), label="own tokens")
+        own = max(0 if shared else 1, min(own, MAX_LENGTH - 4 - shared))
         events.append(
             Arrive(
                 request,
@@ -236,9 +270,11 @@ def serving_plans(draw, *, swaps: int = 1, max_events: int = 14) -> ServingPlan:
                 shared,
                 own,
                 draw(st.integers(0, 2**16), label="token seed"),
+                continues,
+                before,
             )
         )
-        live[request] = _Live(shared + own)
+        live[request] = histories[request] = _Live(shared + own)
         feed(request)
 
     def feed(request: int) -> None:
@@ -280,6 +316,7 @@ def serving_plans(draw, *, swaps: int = 1, max_events: int = 14) -> ServingPlan:
         elif kind == "rollback" and state.decoded:
             back = draw(st.integers(1, state.decoded), label="rejected")
             events.append(Rollback(request, back))
+            state.before = state.length
             state.length -= back
             state.decoded -= back
         elif kind == "swap":
@@ -303,14 +340,21 @@ class _Served:
     """One request's tokens as the runner hands them out: the prompt, then decode tokens
     that change after every rollback (so that a rewritten block holds other rows)."""
 
-    def __init__(self, plan: ServingPlan, arrival: Arrive, device) -> None:
+    def __init__(self, plan: ServingPlan, arrival: Arrive, device, served: dict) -> None:
         self.arrival, self.vocab, self.device = arrival, plan.vocab, device
-        shared = list(plan.systems[arrival.system][: arrival.shared])
+        if arrival.continues is None:
+            sources = [list(plan.systems[arrival.system])]
+        else:  # the history of an earlier request, as it was then
+            source = served[arrival.continues]
+            sources = (source.before if arrival.before_rollback else source.fed).tolist()
         self.prompts = []
         for row in range(arrival.batch):
+            shared = sources[row % len(sources)][: arrival.shared]
             own = random.Random(f"{arrival.seed}/{row}")
             self.prompts.append(shared + [own.randrange(plan.vocab) for _ in range(arrival.own)])
         self.rollbacks = 0
+        # What it has been fed (and held before its last rollback), for a later turn.
+        self.fed = self.before = torch.empty(arrival.batch, 0, dtype=torch.long)
 
     def tokens(self, start: int, end: int) -> torch.Tensor:
         """Each row's tokens at positions ``start`` to ``end`` - 1."""
@@ -353,7 +397,7 @@ def serve(factory: CacheFactory, plan: ServingPlan) -> None:
         try:
             _run(engine, event, served, plan, at)
         except ValueError as error:
-            if engine.pool is None or type(error) is not ValueError:
+            if isinstance(error, CacheContractError) or engine.pool is None:
                 raise
             raise failures.RefusesValidInput(
                 f"the pool refused a step the plan needs: {error}; blocks_in_use "
@@ -367,9 +411,16 @@ def serve(factory: CacheFactory, plan: ServingPlan) -> None:
 
 
 def _run(engine: Engine, event: Event, served: dict, plan: ServingPlan, at: str) -> None:
+    _step(engine, event, served, plan, at)
+    request = engine.live.get(f"r{event.request}")
+    if request is not None:  # what it holds now, for a later turn to continue
+        served[event.request].fed = request.history.cpu()
+
+
+def _step(engine: Engine, event: Event, served: dict, plan: ServingPlan, at: str) -> None:
     name = f"r{event.request}"
     if isinstance(event, Arrive):
-        served[event.request] = _Served(plan, event, engine.model.device)
+        served[event.request] = _Served(plan, event, engine.model.device, served)
         request = engine.start(name, event.batch)
         request.salt = event.salt
         _look_up(engine, request, served[event.request].tokens(0, event.prompt), at)
@@ -380,6 +431,7 @@ def _run(engine: Engine, event: Event, served: dict, plan: ServingPlan, at: str)
             _feed(engine, request, tokens, event.to, at)
     elif isinstance(event, Rollback):
         if "truncate" in request.offered:
+            tokens.before = request.history.cpu()
             engine.truncate(request, request.held - event.back, at=at)
             tokens.rollbacks += 1
     elif isinstance(event, Swap):
@@ -539,6 +591,47 @@ PINNED = (
             Feed(2, 34),
             Leave(2, "drop"),
         ),
+    ),
+    # r0 decodes past a block's end (published), rolls back into that block and decodes
+    # other tokens there; r1 is the next turn of r0's chat as it was before the rollback: the
+    # block it may find holds the tokens it is keyed by, or is not found at all.
+    ServingPlan(
+        _tiny,
+        torch.float64,
+        2,
+        ((0, 1) * 8,),
+        (
+            Arrive(0, 1, None, 0, 16, 10, 1),
+            Feed(0, 26),
+            Feed(0, 30),
+            Feed(0, 34),
+            Rollback(0, 4),
+            Feed(0, 33),
+            Arrive(1, 1, None, 0, 34, 2, 2, continues=0, before_rollback=True),
+            Feed(1, 36),
+            Leave(0, "drop"),
+            Leave(1, "drop"),
+        ),
+    ),
+    # The same block of tokens under two parents (A then B, C then B), every key colliding:
+    # a hit must compare the whole prefix, not the block's own tokens.
+    ServingPlan(
+        _tiny,
+        torch.float64,
+        2,
+        ((0,) * 16 + (1, 0) * 8, (1,) * 16 + (1, 0) * 8),
+        (
+            Arrive(0, 1, None, 0, 16, 1, 1),
+            Feed(0, 17),
+            Arrive(1, 1, None, 1, 32, 1, 2),
+            Feed(1, 33),
+            Arrive(2, 1, None, 0, 32, 1, 3),
+            Feed(2, 33),
+            Leave(0, "drop"),
+            Leave(1, "drop"),
+            Leave(2, "drop"),
+        ),
+        block_hash="one where every block collides",
     ),
 )
 

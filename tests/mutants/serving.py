@@ -132,6 +132,57 @@ class CollisionServedAsHit(_MutantIndexPool):
     index_class = _TrustsTheKey
 
 
+class _OwnTokensOnly(PrefixIndex):
+    def find(self, key, prefix: Prefix) -> int | None:
+        # The block's own tokens, its length, layer and salt compared; not what came before.
+        size = self.size
+        for block in self._by_key.get((prefix.shape, prefix.layer, prefix.first, key), ()):
+            held = self._of_block[block][1]
+            if (held.tokens[-size:], len(held.tokens), held.salt) == (
+                prefix.tokens[-size:],
+                len(prefix.tokens),
+                prefix.salt,
+            ):
+                return block
+        return None
+
+
+class _OwnTokensPool(_MutantIndexPool):
+    index_class = _OwnTokensOnly
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._index.size = self.block_size
+
+
+class ParentNotCompared(_OwnTokensPool):
+    """A hit compares the block's own tokens (and salt) with the request's, not the tokens
+    before it: the same block of tokens under another parent is served as a hit.
+
+    Stands for block hashes that drop the parent's hash from the chain (or a radix match on
+    one edge only): a request whose prompt shares a later block, but not the start, with
+    another's reads rows computed after a different prefix.
+    """
+
+
+class _NeverWithdraws(PrefixIndex):
+    def withdraw(self, block: int) -> None:
+        pass  # a published block is written in place and stays published
+
+
+class PublishedBlockRewritten(_MutantIndexPool):
+    """A published block a request truncates back into is written in place, and stays
+    published under the tokens it held before.
+
+    Stands for prefix caches that do not treat cached blocks as immutable (vLLM's
+    speculative-decoding rollbacks into a cached block, SGLang's radix nodes updated in
+    place): the next turn of the chat finds the rejected draft's block and reads the rows
+    written after the rollback.
+    """
+
+    index_class = _NeverWithdraws
+
+
 class _Saltless(PrefixIndex):
     def chained(self, parent, tokens, salt):
         return super().chained(parent, tokens, None)
@@ -256,7 +307,9 @@ SERVING_MUTANTS = (
     EvictedBlockStillMatched(),
     FreesBlockWhileHitHoldsIt(),
     CollisionServedAsHit(),
+    ParentNotCompared(),
     SaltIgnored(),
+    PublishedBlockRewritten(),
     HitOnPartlyFilledBlock(),
     RestoresIntoReusedBlocks(),
 )
