@@ -174,7 +174,7 @@ class Engine:
             error.add_note(f"  at {where}")
             raise
         request.history = torch.cat((request.history, new), dim=1)
-        if self.prefix is not None:
+        if self.prefix is not None and request.looked_up:  # its blocks may be published
             self.prefix.wrote(request, start, end)
         if request.rows is not None:  # rows of their own, fed as one batch this time
             fed = zip(request.rows, new, strict=True)
@@ -613,7 +613,7 @@ class Engine:
         for recorder in request.caches:
             recorder.cache.restore()
         self._check_lengths(request, f"its restore{at}")
-        if self.prefix is not None:  # in other blocks now: the same writes, not new ones
+        if self.prefix is not None and request.looked_up:  # in other blocks now: not new writes
             self.prefix.wrote(request, 0, request.held, count=False)
 
     # --- what holds after every event -----------------------------------------------------
