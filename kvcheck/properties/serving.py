@@ -23,6 +23,7 @@ for bit (``kvcheck.prefix_books``); the books balance after every event
 
 from __future__ import annotations
 
+import copy
 import gc
 import math
 import random
@@ -125,6 +126,18 @@ class Swap:
 
 
 @dataclass(frozen=True)
+class Sample:
+    """Request ``request`` is a parallel sample of ``parent`` (its caches' ``fork()``, the
+    hit blocks shared with it), decoding tokens of its own."""
+
+    request: int
+    parent: int
+
+    def describe(self) -> str:
+        return f"r{self.request} = a parallel sample of r{self.parent}"
+
+
+@dataclass(frozen=True)
 class Recompute:
     """Request ``request`` is preempted by recompute: its caches reset, its tokens looked up
     and fed again."""
@@ -146,7 +159,7 @@ class Leave:
         return f"r{self.request} leaves ({self.how})"
 
 
-Event = Arrive | Feed | Rollback | Swap | Recompute | Leave
+Event = Arrive | Feed | Rollback | Swap | Sample | Recompute | Leave
 
 
 @dataclass(frozen=True)
@@ -193,6 +206,8 @@ class ServingPlan:
                 held[event.request][1] = event.to
             elif isinstance(event, Rollback):
                 held[event.request][1] -= event.back
+            elif isinstance(event, Sample):
+                held[event.request] = list(held[event.parent])
             rows = sum(
                 batch * math.ceil(max(length, prompt) / block_size)
                 for batch, length, prompt in held.values()
@@ -295,7 +310,7 @@ def serving_plans(draw, *, swaps: int = 1, max_events: int = 14) -> ServingPlan:
             continue
         kinds = ["feed", "feed", "leave", "leave", "recompute", "rollback", *["swap"] * swaps]
         if len(live) < MAX_LIVE:
-            kinds += ["arrive", "arrive"]
+            kinds += ["arrive", "arrive", "sample"]
         kind = draw(st.sampled_from(kinds), label="event")
         if kind == "arrive":
             arrive()
@@ -313,6 +328,11 @@ def serving_plans(draw, *, swaps: int = 1, max_events: int = 14) -> ServingPlan:
             del live[request]
         elif kind == "recompute":
             events.append(Recompute(request))
+        elif kind == "sample":
+            child, next_request = next_request, next_request + 1
+            events.append(Sample(child, request))
+            live[child] = histories[child] = _Live(state.prompt, state.length)
+            feed(child)
         elif kind == "rollback" and state.decoded:
             back = draw(st.integers(1, state.decoded), label="rejected")
             events.append(Rollback(request, back))
@@ -352,9 +372,15 @@ class _Served:
             shared = sources[row % len(sources)][: arrival.shared]
             own = random.Random(f"{arrival.seed}/{row}")
             self.prompts.append(shared + [own.randrange(plan.vocab) for _ in range(arrival.own)])
-        self.rollbacks = 0
+        self.rollbacks, self.seed = 0, arrival.seed
         # What it has been fed (and held before its last rollback), for a later turn.
         self.fed = self.before = torch.empty(arrival.batch, 0, dtype=torch.long)
+
+    def sample(self, request: int) -> _Served:
+        """A parallel sample's tokens: this prompt, decode tokens of its own."""
+        twin = copy.copy(self)
+        twin.seed, twin.rollbacks = f"{self.seed}/sample {request}", 0
+        return twin
 
     def tokens(self, start: int, end: int) -> torch.Tensor:
         """Each row's tokens at positions ``start`` to ``end`` - 1."""
@@ -364,7 +390,7 @@ class _Served:
                 [
                     prompt[p]
                     if p < len(prompt)
-                    else random.Random(f"{self.arrival.seed}/{row}/{p}/{self.rollbacks}").randrange(
+                    else random.Random(f"{self.seed}/{row}/{p}/{self.rollbacks}").randrange(
                         self.vocab
                     )
                     for p in range(start, end)
@@ -424,6 +450,10 @@ def _step(engine: Engine, event: Event, served: dict, plan: ServingPlan, at: str
         request = engine.start(name, event.batch)
         request.salt = event.salt
         _look_up(engine, request, served[event.request].tokens(0, event.prompt), at)
+        return
+    if isinstance(event, Sample):
+        served[event.request] = served[event.parent].sample(event.request)
+        engine.fork(engine.live[f"r{event.parent}"], name, at=at)
         return
     request, tokens = engine.live[name], served[event.request]
     if isinstance(event, Feed):
