@@ -35,6 +35,7 @@ from tests.mutants.hunt import (
     EXAMPLES_PER_PROPERTY,
     FIRST_CATCHES_FILE,
     QUICK_EXAMPLES,
+    Crashed,
     hunt,
     search,
 )
@@ -43,9 +44,11 @@ from tests.mutants.interplay import INTERPLAY_MUTANTS
 from tests.mutants.model import MODEL_MUTANTS
 from tests.mutants.paged import PAGED_MUTANTS
 from tests.mutants.rows import ROWS_MODEL_MUTANTS, ROWS_MUTANTS
+from tests.mutants.serving import SERVING_MUTANTS
 from tests.mutants.shift import SHIFT_MUTANTS
 from tests.mutants.sinks import SINKS_MUTANTS
 from tests.mutants.sizes import SIZE_MUTANTS, SIZE_VARIANTS
+from tests.mutants.tree import TREE_MODEL_MUTANTS, TREE_MUTANTS
 
 settings.register_profile("mutant-report", derandomize=True, deadline=None, database=None)
 
@@ -69,13 +72,22 @@ def row(mutant: kvmut.Mutant) -> str:
             if prop.name != catch.property
             and prop.strategy is not None
             and not (prop.requires and prop.not_offered(mutant.factory))
-            and search(mutant.factory, prop, max_examples=EXAMPLES_PER_PROPERTY) is not None
+            and _catches(mutant.factory, prop)
         ]
     caught_by = f"{catch.property} (model guard)" if catch.by_model_guard else catch.property
     sizes = " | ".join(catch.example.summary())  # tokens (the plan), layers, batch
     return (
         f"| `{mutant.name}` | {mutant.bug} | {caught_by} | {sizes} | {', '.join(others) or '-'} |"
     )
+
+
+def _catches(factory, prop) -> bool:
+    """Whether a search of ``prop`` catches ``factory``; a run it crashes (the mutant's own
+    books broken, say) is no catch."""
+    try:
+        return search(factory, prop, max_examples=EXAMPLES_PER_PROPERTY) is not None
+    except Crashed:
+        return False
 
 
 COMMAND = "python -m tests.mutants.report --markdown > docs/mutants.md"
@@ -99,7 +111,10 @@ a right `append` (`tests/mutants/attend.py`); {interplay} show only where capabi
 (`tests/mutants/domain.py`); {rows} break rows of their own (`tests/mutants/rows.py`, one of
 them a patch of the model's side, run on the independent left-padded cache); {shift} break a
 context shift (`tests/mutants/shift.py`); {sinks} break attention sinks
-(`tests/mutants/sinks.py`); {model} patch a function or class attribute of `kvref.model` and
+(`tests/mutants/sinks.py`); {serving} break prefix caching or offload
+(`tests/mutants/serving.py`: broken serving pools); {tree} break tree drafts
+(`tests/mutants/tree.py`, four of them patches of the model's tree mask or positions, run on
+`ChunkedCache`); {model} patch a function or class attribute of `kvref.model` and
 run on `ConcatCache` (`tests/mutants/model.py`; undone when the test ends). Each docstring's
 first paragraph names the bug: it is the table's second column.
 
@@ -158,6 +173,8 @@ def preamble(today: datetime.date) -> str:
         rows=len(ROWS_MUTANTS) + len(ROWS_MODEL_MUTANTS),
         shift=len(SHIFT_MUTANTS),
         sinks=len(SINKS_MUTANTS),
+        serving=len(SERVING_MUTANTS),
+        tree=len(TREE_MUTANTS) + len(TREE_MODEL_MUTANTS),
         model=len(MODEL_MUTANTS),
         examples=EXAMPLES_PER_PROPERTY,
     )
