@@ -147,7 +147,7 @@ class TestRadixPrefixPoolServing(ServingTests):
 
     factory = RadixPrefixPool()
     cache_name = "RadixPrefixPool"
-    examples_scale = depth.pick(0.5, soak=1.0)
+    examples_scale = depth.pick(0.25, soak=1.0)
 
 
 @pytest.mark.soak
