@@ -363,4 +363,4 @@ class TestLeftPaddedTree(TreeTests):
     """Tree drafts on a left-padded cache of rows of their own."""
 
     factory = TreeLeftPadded
-    examples_scale = depth.pick(0.25, soak=1.0)
+    examples_scale = depth.pick(0.15, soak=1.0)
