@@ -359,6 +359,7 @@ class TestPreallocatedTree(TreeTests):
     examples_scale = depth.pick(0.5, soak=1.0)
 
 
+@pytest.mark.soak  # the default run holds chunked and paged to the property (test_builtins)
 class TestLeftPaddedTree(TreeTests):
     """Tree drafts on a left-padded cache of rows of their own."""
 
