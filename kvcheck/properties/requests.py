@@ -20,6 +20,7 @@ every event (``kvcheck.pool_books``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -332,27 +333,47 @@ def serve(factory: CacheFactory, plan: RequestPlan) -> None:
     """Run ``plan`` on caches from ``factory`` (a tight pool of its kind, audited after every
     event, when it is a BlockPool); every step of every request must give the uncached
     model's logits for its own history."""
-    blocks = (
-        plan.blocks_needed(factory.block_size) + plan.margin
-        if isinstance(factory, BlockPool)
-        else 0
-    )
-    model = kvst.build_model(plan.config, plan.dtype)
+    finished: dict[int, Request] = {}
+
+    def step(engine: Engine, index: int, at: str) -> None:
+        run_event(engine, plan.events[index], index, finished, plan, at)
+
+    # The reset caches kept for reuse go before the final count: every block must be back.
+    run_plan(factory, plan, step, max_length=MAX_LENGTH, before_finish=finished.clear)
+
+
+def run_plan(
+    factory: CacheFactory,
+    plan,
+    step: Callable[[Engine, int, str], None],
+    *,
+    max_length: int,
+    block_hash: Callable | None = None,
+    before_finish: Callable[[], None] = lambda: None,
+) -> None:
+    """The session engine through ``plan``'s events, ``step(engine, index, at)`` running
+    each, on a tight pool of ``factory``'s kind where it is a BlockPool (room for the plan's
+    busiest moment, ``plan.blocks_needed``, and its ``margin``; keyed by ``block_hash`` where
+    given): after every event the engine's checks, a refusal for want of blocks a crash, and
+    at the end (after ``before_finish``) every block back. A plan has ``config``, ``dtype``,
+    ``path``, ``events``, ``margin``, ``blocks_needed(block_size)`` and ``describe(done)``."""
+    pool = isinstance(factory, BlockPool)
+    blocks = plan.blocks_needed(factory.block_size) + plan.margin if pool else 0
     done = [0]
     engine = Engine(
         factory,
-        model,
-        max_length=MAX_LENGTH,
+        kvst.build_model(plan.config, plan.dtype),
+        max_length=max_length,
         path=path_for(plan.path, factory),
         blocks=blocks,
+        block_hash=block_hash,
         describe=lambda: plan.describe(done[0]),
     )
-    finished: dict[int, Request] = {}
     for index, event in enumerate(plan.events):
         done[0] = index
         at = f", event #{index} ({event.describe()})"
         try:
-            run_event(engine, event, index, finished, plan, at)
+            step(engine, index, at)
         except ValueError as error:
             if isinstance(error, CacheContractError) or engine.pool is None:
                 raise
@@ -361,11 +382,12 @@ def serve(factory: CacheFactory, plan: RequestPlan) -> None:
                 f"the pool refused a step the plan needs: {type(error).__name__}: {error}; "
                 f"blocks_in_use {pool.blocks_in_use}, blocks_free {pool.blocks_free}, "
                 f"while the caches alive need at most {blocks - plan.margin} blocks of "
-                f"{pool.block_size} rows even unshared: blocks were not given back, or more "
-                f"were taken than the rows need\n  at {engine.where(at.removeprefix(', '))}"
+                f"{pool.block_size} rows even unshared: blocks were not given back, more "
+                f"were taken than the rows need, or cached blocks no cache holds were not "
+                f"evicted to make room\n  at {engine.where(at.removeprefix(', '))}"
             ) from error
         engine.check(f"event #{index} ({event.describe()})")
-    finished.clear()
+    before_finish()
     engine.finish()
 
 

@@ -38,10 +38,11 @@ from kvcheck import failures
 from kvcheck import strategies as kvst
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS, build
-from kvcheck.kit import KitTests, Property, path_for, property_test
+from kvcheck.kit import KitTests, Property, property_test
 from kvcheck.properties.pool import fill
+from kvcheck.properties.requests import run_plan
 from kvcheck.session import Engine, Request
-from kvref import BlockPool, CacheContractError, CacheFactory, ModelConfig, PrefixCaching
+from kvref import BlockPool, CacheFactory, ModelConfig, PrefixCaching
 
 EDGE = kvst.EDGE
 MAX_LENGTH = 64  # per request
@@ -402,38 +403,13 @@ class _Served:
 def serve(factory: CacheFactory, plan: ServingPlan) -> None:
     """Run ``plan`` on a tight pool of ``factory``'s kind (keyed by the plan's hash where it
     caches prefixes): every step of every request is the uncached model's."""
-    pool = isinstance(factory, BlockPool)
-    blocks = plan.blocks_needed(factory.block_size) + plan.margin if pool else 0
     block_hash = HASHES[plan.block_hash] if isinstance(factory, PrefixCaching) else None
-    model = kvst.build_model(plan.config, plan.dtype)
-    done = [0]
-    engine = Engine(
-        factory,
-        model,
-        max_length=MAX_LENGTH,
-        path=path_for(plan.path, factory),
-        blocks=blocks,
-        block_hash=block_hash,
-        describe=lambda: plan.describe(done[0]),
-    )
     served: dict[int, _Served] = {}
-    for index, event in enumerate(plan.events):
-        done[0] = index
-        at = f", event #{index} ({event.describe()})"
-        try:
-            _run(engine, event, served, plan, at)
-        except ValueError as error:
-            if isinstance(error, CacheContractError) or engine.pool is None:
-                raise
-            raise failures.RefusesValidInput(
-                f"the pool refused a step the plan needs: {error}; blocks_in_use "
-                f"{engine.pool.blocks_in_use}, blocks_free {engine.pool.blocks_free}, while "
-                f"the live requests need at most {blocks - plan.margin} blocks even unshared "
-                f"(cached blocks no request holds must be evicted to make room)\n  at "
-                f"{engine.where(at.removeprefix(', '))}"
-            ) from error
-        engine.check(f"event #{index} ({event.describe()})")
-    engine.finish()
+
+    def step(engine: Engine, index: int, at: str) -> None:
+        _run(engine, plan.events[index], served, plan, at)
+
+    run_plan(factory, plan, step, max_length=MAX_LENGTH, block_hash=block_hash)
 
 
 def _run(engine: Engine, event: Event, served: dict, plan: ServingPlan, at: str) -> None:
