@@ -605,13 +605,23 @@ class PagedCache(TreeDraftsMixin, RowBook):
         chained key."""
         size, found, key = self.pool.block_size, [], None
         for end in range(size, len(tokens) + 1, size):
-            key = self.pool._index.chained(key, tuple(tokens[end - size : end]), salt)
-            prefix = Prefix(self._shape, layer, salt, self._firsts[row], tuple(tokens[:end]))
+            key, prefix = self._block_key(key, tokens, end, layer, salt, row)
             block = self.pool._index.find(key, prefix)
             if block is None:
                 break
             found.append((block, key))
         return found
+
+    def _publishable(self, row: int) -> int:
+        """How many leading blocks of row ``row`` are full, written and declared."""
+        return min(self._lengths[row], len(self._tokens[row])) // self.pool.block_size
+
+    def _block_key(self, parent, tokens: list[int], end: int, layer: int, salt, row: int):
+        """The chained key and the identity of the block of ``tokens`` ending at ``end``, after
+        the block keyed ``parent``: one computation for lookups and for publishing."""
+        size = self.pool.block_size
+        key = self.pool._index.chained(parent, tuple(tokens[end - size : end]), salt)
+        return key, Prefix(self._shape, layer, salt, self._firsts[row], tuple(tokens[:end]))
 
     def _publish_full_blocks(self) -> None:
         """Publish every block that is now full, written and of declared tokens."""
@@ -624,13 +634,10 @@ class PagedCache(TreeDraftsMixin, RowBook):
             if tokens is None:
                 continue
             salt = self._salts[row]
-            for block in range(len(chain), min(self._lengths[row], len(tokens)) // size):
-                end = (block + 1) * size
-                key = index.chained(
-                    chain[-1] if chain else None, tuple(tokens[end - size : end]), salt
-                )
-                prefix = Prefix(
-                    self._shape, self._layer, salt, self._firsts[row], tuple(tokens[:end])
+            for block in range(len(chain), self._publishable(row)):
+                parent = chain[-1] if chain else None
+                key, prefix = self._block_key(
+                    parent, tokens, (block + 1) * size, self._layer, salt, row
                 )
                 index.publish(table[block], key, prefix)
                 chain.append(key)

@@ -25,24 +25,9 @@ class _MutantIndexPool(_MutantPool):
 
 
 class _PublishesWhenAllocated(PagedCache):
-    def _publish_full_blocks(self) -> None:
-        # Every block whose tokens are all declared, written or not.
-        if self._layer is None:
-            return
-        size = self.pool.block_size
-        for row, table in enumerate(self._tables):
-            tokens, chain = self._tokens[row], self._chain[row]
-            if tokens is None:
-                continue
-            salt = self._salts[row]
-            for block in range(len(chain), min(len(tokens) // size, len(table))):
-                end = (block + 1) * size
-                parent = chain[-1] if chain else None
-                key = self.pool._index.chained(parent, tuple(tokens[end - size : end]), salt)
-                first = self._firsts[row]
-                prefix = Prefix(self._shape, self._layer, salt, first, tuple(tokens[:end]))
-                self.pool._index.publish(table[block], key, prefix)
-                chain.append(key)
+    def _publishable(self, row: int) -> int:
+        # Every block whose tokens are all declared, once allocated, written or not.
+        return min(len(self._tokens[row]) // self.pool.block_size, len(self._tables[row]))
 
 
 class PublishesBlockBeforeWritten(_MutantIndexPool):
