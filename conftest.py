@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
+pytest_plugins = ["pytester"]  # runs of pytest in this process (tests/pytest_run.py)
 
 
 def ours(config: pytest.Config) -> bool:

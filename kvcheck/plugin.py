@@ -28,7 +28,8 @@ prints nothing. The options are checked when pytest is configured as far as that
 torch; the rest (the device, the sizes as a whole, the caches named) when the first kit
 class (a subclass of ``kvcheck.base.KitTests``) is collected, where a wrong one stops the
 run with a usage error (under pytest-xdist, where the workers collect: a collection error of
-one line). It changes nothing else in the process that hosts it.
+one line). It changes nothing else in the process that hosts it, and puts the settings it
+applied back as they were when the run ends.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class KitRun:
     selected: dict[str, selection.Selected] | None = None  # resolved at the first such class
     error: str | None = None  # the first usage error met while collecting
     lines: list[str] | None = None  # the kit's lines after collection (none: no kit test)
+    before: list[tuple[list, list]] | None = None  # the settings prepare() replaced
 
 
 RUN = pytest.StashKey[KitRun]()
@@ -259,6 +261,11 @@ def prepare(config: pytest.Config) -> None:
         return
     from kvcheck import devices, profiles, sizes
 
+    # The settings live in the kit's modules while the run lasts; the ones they replace come
+    # back when it ends (pytest_unconfigure), for a host that runs pytest again in the same
+    # process (pytester's in-process runs) and keeps its own.
+    held = (profiles._chosen, profiles._threads, sizes._from_options, devices._chosen)
+    run.before = [(setting, setting[:]) for setting in held]
     profiles.choose(run.profile)
     profiles.choose_threads(run.threads)
     try:
@@ -270,6 +277,13 @@ def prepare(config: pytest.Config) -> None:
     except ValueError as error:
         raise pytest.UsageError(f"--kv-device / KV_DEVICE: {error}") from None
     run.prepared = True
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    run = config.stash.get(RUN, None)
+    if run is not None and run.before is not None:
+        for setting, before in run.before:
+            setting[:] = before
 
 
 def selected(config: pytest.Config) -> dict[str, selection.Selected]:

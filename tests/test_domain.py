@@ -26,7 +26,7 @@ from kvref import CacheSpec, ModelConfig
 from tests import depth
 from tests.independent.half_kernel_cache import HalfKernelCache
 from tests.mutants.domain import DeclaresHeadDim256, RefusesLongChunks
-from tests.pytest_run import ROOT, run_pytest
+from tests.pytest_run import run_in_process
 
 SEARCH = settings(max_examples=1_000, database=None, deadline=None, phases=[Phase.generate])
 HALF = {"dtypes": ("float16", "bfloat16"), "head_dims": (64, 128)}
@@ -218,15 +218,13 @@ def test_a_domain_wider_than_the_cache_is_blamed_on_the_declaration():
     assert "the declaration is wider than what the cache supports" in str(raised.value)
 
 
-@pytest.mark.subprocess
-def test_the_header_the_verdict_and_the_json_name_the_domain(tmp_path):
-    report = tmp_path / "verdict.json"
-    result = run_pytest(
-        *["--pyargs", "kvcheck", "-k", "nbytes_never or attend_equals", "-p", "no:xdist"],
+def test_the_header_the_verdict_and_the_json_name_the_domain(pytester):
+    report = pytester.path / "verdict.json"
+    result = run_in_process(
+        pytester,
+        *["--pyargs", "kvcheck", "-k", "nbytes_never or attend_equals"],
         *["--kv-impl", "tests.independent.half_kernel_cache:HalfKernelCache"],
         *["--kv-supports", "max_batch=4", "--kv-report", str(report)],
-        cwd=tmp_path,
-        extra_path=ROOT,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output

@@ -7,11 +7,12 @@ from typing import ClassVar
 
 import pytest
 import torch
+from hypothesis import settings
 
 from examples.doubling_cache import DoublingCache
 from kvcheck import CacheTests
 from tests import depth
-from tests.pytest_run import run_pytest
+from tests.pytest_run import run_in_process, run_pytest
 
 # Built on the kit's device (--kv-device): skipped where this machine lacks it.
 pytestmark = pytest.mark.kv_device
@@ -38,31 +39,42 @@ from users_cache import NoReset
 class TestNoReset(CacheTests):
     factory = NoReset
 """
-# A test of the user's own, run beside the kit: its Hypothesis profile is left alone.
+# A test of the user's own, run beside the kit: its Hypothesis profile is left alone (in a
+# process of its own: Hypothesis's, for CI or not; in this one, the profile loaded here).
 HOST_TEST_FILE = """
 from hypothesis import settings
 
 def test_the_kit_leaves_my_hypothesis_profile_alone():
-    assert settings.get_current_profile_name() in ("default", "ci")
-    assert settings().max_examples == 100
+    assert settings.get_current_profile_name() in {names!r}
+    assert settings().max_examples == {examples}
 """
 ONLY = ["-k", "length_invariants or bad_append_is and rank or my_hypothesis"]
 
 
-@pytest.mark.subprocess
-def test_a_users_broken_cache_fails_by_either_route_with_a_verdict(tmp_path):
-    """Both routes in one run, under pytest-xdist: the user's own test file, and the kit's
-    package with --kv-impl; outside this repository, with the caches' module on the path."""
-    (tmp_path / "users_cache.py").write_text(NO_RESET)
-    (tmp_path / "test_my_cache.py").write_text(USER_TEST_FILE)
-    (tmp_path / "test_host.py").write_text(HOST_TEST_FILE)
-    report = tmp_path / "verdict.json"
-    result = run_pytest(
-        *["-n", "1", "test_my_cache.py", "test_host.py", "--pyargs", "kvcheck"],
-        *["--kv-impl", "users_cache:NoReset", "--kv-report", str(report), *ONLY],
-        cwd=tmp_path,
-        extra_path=tmp_path,
-    )
+# In this process by default; in a process of its own under pytest-xdist in the soak tier
+# (some 10 s: torch imported again, and the workers).
+@pytest.mark.parametrize(
+    "workers", [0, pytest.param(1, marks=[pytest.mark.soak, pytest.mark.subprocess])]
+)
+def test_a_users_broken_cache_fails_by_either_route_with_a_verdict(pytester, workers):
+    """Both routes in one run: the user's own test file, and the kit's package with
+    --kv-impl; outside this repository, with the caches' module on the path."""
+    here = pytester.path
+    (here / "users_cache.py").write_text(NO_RESET)
+    (here / "test_my_cache.py").write_text(USER_TEST_FILE)
+    report = here / "verdict.json"
+    args = ["test_my_cache.py", "test_host.py", "--pyargs", "kvcheck"]
+    args += ["--kv-impl", "users_cache:NoReset", "--kv-report", str(report), *ONLY]
+    if workers:
+        host = HOST_TEST_FILE.format(names=("default", "ci"), examples=100)
+        (here / "test_host.py").write_text(host)
+        result = run_pytest("-n", str(workers), *args, cwd=here, extra_path=here)
+    else:
+        host = HOST_TEST_FILE.format(
+            names=(settings.get_current_profile_name(),), examples=settings().max_examples
+        )
+        (here / "test_host.py").write_text(host)
+        result = run_in_process(pytester, *args)
     output = result.stdout + result.stderr
     assert result.returncode == 1, f"expected test failures:\n{output}"
     for failed in (
@@ -72,9 +84,14 @@ def test_a_users_broken_cache_fails_by_either_route_with_a_verdict(tmp_path):
         assert f"FAILED {failed}" in result.stdout, output
     assert "2 failed, 5 passed" in result.stdout, output  # the host's own test passed
     assert "tokens on fresh or reset caches; it must hold 0" in result.stdout, output
-    # Under xdist the workers collect: their kit line opens the verdict.
-    verdict = result.stdout.split(" kv cache verdict ")[-1].splitlines()
-    assert verdict[1].startswith("kv caches under test: NoReset (users_cache:NoReset); "), output
+    header = "kv caches under test: NoReset (users_cache:NoReset); "
+    if workers:  # the workers collect: their kit line opens the verdict
+        verdict = result.stdout.split(" kv cache verdict ")[-1].splitlines()
+        assert verdict[1].startswith(header), output
+    else:  # after the count of tests collected
+        lines = result.stdout.splitlines()
+        collected = next(i for i, line in enumerate(lines) if line.startswith("collected"))
+        assert lines[collected + 1].startswith(header), output
     assert "NoReset (users_cache:NoReset): 1 FAIL (1 of 2 pass)" in result.stdout, output
     assert "FAIL         lengths [data loss or corruption] (2 of 2 tests): layer 0: holds" in (
         result.stdout

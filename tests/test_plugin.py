@@ -18,7 +18,7 @@ from kvcheck import profiles as kvprofiles
 from kvcheck import verdict as kvverdict
 from kvcheck.properties import NAMES
 from kvref import CacheContractError
-from tests.pytest_run import ROOT, run_pytest
+from tests.pytest_run import ROOT, run_in_process, run_pytest
 
 EXAMPLE = "examples.doubling_cache:DoublingCache"
 
@@ -94,9 +94,10 @@ def test_kv_impl_is_comma_separated_the_option_wins_over_it_and_it_over_the_ini(
     assert list(selection.select([f"mine={EXAMPLE}", "concat"])) == ["mine", "concat"]
 
 
-@pytest.mark.subprocess
-def test_the_kit_lines_after_collection_and_test_ids_name_the_caches(tmp_path):
-    result = run_pytest(
+def test_the_kit_lines_after_collection_and_test_ids_name_the_caches(pytester):
+    before = kvprofiles.current_name()
+    result = run_in_process(
+        pytester,
         "--collect-only",
         "--pyargs",
         "kvcheck",
@@ -112,10 +113,9 @@ def test_the_kit_lines_after_collection_and_test_ids_name_the_caches(tmp_path):
         "64,128",
         "--kv-max-batch",
         "16",
-        cwd=tmp_path,
-        extra_path=ROOT,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    assert kvprofiles.current_name() == before, "the run's profile outlived it"
     lines = result.stdout.splitlines()
     header = (
         f"kv caches under test: chunked, mine ({EXAMPLE}); kit profile: thorough; "
@@ -191,7 +191,6 @@ WITH_FACTORY = (
 )
 
 
-@pytest.mark.soak  # a pytest of its own, some 4 s
 @pytest.mark.parametrize(
     ("test_file", "args", "error"),
     [
@@ -201,11 +200,10 @@ WITH_FACTORY = (
     ],
     ids=["pyargs", "factory"],
 )
-@pytest.mark.subprocess
-def test_a_kit_class_without_a_factory_needs_a_cache_named(tmp_path, test_file, args, error):
+def test_a_kit_class_without_a_factory_needs_a_cache_named(pytester, test_file, args, error):
     if test_file is not None:
-        (tmp_path / "test_mine.py").write_text(test_file)
-    result = run_pytest("--collect-only", *args, cwd=tmp_path, extra_path=ROOT)
+        (pytester.path / "test_mine.py").write_text(test_file)
+    result = run_in_process(pytester, "--collect-only", *args)
     errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
     if error is None:
         assert result.returncode == 0, result.stdout + result.stderr
@@ -217,7 +215,6 @@ def test_a_kit_class_without_a_factory_needs_a_cache_named(tmp_path, test_file, 
     assert errors == [f"ERROR: {error}"], result.stderr
 
 
-@pytest.mark.soak  # a pytest of its own, some 4 s
 @pytest.mark.parametrize(
     ("option", "error"),
     [
@@ -233,9 +230,8 @@ def test_a_kit_class_without_a_factory_needs_a_cache_named(tmp_path, test_file, 
     ],
     ids=["impl", "device"],
 )
-@pytest.mark.subprocess
-def test_a_bad_cache_or_device_stops_the_run_with_one_line(tmp_path, option, error):
-    result = run_pytest("--collect-only", "--pyargs", "kvcheck", *option, cwd=tmp_path)
+def test_a_bad_cache_or_device_stops_the_run_with_one_line(pytester, option, error):
+    result = run_in_process(pytester, "--collect-only", "--pyargs", "kvcheck", *option)
     assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
     # Only the error line: torch may warn on stderr too (no numpy in a fresh venv).
     errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
@@ -248,12 +244,10 @@ def missing_cuda_device() -> str:
     return f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
 
 
-@pytest.mark.subprocess
-@pytest.mark.soak  # a pytest of its own, some 4 s
-def test_a_device_this_machine_lacks_skips_every_kit_test_with_the_reason():
+def test_a_device_this_machine_lacks_skips_every_kit_test_with_the_reason(pytester):
     device = missing_cuda_device()
-    result = run_pytest(
-        "--pyargs", "kvcheck", "-k", "logits or reorder", "--kv-impl", "concat",
+    result = run_in_process(
+        pytester, "--pyargs", "kvcheck", "-k", "logits or reorder", "--kv-impl", "concat",
         "--kv-device", device, "-rs",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
