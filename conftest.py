@@ -5,7 +5,8 @@
   sets the same for everything else (``examples/`` included).
 - ``kv_device``: a test with this mark builds on the kit's device (``--kv-device``) and is
   skipped where this machine lacks it, as the kit's own tests are.
-- ``subprocess``: a test that runs pytest in a process of its own; these run first.
+- ``long``: a test of a second or more (pytest in a process of its own, a search of
+  hundreds of draws); these are handed out first.
 - ``--soak``: this repository's kit classes search at their full depth (``tests.depth``), and
   the tests marked ``soak`` run (else they are skipped, saying so): what the default run
   leaves to ``.ci/run`` to stay within a minute on two cores.
@@ -52,9 +53,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "kv_device: a test that runs on --kv-device (skipped where it is unavailable)"
     )
     config.addinivalue_line("markers", f"soak: {SOAK_ONLY} (tests/depth.py)")
-    config.addinivalue_line(
-        "markers", "subprocess: runs pytest in a process of its own, some seconds: started first"
-    )
+    config.addinivalue_line("markers", "long: takes a second or more: handed out first")
     if not ours(config) or not config.pluginmanager.has_plugin("kvcheck"):
         return
     if controls_workers(config):  # it runs no test: torch, some 2 s, only in the workers
@@ -77,7 +76,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     # The longest tests first: started last, one would keep a worker busy seconds after the
     # other had run out of tests (pytest-xdist hands tests out in this order).
-    items.sort(key=lambda item: item.get_closest_marker("subprocess") is None)
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
     if config.getoption("--soak"):
         return
     skip = pytest.mark.skip(reason=f"soak tier: {SOAK_ONLY}")

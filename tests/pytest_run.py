@@ -44,7 +44,11 @@ def run_in_process(pytester: pytest.Pytester, *args: str) -> subprocess.Complete
         for name in DROPPED:
             patch.delenv(name, raising=False)
         patch.setenv("CI", "true")
-        result = pytester.runpytest_inprocess("-p", "no:xdist", "-p", "no:cacheprovider", *args)
+        # The kit's modules are imported already: too late to rewrite, as pytest warns.
+        quiet = ["-W", "ignore::pytest.PytestAssertRewriteWarning"]
+        result = pytester.runpytest_inprocess(
+            "-p", "no:xdist", "-p", "no:cacheprovider", *quiet, *args
+        )
     return subprocess.CompletedProcess(
         args, int(result.ret), "\n".join(result.outlines), "\n".join(result.errlines)
     )

@@ -91,6 +91,7 @@ def shared_prefix_rows(pool) -> dict[str, bench.PrefixRow]:
     return {row.scenario: row for row in runner.shared_prefix_rows(pool)}
 
 
+@pytest.mark.long  # the workload, with and without prefix caching
 def test_shared_prefix_hits_the_system_prompt_and_holds_it_once():
     rows = shared_prefix_rows(partial(kvimpl.PagedPool, bench.QUICK_BLOCK_SIZE))
     cached, unshared, alone = (

@@ -114,6 +114,7 @@ def test_every_draw_stays_inside_the_domain(data):
     assert config.window is None
 
 
+@pytest.mark.long  # hundreds of draws
 def test_the_edges_of_the_domain_are_hit():
     with kvsizes.aiming_at(EDGES):
         for head_dim in (64, 128):

@@ -54,7 +54,7 @@ ONLY = ["-k", "length_invariants or bad_append_is and rank or my_hypothesis"]
 # In this process by default; in a process of its own under pytest-xdist in the soak tier
 # (some 10 s: torch imported again, and the workers).
 @pytest.mark.parametrize(
-    "workers", [0, pytest.param(1, marks=[pytest.mark.soak, pytest.mark.subprocess])]
+    "workers", [0, pytest.param(1, marks=[pytest.mark.soak, pytest.mark.long])]
 )
 def test_a_users_broken_cache_fails_by_either_route_with_a_verdict(pytester, workers):
     """Both routes in one run: the user's own test file, and the kit's package with
@@ -117,6 +117,7 @@ def test_a_class_can_pin_its_own_regressions():
 
     class TestPinned(CacheTests):
         pinned: ClassVar = {"lengths": (pasted,)}
+        examples_scale = 0.01  # one drawn example: the pinned one is what is looked for
 
     TestPinned().test_length_invariants(factory)
     assert 77 in built_for, "the class's pinned scenario (max_length 77) was not run"

@@ -66,6 +66,7 @@ def test_every_mutant_has_its_last_catch_on_record():
 CONTROLS = list(kvimpl.CACHES) if depth.SOAK else ["preallocated", "paged"]
 
 
+@pytest.mark.long  # a whole hunt on a correct cache
 @pytest.mark.parametrize("name", CONTROLS)
 def test_hunt_spares_correct_caches(name):
     # Without this, a hunt that flagged everything would pass every test above.

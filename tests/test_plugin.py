@@ -149,7 +149,7 @@ def test_x():
 """
 
 
-@pytest.mark.subprocess
+@pytest.mark.long  # a process of its own
 def test_a_run_without_kit_tests_imports_no_torch_and_prints_no_kit_line(tmp_path):
     (tmp_path / "test_x.py").write_text(LIGHT_TEST)
     result = run_pytest("test_x.py", "-v", cwd=tmp_path, extra_path=ROOT)
@@ -169,7 +169,7 @@ def test_a_run_without_kit_tests_imports_no_torch_and_prints_no_kit_line(tmp_pat
     ],
     ids=["profile", "threads", "sizes", "impl"],
 )
-@pytest.mark.subprocess
+@pytest.mark.long  # a process of its own
 def test_an_option_checked_without_torch_stops_even_a_run_without_kit_tests(
     tmp_path, option, error
 ):

@@ -1,6 +1,7 @@
 """The request plans the kit draws (kvcheck.properties.requests): well formed, and the tight
 pool sized from them never too small for a correct pool."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 
@@ -30,6 +31,7 @@ def test_blocks_needed_is_the_busiest_moment_without_sharing():
     assert plan.blocks_needed(4) == 2 * 5 + 2 * 5  # two requests of 2 rows x 5 blocks
 
 
+@pytest.mark.long  # 30 plans, each run
 @settings(max_examples=30)
 @given(plan=kvreq.request_plans(forks=3, truncates=True))
 def test_every_drawn_plan_finishes_every_request_it_starts(plan):

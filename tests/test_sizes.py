@@ -88,6 +88,7 @@ def test_a_declared_page_is_hit_at_its_boundaries_and_straddled(page):
         )
 
 
+@pytest.mark.long  # hundreds of draws
 def test_declared_head_dims_kv_heads_and_batch_are_drawn():
     with kvsizes.aiming_at(Sizes(head_dims=(72,), kv_heads=(12,), max_batch=16)):
         find(kvst.scenarios(), lambda s: s.config.head_dim == 72, settings=SEARCH)
