@@ -34,7 +34,7 @@ from kvref import (
     capabilities,
 )
 from kvref.model import shifted_rows
-from kvref.protocol import kept_rows, keys_stored, row_slots, rows_needed
+from kvref.protocol import kept_rows, keys_stored, row_slots, rows_needed, storage
 
 PATHS = ("append", "attend")
 
@@ -115,6 +115,12 @@ class Recorder:
         # given since its reset, (H_kv, rows, D) each; and what append_rows last returned.
         self.rows_given: list[tuple[Tensor, Tensor]] | None = None
         self.rows_returned: tuple[Tensor, Tensor, Tensor] | None = None
+        # Lossy storage (contract, section 10.1): what the cache declares for keys and values,
+        # and for each, how many of the first rows given since the reset may be in codes (a
+        # row may be from the moment it leaves the declared recent rows: a truncate that brings
+        # the window back over it does not bring its precision back).
+        self.storage = storage(cache)
+        self.quantized_below = [0, 0]
 
     def __getattr__(self, name: str):
         if name == "attend":
@@ -165,6 +171,10 @@ class Recorder:
             )
         self.given = new
         self.new_tokens = key.shape[2]
+        self.quantized_below = [
+            max(below, self.given_length - declared.recent) if declared else 0
+            for below, declared in zip(self.quantized_below, self.storage, strict=True)
+        ]
 
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         # Valid until this cache's next call, whatever that call does.
@@ -222,6 +232,7 @@ class Recorder:
         self.given = self.returned = self.attended = None
         self.rows_given = self.rows_returned = None
         self.rerotated = {}
+        self.quantized_below = [0, 0]
 
     # --- rows of their own: passed through, and recorded row by row -----------------------
     def append_rows(self, key: Tensor, value: Tensor, counts) -> tuple[Tensor, Tensor, Tensor]:
@@ -276,6 +287,8 @@ class Recorder:
         if self.given is not None:
             stored = keys_stored(self.cache)
             self.given = shifted_rows(*self.given, start, count, self.rope_base, stored)
+            # Moved rows are re-rotated, and re-quantized: any of them may be in codes now.
+            self.quantized_below = [self.given_length if part else 0 for part in self.storage]
             if stored == "rotated":  # else the keys are moved as they are: bit for bit
                 moved = range(start + count, self.given_length + count)  # indices before it
                 kept = {i: counts for i, counts in self.rerotated.items() if i < start}
@@ -290,6 +303,7 @@ class Recorder:
         if self.given is not None:
             self.given = tuple(rows[:, :, :length] for rows in self.given)
             self.rerotated = {i: c for i, c in self.rerotated.items() if i < length}
+            self.quantized_below = [min(below, length) for below in self.quantized_below]
 
     def reorder(self, indices: Tensor) -> None:
         self.views = self.returned = None
@@ -301,6 +315,7 @@ class Recorder:
         self.views = None
         twin = Recorder(self.cache.fork(), self.window, self.path, self.sinks, self.rope_base)
         twin.given, twin.rerotated = self.given, dict(self.rerotated)
+        twin.quantized_below = list(self.quantized_below)
         return twin
 
     def attended_and_reference(self) -> tuple[object, Tensor]:

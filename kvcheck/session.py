@@ -49,7 +49,7 @@ from kvref import (
     may_refuse_truncate,
 )
 from kvref.model import HeldRows, rows_laid_out, shifted_rows
-from kvref.protocol import is_count, kept_rows, keys_stored, row_slots
+from kvref.protocol import Quantized, is_count, kept_rows, keys_stored, row_slots
 
 
 @dataclass
@@ -192,6 +192,7 @@ class Engine:
                     start=first + start,
                     path=request.path,
                     what="cached logits and the model's over the rows the shifts left",
+                    lossy=kvassert.coarsest(request.caches),
                 )
             return logits
         if compare:
@@ -290,6 +291,7 @@ class Engine:
                         first_position=first + at.start,
                         failure=failures.DataLoss,
                         reference=reference,
+                        lossy=kvassert.coarsest([cache]),
                     )
 
     def _compare_row(self, request, logits, expected, truth, first, row, lengths, where):
@@ -300,7 +302,10 @@ class Engine:
             f"against that row alone at batch 1\n  at {where}"
         )
         reference = lambda: truth()[0][:, -new:]  # noqa: E731
-        assert_logits(logits, expected, reference, where=where, start=start, path=request.path)
+        assert_logits(
+            logits, expected, reference, where=where, start=start, path=request.path,
+            lossy=kvassert.coarsest(request.caches),
+        )  # fmt: skip
 
     def truncate_rows(self, request: Request, keep: list[int], *, at: str = "") -> bool:
         """Row b keeps its first ``keep[b]`` tokens (speculative acceptance per row); the
@@ -396,8 +401,9 @@ class Engine:
         reference = lambda: self.truth(history, start_position=first)[:, start:]  # noqa: E731
         try:
             assert_logits(
-                logits, expected, reference, where=where, start=first + start, path=request.path
-            )
+                logits, expected, reference, where=where, start=first + start, path=request.path,
+                lossy=kvassert.coarsest(request.caches),
+            )  # fmt: skip
         except failures.WrongResults as error:
             error.add_note(first_wrong_layer(self.model, request, first))
             raise
@@ -682,11 +688,13 @@ def assert_logits(
     start: int,
     path: str,
     what: str = "cached and uncached logits",
+    lossy: Quantized | None = None,
 ) -> None:
     """Cached ``logits`` against the uncached model's ``expected``: at the dtype's tolerance
     (in half precision, its error budget against the float64 model's logits, ``reference()``);
     on the attend path, a gap past the tolerance is allowed where the uncached run is itself
-    as far from the float64 model (``ATTEND_PATH_FACTOR``)."""
+    as far from the float64 model (``ATTEND_PATH_FACTOR``); with ``lossy`` storage declared,
+    its budget on top (``kvcheck.asserts.LOSSY_FACTOR``)."""
     __tracebackhide__ = True
     half = kvassert.needs_reference(expected.dtype)
     try:
@@ -698,6 +706,7 @@ def assert_logits(
             position_axis=1,
             first_position=start,
             reference=reference() if half else None,
+            lossy=lossy,
         )
     except failures.WrongResults as error:
         if half or path != "attend" or logits.shape != expected.shape:

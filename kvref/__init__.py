@@ -12,6 +12,7 @@ from kvref.protocol import (
     LayerCache,
     Offloadable,
     PrefixCaching,
+    Quantized,
     Reorderable,
     TreeDrafts,
     Truncatable,
@@ -27,6 +28,7 @@ from kvref.protocol import (
     may_refuse_shift,
     may_refuse_truncate,
     min_nbytes,
+    storage,
 )
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "ModelConfig",
     "Offloadable",
     "PrefixCaching",
+    "Quantized",
     "ReferenceTransformer",
     "Reorderable",
     "TreeDrafts",
@@ -59,4 +62,5 @@ __all__ = [
     "may_refuse_truncate",
     "min_nbytes",
     "rerotate",
+    "storage",
 ]

@@ -356,13 +356,25 @@ def check_reorder(spec: CacheSpec, indices: object) -> None:
         )
 
 
-def min_nbytes(spec: CacheSpec, length: int) -> int:
+def min_nbytes(
+    spec: CacheSpec,
+    length: int,
+    storage: tuple[Quantized | None, Quantized | None] = (None, None),
+    in_codes: tuple[int, int] = (0, 0),
+) -> int:
     """The least a cache holding ``length`` tokens can reserve: 2 x B x H_kv x rows x D x
     itemsize (the 2 counts keys and values), where rows is ``length``, or min(length, W - 1)
-    with a window. A concat cache reserves exactly this."""
+    with a window. A concat cache reserves exactly this. Under a declared lossy ``storage``
+    (section 10.1), of keys and of values the first ``in_codes`` rows may be in codes, each
+    at its declaration's least (``Quantized.nbytes``)."""
     itemsize = torch.empty((), dtype=spec.dtype).element_size()
     rows = spec.rows_needed(length)
-    return 2 * spec.batch * spec.kv_heads * rows * spec.head_dim * itemsize
+    total = 0
+    for declared, coded in zip(storage, in_codes, strict=True):
+        coded = 0 if declared is None else max(0, min(rows, coded - (length - rows)))
+        exact = (rows - coded) * spec.head_dim * itemsize
+        total += exact + (declared.nbytes(coded, spec.head_dim) if declared else 0)
+    return spec.batch * spec.kv_heads * total
 
 
 @runtime_checkable
@@ -613,3 +625,95 @@ KEYS_STORED = ("rotated", "unrotated")
 def keys_stored(cache: object) -> str:
     """``cache.keys_stored``, "rotated" where it says nothing."""
     return getattr(cache, "keys_stored", "rotated")
+
+
+# --- Lossy storage (section 10.1) -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """How a cache stores rows in integer codes (contract, section 10.1): ``bits`` per
+    number, one scale (and, unless ``symmetric``, one zero point) per ``group`` channels of
+    a row (None: the whole head_dim of one token), and its ``recent`` most recent rows kept
+    as given, never quantized. Declared as ``kv_storage``; a pair declares keys and values
+    apart."""
+
+    bits: int
+    group: int | None = None
+    symmetric: bool = False
+    recent: int = 0
+
+    def __post_init__(self) -> None:
+        if not is_count(self.bits) or not 2 <= self.bits <= 8:
+            raise ValueError(f"Quantized: bits must be an int from 2 to 8, got {self.bits!r}")
+        if self.group is not None and (not is_count(self.group) or self.group < 1):
+            raise ValueError(f"Quantized: group must be None or an int >= 1, got {self.group!r}")
+        if not is_count(self.recent):
+            raise ValueError(f"Quantized: recent must be an int >= 0, got {self.recent!r}")
+
+    def describe(self) -> str:
+        grouping = "per token" if self.group is None else f"per group of {self.group}"
+        kind = "symmetric" if self.symmetric else "with zero point"
+        recent = f", the last {self.recent} rows as given" if self.recent else ""
+        return f"int{self.bits} {grouping}, {kind}{recent}"
+
+    @property
+    def relative_step(self) -> float:
+        """A step of the codes as a share of its group's largest magnitude, at most."""
+        return 2 / (2**self.bits - 2) if self.symmetric else 2 / (2**self.bits - 1)
+
+    def allowed_error(self, given: Tensor, dtype: torch.dtype) -> Tensor:
+        """How far each number of ``given`` (rows (..., D)) may come back, in float64: half
+        the step of its group's codes, plus ``QUANTIZED_ROUNDINGS`` roundings of ``dtype``
+        over the group's magnitude and range (the scale, the zero point, the product, the
+        sum, each held in a float). A nan or inf given allows anything (nothing to bound)."""
+        rows = given.double()
+        width = rows.shape[-1]
+        size = width if self.group is None else min(self.group, width)
+        groups = -(-width // size)
+        padded = torch.nn.functional.pad(rows, (0, groups * size - width))
+        grouped = padded.unflatten(-1, (groups, size))
+        pad = torch.arange(groups * size, device=rows.device).unflatten(0, (groups, size)) >= width
+        finite = (grouped.isfinite() | pad).all(-1)
+        top = grouped.masked_fill(pad, -torch.inf).amax(-1)
+        bottom = grouped.masked_fill(pad, torch.inf).amin(-1)
+        magnitude = torch.maximum(top.abs(), bottom.abs())
+        if self.symmetric:
+            step = 2 * magnitude / (2**self.bits - 2)
+        else:
+            step = (top - bottom) / (2**self.bits - 1)
+        unit = torch.finfo(dtype).eps / 2
+        allowed = step / 2 + QUANTIZED_ROUNDINGS * unit * (magnitude + (top - bottom))
+        allowed = allowed.masked_fill(~finite, torch.inf)
+        return allowed.repeat_interleave(size, dim=-1)[..., :width]
+
+    def nbytes(self, rows: int, width: int) -> int:
+        """The least one of keys or values quantized can reserve per (batch row, kv head)
+        for ``rows`` quantized rows of ``width`` numbers: the codes, packed, and one scale per
+        group (and a zero point) in the smallest float, 2 bytes."""
+        groups = -(-width // (width if self.group is None else min(self.group, width)))
+        per_group = 2 if self.symmetric else 4
+        return rows * (-(-width * self.bits // 8) + groups * per_group)
+
+
+# Roundings of the storage dtype a dequantized number may carry beyond half a step: the
+# scale's, the zero point's, the product's and the sum's (a scale held in bfloat16 rounds
+# by that dtype's unit).
+QUANTIZED_ROUNDINGS = 4
+
+
+def storage(cache: object) -> tuple[Quantized | None, Quantized | None]:
+    """``cache.kv_storage`` as (keys, values): None for a cache that stores rows as given."""
+    declared = getattr(cache, "kv_storage", None)
+    if declared is None or isinstance(declared, Quantized):
+        return declared, declared
+    if (
+        isinstance(declared, tuple)
+        and len(declared) == 2
+        and all(part is None or isinstance(part, Quantized) for part in declared)
+    ):
+        return declared
+    raise CacheContractError(
+        f"kv_storage must be a kvref.Quantized, a (keys, values) pair of them (or None), "
+        f"got {declared!r}"
+    )

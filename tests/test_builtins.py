@@ -19,6 +19,7 @@ from kvcheck import CacheTests, Sizes
 from kvcheck import strategies as kvst
 from kvcheck.properties import core
 from kvimpl import ChunkedCache, sdpa
+from kvimpl.quantized import QuantizedCache
 from kvref import ModelConfig, ReferenceTransformer, min_nbytes
 from tests import depth
 
@@ -30,6 +31,14 @@ class TestSelectedCaches(CacheTests):
     # Half the profile's examples under --soak: the built-ins are also the controls of every
     # mutant hunt, held by dev seeds, and searched in full by a user's `pytest --pyargs
     # kvcheck --kv-impl NAME` (the kit's own class, at the profile's count).
+    examples_scale = depth.pick(0.1, soak=0.5)
+
+
+class TestQuantizedCache(CacheTests):
+    """The int8 cache under its declared storage (contract, section 10.1); not yet one of
+    kvimpl.CACHES, whose benchmark rows hold every cache to the full-precision formula."""
+
+    factory = QuantizedCache
     examples_scale = depth.pick(0.1, soak=0.5)
 
 

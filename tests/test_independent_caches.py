@@ -13,6 +13,7 @@ from kvcheck.properties.sinks import SinksTests
 from tests import depth
 from tests.independent.deque_window_cache import DequeWindowCache
 from tests.independent.fifo_paged_pool import FifoPagedPool
+from tests.independent.group_int4_cache import GroupInt4Cache
 from tests.independent.half_kernel_cache import HalfKernelCache
 from tests.independent.left_padded_batch_cache import LeftPaddedBatchCache
 from tests.independent.list_cache import ListCache
@@ -128,6 +129,14 @@ class TestLeftPaddedBatchCache(Independent):
     them (contract, section 8.1), written from the contract alone."""
 
     factory = LeftPaddedBatchCache
+
+
+class TestGroupInt4Cache(Independent):
+    """Symmetric 4-bit codes packed two to a byte, a scale per group of 32 channels, the last
+    8 rows as given, in lists of per-token chunks (contract, section 10.1): held to the bound
+    it declares, every row check and the logits budget without a false alarm."""
+
+    factory = GroupInt4Cache
 
 
 class TestHalfKernelCache(Independent):

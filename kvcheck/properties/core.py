@@ -148,6 +148,7 @@ def check_logits_match_uncached(
                 where=step.where(),
                 start=step.start,
                 path=step.request.path,
+                lossy=kvassert.coarsest(step.request.caches),
             )
         except failures.WrongResults as error:
             error.add_note(first_wrong_layer(step.scenario.model(), step.request))
@@ -184,6 +185,7 @@ def check_contents(factory: CacheFactory, scenario: kvst.Scenario) -> None:
                     first_position=first,
                     failure=failures.DataLoss,
                     reference=reference,
+                    lossy=kvassert.coarsest(step.caches),
                 )
 
 

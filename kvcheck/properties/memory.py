@@ -19,17 +19,26 @@ def check_nbytes(factory: CacheFactory, plan: kvst.CachePlan) -> None:
         else:
             new = kvst.random_rows(spec, rows, seed=step)
             cache.append(new, new)
-        nbytes, needed = cache.nbytes, min_nbytes(spec, cache.length)
+        nbytes = cache.nbytes
+        needed = min_nbytes(spec, cache.length, cache.storage, tuple(cache.quantized_below))
         where = f"step {step} of {plan.describe()}"
         if isinstance(nbytes, bool) or not isinstance(nbytes, int):
             raise failures.WrongResults(
                 f"the cache: nbytes must be an int, got {type(nbytes).__name__}\n  at {where}"
             )
         if nbytes < needed:
+            formula = (
+                f"2 x {spec.batch} x {spec.kv_heads} x {cache.length} x {spec.head_dim} x itemsize"
+            )
+            if any(cache.storage):
+                formula = (
+                    f"the rows as given, and those that may be in codes at the declared "
+                    f"{'; '.join(part.describe() for part in cache.storage if part)} (packed "
+                    f"codes and 2-byte scales)"
+                )
             raise failures.WrongResults(
                 f"the cache: nbytes is {nbytes} while holding {cache.length} tokens, which take "
-                f"at least {needed} bytes (2 x {spec.batch} x {spec.kv_heads} x {cache.length} "
-                f"x {spec.head_dim} x itemsize)\n  at {where}"
+                f"at least {needed} bytes ({formula})\n  at {where}"
             )
 
 

@@ -9,7 +9,7 @@ of ``tests/mutants/domain.py`` a bug inside the domain a cache declares, those o
 a bug in attention sinks, those of ``tests/mutants/shift.py`` a bug in context shift, those
 of ``tests/mutants/serving.py`` a bug in prefix caching or offload, those of
 ``tests/mutants/tree.py`` a bug in tree drafts, some of them patches of the model run on
-``ChunkedCache``); a
+``ChunkedCache``, those of ``tests/mutants/quantized.py`` a bug in quantized storage); a
 model mutant is a patch of the reference model with one bug, run on ``ConcatCache``.
 ``tests/test_mutants.py`` checks that some property catches each one, and
 ``python -m tests.mutants.report`` prints which property does and the shrunk counterexample.
@@ -30,6 +30,7 @@ from tests.mutants.domain import DOMAIN_MUTANTS
 from tests.mutants.interplay import INTERPLAY_MUTANTS
 from tests.mutants.model import MODEL_MUTANTS
 from tests.mutants.paged import PAGED_MUTANTS
+from tests.mutants.quantized import QUANTIZED_MUTANTS
 from tests.mutants.rows import ROWS_MODEL_MUTANTS, ROWS_MUTANTS
 from tests.mutants.serving import SERVING_MUTANTS
 from tests.mutants.shift import SHIFT_MUTANTS
@@ -70,6 +71,7 @@ MUTANTS = (
     *(Mutant(factory) for factory in SHIFT_MUTANTS),
     *(Mutant(factory) for factory in SERVING_MUTANTS),
     *(Mutant(factory) for factory in TREE_MUTANTS),
+    *(Mutant(factory) for factory in QUANTIZED_MUTANTS),
     *(Mutant(ConcatCache, patch) for patch in MODEL_MUTANTS),
     *(Mutant(LeftPaddedBatchCache, patch) for patch in ROWS_MODEL_MUTANTS),
     *(Mutant(ChunkedCache, patch) for patch in TREE_MODEL_MUTANTS),
