@@ -43,6 +43,7 @@ from tests.mutants.hunt import HUNT_ORDER as PROPERTIES
 from tests.mutants.interplay import INTERPLAY_MUTANTS
 from tests.mutants.model import MODEL_MUTANTS
 from tests.mutants.paged import PAGED_MUTANTS
+from tests.mutants.quantized import QUANTIZED_MUTANTS
 from tests.mutants.rows import ROWS_MODEL_MUTANTS, ROWS_MUTANTS
 from tests.mutants.serving import SERVING_MUTANTS
 from tests.mutants.shift import SHIFT_MUTANTS
@@ -114,9 +115,10 @@ context shift (`tests/mutants/shift.py`); {sinks} break attention sinks
 (`tests/mutants/sinks.py`); {serving} break prefix caching or offload
 (`tests/mutants/serving.py`: broken serving pools); {tree} break tree drafts
 (`tests/mutants/tree.py`, four of them patches of the model's tree mask or positions, run on
-`ChunkedCache`); {model} patch a function or class attribute of `kvref.model` and
-run on `ConcatCache` (`tests/mutants/model.py`; undone when the test ends). Each docstring's
-first paragraph names the bug: it is the table's second column.
+`ChunkedCache`); {quantized} break quantized storage (`tests/mutants/quantized.py`: the
+built-in int8 cache under its declared bound); {model} patch a function or class attribute
+of `kvref.model` and run on `ConcatCache` (`tests/mutants/model.py`; undone when the test
+ends). Each docstring's first paragraph names the bug: it is the table's second column.
 
 ## How a mutant is hunted
 
@@ -175,6 +177,7 @@ def preamble(today: datetime.date) -> str:
         sinks=len(SINKS_MUTANTS),
         serving=len(SERVING_MUTANTS),
         tree=len(TREE_MUTANTS) + len(TREE_MODEL_MUTANTS),
+        quantized=len(QUANTIZED_MUTANTS),
         model=len(MODEL_MUTANTS),
         examples=EXAMPLES_PER_PROPERTY,
     )
