@@ -1,33 +1,36 @@
 """Hugging Face transformers' quantized per-layer caches, presented as caches of our protocol.
 
-Tested with transformers 5.24.0 and optimum-quanto 0.2.7 (torch 2.13.0, CPU). Run the suite on
-them with, e.g., ``pytest -n 2 --pyargs kvcheck --kv-impl kvimpl.hf_quantized:HFQuantoLayer``
-(or ``HFQuantoLayer2Bit``, ``HFQuantoLayerBeams``).
+Tested with transformers 5.24.0, optimum-quanto 0.2.7 and hqq 0.2.8.post1 (torch 2.13.0, CPU).
+Run the suite on them with, e.g., ``pytest -n 2 --pyargs kvcheck --kv-impl
+kvimpl.hf_quantized:HFQuantoLayer`` (or ``HFQuantoLayer2Bit``, ``HFQuantoLayerBeams``,
+``HFHQQLayer``).
 
 Each adapter wraps one ``transformers.cache_utils.QuantoQuantizedLayer`` (what
-``QuantizedCache(backend="quanto")`` builds per layer) and, as ``kvimpl/hf.py`` does, uses only
-its public API: ``update(key_states, value_states)``, ``get_seq_length()``, ``reset()``, its
-``keys`` and ``values`` tensors (the full-precision residual) and, for ``HFQuantoLayerBeams``,
-``reorder_cache(beam_idx)``. No input is validated, copied, cast or clamped here: whatever the
-layer accepts, stores, returns or raises is what the suite sees, so every failure on these
-adapters is the layer's own behaviour.
+``QuantizedCache(backend="quanto")`` builds per layer; ``HFHQQLayer``: ``HQQQuantizedLayer``)
+and, as ``kvimpl/hf.py`` does, uses only its public API: ``update(key_states, value_states)``,
+``get_seq_length()``, ``reset()``, its ``keys`` and ``values`` tensors (the full-precision
+residual) and, for ``HFQuantoLayerBeams``, ``reorder_cache(beam_idx)``. No input is validated,
+copied, cast or clamped here: whatever the layer accepts, stores, returns or raises is what the
+suite sees, so every failure on these adapters is the layer's own behaviour. The CacheSpec is
+not exposed as ``spec`` (as in ``kvimpl/hf.py``), so the layer itself meets every bad input.
 
 One read goes past the public API, for ``nbytes`` only: the quantized states are held in
 ``_quantized_keys`` and ``_quantized_values`` (named so by ``BaseQuantizedLayer``'s docstring),
-quanto ``WeightQBitsTensor`` objects whose own ``nbytes`` is that of the full-precision tensor
-they stand for. Their real storage (packed codes, scales, shifts) is read through torch's tensor
-subclass protocol, ``__tensor_flatten__``, which names the inner tensors; nothing is written.
+for quanto ``WeightQBitsTensor`` objects whose own ``nbytes`` is that of the full-precision
+tensor they stand for. Their real storage (packed codes, scales, shifts) is read through torch's
+tensor subclass protocol, ``__tensor_flatten__``, which names the inner tensors (for HQQ, the
+codes and the scale and zero tensors of its ``(codes, meta)`` pair); nothing is written.
 
-The settings (all of them ``QuantoQuantizedLayer`` arguments; the layer is the judge of them):
+The settings (all of them the layer's own arguments; the layer is the judge of them):
 
 - ``nbits`` 4 (HF's default), or 2 for ``HFQuantoLayer2Bit``; ``axis_key = axis_value = 0``
   (HF's defaults: quanto groups the flattened (H, T, D) numbers of one batch row in runs of
-  ``q_group_size``);
+  ``q_group_size``; ``HFHQQLayer`` differs, see there);
 - ``q_group_size``: HF's default 64 where it divides the spec's head_dim, otherwise the largest
   divisor of head_dim below 64 (head_dim 2 to 8: the whole head; 80: 40; 96: 48; 112: 56). Only a
   divisor keeps a group inside one token's head: with 64 on head_dim 96, quanto's runs of 64
   cross from one token into the next, a layout ``kvref.Quantized`` cannot state (and one that
-  cannot quantize a single token of one head at all: see docs, found in the wild);
+  cannot quantize a single token of one head at all: docs, found in the wild);
 - ``residual_length`` 8 instead of HF's 128, so that the kit's sessions (mostly tens of tokens)
   flush the residual into codes many times.
 
@@ -45,7 +48,8 @@ What the layer stores, and the declaration (``kv_storage``) that says it:
 - Not stated by the declaration, and so not allowed for: each flush dequantizes EVERY row and
   quantizes it again (``_quantize(keys_to_return)``), so an old row is re-coded once per flush.
   The kit holds each row to one quantization's bound against the row as given; a re-coding that
-  drifts beyond it is reported, and is the layer's doing.
+  drifts beyond it is reported, and is the layer's doing (quanto's stays within it; HQQ's drifts
+  by a few roundings of bfloat16 per flush).
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ from torch import Tensor
 
 from kvref.protocol import CacheSpec, Quantized
 
-TESTED_WITH = {"transformers": "5.24.0", "optimum-quanto": "0.2.7"}
+TESTED_WITH = {"transformers": "5.24.0", "optimum-quanto": "0.2.7", "hqq": "0.2.8.post1"}
 TRANSFORMERS_VERSION = transformers.__version__
 
 RESIDUAL_LENGTH = 8

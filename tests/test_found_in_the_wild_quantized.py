@@ -2,9 +2,10 @@
 
 Each test reproduces one finding directly on the transformers layer, with no part of the kit,
 and asserts that the defect is there: it passes while the defect is there. Found with
-transformers 5.24.0, optimum-quanto 0.2.7 and hqq 0.2.8.post1 (torch 2.13.0, CPU). The first
-six the kit found on ``kvimpl.hf_quantized:HFQuantoLayer`` and ``HFQuantoLayerBeams``; the
-rest were found by hand, where the kit cannot draw or declare them yet.
+transformers 5.24.0, optimum-quanto 0.2.7 and hqq 0.2.8.post1 (torch 2.13.0, CPU). The kit
+found the first six on ``kvimpl.hf_quantized:HFQuantoLayer`` and ``HFQuantoLayerBeams``, and
+the HQQ packing crash on ``HFHQQLayer`` with one group per token; the rest were found by hand,
+where the kit cannot draw or declare them yet. The HQQ tests skip without ``hqq``.
 """
 
 import pytest
