@@ -103,14 +103,8 @@ def assert_close_at(
     in half precision, the dtype's error budget against ``reference``, the float64 model's
     values at the same positions; with ``lossy`` storage, its budget on top."""
     __tracebackhide__ = True
-    if lossy is not None:
-        assert_within_lossy_budget(
-            actual, expected, reference, lossy, what=what, where=where,
-            position_axis=position_axis, first_position=first_position, failure=failure,
-        )  # fmt: skip
-        return
-    if needs_reference(expected.dtype):
-        if reference is None:
+    if lossy is not None or needs_reference(expected.dtype):
+        if reference is None and needs_reference(expected.dtype):
             raise TypeError(f"{what}: {expected.dtype} is judged against a float64 reference")
         assert_within_budget(
             actual,
@@ -121,6 +115,7 @@ def assert_close_at(
             position_axis=position_axis,
             first_position=first_position,
             failure=failure,
+            lossy=lossy,
         )
         return
     tolerance = TOLERANCES[expected.dtype]
@@ -167,17 +162,42 @@ def position_errors(actual: Tensor, expected: Tensor, position_axis: int) -> Ten
     return gap.flatten(1).amax(dim=1)
 
 
-def over_budget(
-    actual: Tensor, expected: Tensor, reference: Tensor, position_axis: int
+def allowed_errors(
+    actual: Tensor,
+    expected: Tensor,
+    reference: Tensor | None,
+    axis: int,
+    lossy: Quantized | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per position: whether ``actual`` is over the budget, its error and the budget (the
-    float64 ``reference`` at the same positions is the truth; ``expected`` the uncached run
-    in the same dtype)."""
-    cached = position_errors(actual, reference, position_axis)
-    uncached = position_errors(expected, reference, position_axis)
-    scale = reference.double().abs().movedim(position_axis, 0).flatten(1).amax(dim=1)
-    allowed = BUDGETS[expected.dtype].allowed(uncached, scale, expected.dtype)
-    return ~(cached <= allowed), cached, allowed  # a nan is over any budget
+    """Per position along ``axis``: how far ``actual`` is from the truth (the float64
+    ``reference`` in half precision, else ``expected``, the uncached run in the same dtype),
+    how far it may be (the dtype's tolerance or budget, and with ``lossy`` storage its share,
+    ``LOSSY_FACTOR``, on top), and max(1, the truth's largest magnitude) there."""
+    truth = reference if needs_reference(expected.dtype) else expected
+    error = position_errors(actual, truth, axis)
+    scale = truth.double().abs().movedim(axis, 0).flatten(1).amax(dim=1)
+    if truth is reference:
+        uncached = position_errors(expected, truth, axis)
+        allowed = BUDGETS[expected.dtype].allowed(uncached, scale, expected.dtype)
+    else:
+        tolerance = TOLERANCES[expected.dtype]
+        allowed = tolerance["atol"] + tolerance["rtol"] * scale
+    if lossy is not None:
+        allowed = allowed + LOSSY_FACTOR * lossy.relative_step * scale.clamp_min(1)
+    return error, allowed, scale.clamp_min(1)
+
+
+def over_budget(
+    actual: Tensor,
+    expected: Tensor,
+    reference: Tensor | None,
+    position_axis: int,
+    lossy: Quantized | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per position: whether ``actual`` is over the budget, its error and the budget
+    (``allowed_errors``)."""
+    error, allowed, _ = allowed_errors(actual, expected, reference, position_axis, lossy)
+    return ~(error <= allowed), error, allowed  # a nan is over any budget
 
 
 def diverging_positions(
@@ -196,90 +216,50 @@ def diverging_positions(
 def assert_within_budget(
     actual: Tensor,
     expected: Tensor,
-    reference: Tensor,
+    reference: Tensor | None,
     *,
     what: str,
     where: str,
     position_axis: int,
     first_position: int = 0,
     failure: type[PropertyFailure] = WrongResults,
+    lossy: Quantized | None = None,
 ) -> None:
-    """At every position, ``actual`` is no further from the float64 ``reference`` than the
-    dtype's budget allows, given how far the uncached run in that dtype (``expected``) is."""
+    """At every position, ``actual`` within its budget (``allowed_errors``): in half
+    precision, no further from the float64 ``reference`` than the dtype allows, given how far
+    the uncached run in that dtype (``expected``) is; with ``lossy`` storage declared, that or
+    the dtype's tolerance and the storage's share on top."""
     __tracebackhide__ = True
-    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+    if actual.shape != expected.shape or (lossy is None and actual.dtype != expected.dtype):
         raise failure(
             f"{what} differ\n  at {where}\n  got {tuple(actual.shape)} {actual.dtype}, expected "
             f"{tuple(expected.shape)} {expected.dtype}"
         )
-    bad, cached, allowed = over_budget(actual, expected, reference, position_axis)
+    bad, error, allowed = over_budget(actual, expected, reference, position_axis, lossy)
     positions = bad.nonzero().flatten().tolist()
     if not positions:
         return
     first = positions[0]
+    located = (
+        f"  first diverging absolute position: {first_position + first} (index {first} below; "
+        f"{len(positions)} of {bad.numel()} positions diverge); there max "
+    )
+    if lossy is not None:
+        raise failure(
+            f"{what} differ beyond the declared {lossy.describe()} storage's budget\n  at "
+            f"{where}\n{located}|diff| is {error[first].item():.3g} against "
+            f"{allowed[first].item():.3g} allowed\n  budget (kvcheck.asserts.LOSSY_FACTOR): the "
+            f"dtype's tolerance + {LOSSY_FACTOR:g} x {lossy.relative_step:.3g} (a step of the "
+            f"codes) x max(1, the largest |value| there)"
+        )
     uncached = position_errors(expected, reference, position_axis)[first].item()
     name = dtype_name(expected.dtype)
     raise failure(
-        f"{what} differ beyond the {name} error budget\n  at {where}\n"
-        f"  first diverging absolute position: {first_position + first} (index {first} below; "
-        f"{len(positions)} of {bad.numel()} positions diverge); there max |cached - float64| "
-        f"is {cached[first].item():.3g} against a budget of {allowed[first].item():.3g}, the "
-        f"uncached {name} run being {uncached:.3g} from float64\n"
-        f"  budget (kvcheck.asserts.BUDGETS): {BUDGETS[expected.dtype].describe(expected.dtype)}"
-    )
-
-
-def lossy_errors(
-    actual: Tensor, expected: Tensor, reference: Tensor | None, axis: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Per position along ``axis``: how far ``actual`` is from the truth (``reference`` in half
-    precision, else ``expected``), how far the dtype alone allows (its tolerance or budget),
-    and max(1, the truth's largest magnitude): what lossy storage's share is a multiple of."""
-    truth = reference if needs_reference(expected.dtype) else expected
-    error = position_errors(actual, truth, axis)
-    scale = truth.double().abs().movedim(axis, 0).flatten(1).amax(dim=1)
-    if truth is reference:
-        base = BUDGETS[expected.dtype].allowed(
-            position_errors(expected, truth, axis), scale, expected.dtype
-        )
-    else:
-        tolerance = TOLERANCES[expected.dtype]
-        base = tolerance["atol"] + tolerance["rtol"] * scale
-    return error, base, scale.clamp_min(1)
-
-
-def assert_within_lossy_budget(
-    actual: Tensor,
-    expected: Tensor,
-    reference: Tensor | None,
-    lossy: Quantized,
-    *,
-    what: str,
-    where: str,
-    position_axis: int,
-    first_position: int = 0,
-    failure: type[PropertyFailure] = WrongResults,
-) -> None:
-    """At every position, ``actual`` within the declared lossy storage's budget."""
-    __tracebackhide__ = True
-    if actual.shape != expected.shape:
-        raise failure(
-            f"{what} differ\n  at {where}\n  got {tuple(actual.shape)}, expected "
-            f"{tuple(expected.shape)}"
-        )
-    error, base, scale = lossy_errors(actual, expected, reference, position_axis)
-    allowed = base + LOSSY_FACTOR * lossy.relative_step * scale
-    bad = (~(error <= allowed)).nonzero().flatten().tolist()  # a nan is over any budget
-    if not bad:
-        return
-    first = bad[0]
-    raise failure(
-        f"{what} differ beyond the declared {lossy.describe()} storage's budget\n  at {where}\n"
-        f"  first diverging absolute position: {first_position + first} (index {first} below; "
-        f"{len(bad)} of {error.numel()} positions diverge); there max |diff| is "
-        f"{error[first].item():.3g} against {allowed[first].item():.3g} allowed\n"
-        f"  budget (kvcheck.asserts.LOSSY_FACTOR): the dtype's tolerance + {LOSSY_FACTOR:g} x "
-        f"{lossy.relative_step:.3g} (a step of the codes) x max(1, the largest |value| there)"
+        f"{what} differ beyond the {name} error budget\n  at {where}\n{located}"
+        f"|cached - float64| is {error[first].item():.3g} against a budget of "
+        f"{allowed[first].item():.3g}, the uncached {name} run being {uncached:.3g} from "
+        f"float64\n  budget (kvcheck.asserts.BUDGETS): "
+        f"{BUDGETS[expected.dtype].describe(expected.dtype)}"
     )
 
 

@@ -662,6 +662,11 @@ class Quantized:
         """A step of the codes as a share of its group's largest magnitude, at most."""
         return 2 / (2**self.bits - 2) if self.symmetric else 2 / (2**self.bits - 1)
 
+    def group_size(self, width: int) -> int:
+        """The numbers that share a scale in a row ``width`` wide (the last group may have
+        fewer)."""
+        return width if self.group is None else min(self.group, width)
+
     def allowed_error(self, given: Tensor, dtype: torch.dtype) -> Tensor:
         """How far each number of ``given`` (rows (..., D)) may come back, in float64: half
         the step of its group's codes, plus ``QUANTIZED_ROUNDINGS`` roundings of ``dtype``
@@ -669,7 +674,7 @@ class Quantized:
         sum, each held in a float). A nan or inf given allows anything (nothing to bound)."""
         rows = given.double()
         width = rows.shape[-1]
-        size = width if self.group is None else min(self.group, width)
+        size = self.group_size(width)
         groups = -(-width // size)
         padded = torch.nn.functional.pad(rows, (0, groups * size - width))
         grouped = padded.unflatten(-1, (groups, size))
@@ -691,7 +696,7 @@ class Quantized:
         """The least one of keys or values quantized can reserve per (batch row, kv head)
         for ``rows`` quantized rows of ``width`` numbers: the codes, packed, and one scale per
         group (and a zero point) in the smallest float, 2 bytes."""
-        groups = -(-width // (width if self.group is None else min(self.group, width)))
+        groups = -(-width // self.group_size(width))
         per_group = 2 if self.symmetric else 4
         return rows * (-(-width * self.bits // 8) + groups * per_group)
 

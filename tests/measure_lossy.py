@@ -38,7 +38,7 @@ def needed(factory, seeds: int, examples: int) -> list[tuple[int, float]]:
         drawn[0] += 1
         for step in run(factory, scenario):
             lossy = kvassert.coarsest(step.request.caches)
-            error, base, scale = kvassert.lossy_errors(
+            error, base, scale = kvassert.allowed_errors(
                 step.logits, step.expected_logits, step.reference_logits, axis=1
             )
             share = (error - base).clamp_min(0) / (lossy.relative_step * scale)
