@@ -25,7 +25,8 @@ kit, with no change on your side.
 
 ``CacheTests`` inherits one class per area (``CoreTests``, ``ResetTests``,
 ``IsolationTests``, ``RejectionTests``, ``MemoryTests``, ``StatefulTests``,
-``RequestsTests``, and for the optional capabilities ``AttendTests``, ``ForkTests``,
+``RequestsTests``, ``SharedLayersTests`` (layers that read another layer's cache, declared
+by the model), and for the optional capabilities ``AttendTests``, ``ForkTests``,
 ``PoolTests`` (a factory that is a ``kvref.BlockPool``), ``TruncateTests``, ``ReorderTests``
 ``RowsTests`` (rows of their own, ``append_rows``), ``ShiftTests`` (context shift, ``shift``),
 ``SinksTests`` (attention sinks a cache declares), ``ServingTests`` (prefix caching and
@@ -49,6 +50,7 @@ __all__ = [
     "ResetTests",
     "RowsTests",
     "ServingTests",
+    "SharedLayersTests",
     "ShiftTests",
     "SinksTests",
     "Sizes",

@@ -23,7 +23,7 @@ from kvcheck.failures import (
     UnclearError,
     WrongResults,
 )
-from kvcheck.strategies import random_rows
+from kvcheck.strategies import as_values, random_rows
 from kvref.protocol import Quantized, _same_device
 
 # float64 and float32 are exact enough for a fixed tolerance: float64 tight.
@@ -511,7 +511,8 @@ def describe_call(method: str, sent: tuple, cache=None, spec=None) -> str:
         )
     elif spec is not None and method == "append":
         text += (
-            f", built for (B, H_kv, D) = {(spec.batch, spec.kv_heads, spec.head_dim)}, "
+            f", built for (B, H_kv, D) = {(spec.batch, spec.kv_heads, spec.head_dim)}"
+            f"{'' if spec.value_dim is None else f' (values {spec.value_dim} wide)'}, "
             f"{dtype_name(spec.dtype)} on {spec.device}"
         )
     return text
@@ -569,7 +570,8 @@ def row_changes(
     accepted append, if any."""
     if not isinstance(got, Tensor) or got.ndim != 4:
         return [f"{name}: returned {describe_argument(got)}, not a 4-D tensor"]
-    bhd, want = got.shape[:2] + got.shape[3:], (spec.batch, spec.kv_heads, spec.head_dim)
+    width = spec.value_width if name == "values" else spec.head_dim
+    bhd, want = got.shape[:2] + got.shape[3:], (spec.batch, spec.kv_heads, width)
     if tuple(bhd) != want or not _same_device(got.device, torch.device(spec.device)):
         return [
             f"{name}: returned shaped {tuple(got.shape)} on {got.device}: (B, H_kv, D) "
@@ -670,7 +672,7 @@ def read_back(cache, spec, *, seed: int = 0) -> None:
     """Append one valid row to the recorded ``cache`` through its recorder: ``cache.returned``
     is then every row it holds (or, with a window, a recent run of them) and the new one."""
     row = random_rows(spec, 1, seed=seed + cache.given_length)
-    cache.append(row, -row)
+    cache.append(row, as_values(spec, row, -1))
 
 
 def assert_unchanged(

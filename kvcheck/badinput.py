@@ -23,7 +23,7 @@ from torch import Tensor
 
 from kvcheck.asserts import dtype_name
 from kvcheck.harness import Recorder, builder, record, recorded
-from kvcheck.strategies import ModelPlan, build_model, random_rows
+from kvcheck.strategies import ModelPlan, as_values, build_model, random_rows
 from kvref import CacheFactory, CacheSpec, ReferenceTransformer
 
 
@@ -274,7 +274,7 @@ def with_token(tokens: Tensor, token: int) -> Tensor:
 
 def lengthen(state: ModelState) -> list[Recorder]:
     row = random_rows(state.spec, 1, seed=1)
-    state.caches[state.layer].append(row, row)
+    state.caches[state.layer].append(row, as_values(state.spec, row))
     return state.caches
 
 

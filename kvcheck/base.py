@@ -28,6 +28,7 @@ from kvcheck.properties.requests import ForkTests, RequestsTests
 from kvcheck.properties.reset import ResetTests
 from kvcheck.properties.rows import RowsTests
 from kvcheck.properties.serving import ServingTests
+from kvcheck.properties.shared import SharedLayersTests
 from kvcheck.properties.shift import ShiftTests
 from kvcheck.properties.sinks import SinksTests
 from kvcheck.properties.stateful import StatefulTests
@@ -42,6 +43,7 @@ class CacheTests(
     MemoryTests,
     StatefulTests,
     RequestsTests,
+    SharedLayersTests,
     AttendTests,
     ForkTests,
     PoolTests,
@@ -72,6 +74,7 @@ __all__ = [
     "ResetTests",
     "RowsTests",
     "ServingTests",
+    "SharedLayersTests",
     "ShiftTests",
     "SinksTests",
     "StatefulTests",

@@ -330,10 +330,13 @@ class Recorder:
 
 def record(caches: Iterable[LayerCache], config: ModelConfig, path: str = "append"):
     """One recorder per distinct cache object (each knowing its layer's window), so that a
-    factory that hands the same object to every layer still meets the model's guard."""
+    factory that hands the same object to every layer still meets the model's guard; None
+    for a layer that reads another's cache (``ModelConfig.kv_sources``)."""
     recorders: dict[int, Recorder] = {}
     return [
-        recorders.setdefault(
+        None
+        if cache is None
+        else recorders.setdefault(
             id(cache),
             Recorder(
                 cache,
@@ -357,7 +360,7 @@ def warm(factory: CacheFactory, plan: CachePlan) -> Recorder:
     cache = recorded(factory, plan.spec)
     for step, rows in enumerate(plan.chunks):
         keys = random_rows(plan.spec, rows, seed=step)
-        cache.append(keys, random_rows(plan.spec, rows, seed=100 + step))
+        cache.append(keys, random_rows(plan.spec, rows, seed=100 + step, values=True))
     return cache
 
 

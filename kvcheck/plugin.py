@@ -219,6 +219,7 @@ SUPPORT_FIELDS = {
     "max_length": "int",
     "windows": "bool",
     "sinks": "ints",
+    "latent": "bool",
 }
 
 

@@ -545,9 +545,10 @@ class Engine:
     def poison(self, request: Request, kind: str, rows: int) -> None:
         """Leave ``rows`` rows of nan, inf, -inf or huge values behind in every layer (what
         the next reset must shed); the history is over."""
-        bad = kvst.poison_rows(self.model.cache_spec(request.batch, self.max_length), rows, kind)
+        spec = self.model.cache_spec(request.batch, self.max_length)
+        bad = kvst.poison_rows(spec, rows, kind)
         for cache in request.caches:
-            cache.append(bad, bad.clone())
+            cache.append(bad, kvst.as_values(spec, bad))
 
     def reset(self, request: Request) -> None:
         """Empty every layer of ``request``, kept for a later ``start(reuse=...)``."""

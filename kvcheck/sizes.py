@@ -120,6 +120,9 @@ class Domain:
     # plain window). Unlike the fields above, None is "none": the kit draws sinks only for a
     # cache that lists them, in the property ``attention sinks``.
     sinks: tuple[int, ...] | None = None
+    # Latent (MLA) layers (contract, section 10.2): values of another width than the keys.
+    # Like sinks, None is "no": the kit draws MLA models and value_dim only for True.
+    latent: bool | None = None
 
     def __post_init__(self) -> None:
         def put(name, value):
@@ -161,6 +164,8 @@ class Domain:
                 )
             if self.windows is False and any(self.sinks):
                 raise ValueError("supports.sinks: sinks sit beside a window, and windows is False")
+        if self.latent is not None and not isinstance(self.latent, bool):
+            raise ValueError(f"supports.latent must be True or False, got {self.latent!r}")
         for name in ("dtypes", "head_dims", "kv_heads", "groups", "pages", "devices", "sinks"):
             if getattr(self, name) == ():
                 raise ValueError(f"supports.{name} is empty: the cache supports nothing")
@@ -200,6 +205,8 @@ class Domain:
         if spec.sinks not in self.sink_counts:
             takes = ", ".join(map(str, self.sink_counts))
             return f"{spec.sinks} attention sinks (supports {takes})"
+        if spec.value_dim is not None and not self.latent:
+            return f"value_dim {spec.value_dim} (supports values as wide as the keys only)"
         return None
 
     @property
@@ -242,6 +249,8 @@ class Domain:
             parts.append("windows: none")
         if self.sinks is not None:
             parts.append(f"sinks: {', '.join(map(str, self.sinks))}")
+        if self.latent:
+            parts.append("latent (MLA) layers")
         return parts
 
     def left_out(self) -> list[str]:

@@ -130,9 +130,20 @@ def describe_config(c: ModelConfig) -> str:
     else:
         window = f", window {c.window}{sinks} on even layers (odd ones global)"
     hidden = "" if c.hidden is None else f" on a residual of width {c.hidden}"
+    shared = ""
+    if c.kv_sources is not None:
+        readers = [f"{layer} reads {source}" for layer, source in enumerate(c.kv_sources)]
+        shared = f", layers sharing caches ({', '.join(r for r in readers if 'None' not in r)})"
+    if c.attention == "mla":
+        return (
+            f"{c.num_layers} layers of latent attention ({c.mla_path} path for cached calls): "
+            f"{c.num_heads} heads over one cached latent of width {c.latent_dim} and one rope "
+            f"key of width {c.rope_dim} (heads' no-rope width {c.nope_dim}, value width "
+            f"{c.head_dim}){hidden}{window}{shared}"
+        )
     return (
         f"{c.num_layers} layers, {c.num_heads} heads over {c.num_kv_heads} kv heads of "
-        f"width {c.head_dim}{hidden}{window}"
+        f"width {c.head_dim}{hidden}{window}{shared}"
     )
 
 
@@ -187,6 +198,8 @@ def model_configs(
     # Wide or long: one or two layers (a cache's bugs rarely need a third).
     few = wide or tokens > 2 * MAX_SESSION
     layers = st.integers(min_layers, min(max_layers, max(min_layers, 2)) if few else max_layers)
+    if kvsizes.domain().latent and draw(st.booleans(), label="latent attention"):
+        return draw(latent_configs(head_dim, group, layers, units), label="latent config")
     return ModelConfig(
         vocab_size=draw(st.integers(5, 40), label="vocab_size"),
         num_layers=draw(layers, label="layers"),
@@ -202,9 +215,40 @@ def model_configs(
     )
 
 
+@st.composite
+def latent_configs(draw, rope_dim: int, heads: int, layers, units: int) -> ModelConfig:
+    """An MLA model (contract, section 10.2) for a cache that declares latent layers: its
+    cache's keys ``rope_dim`` wide, its values a latent mostly narrow, a share as wide as
+    DeepSeek-V3's (512) where the budget has room, on either path."""
+    room = units // max(1, heads) - kvsizes.SCORE_COST - rope_dim
+    latent = draw(st.sampled_from((2, 6, 16, 64)), label="latent_dim")
+    if room >= 512 and kvsizes.large(draw, "latent_dim"):
+        latent = 512
+    return ModelConfig(
+        vocab_size=draw(st.integers(5, 40), label="vocab_size"),
+        num_layers=draw(layers, label="layers"),
+        num_heads=heads,
+        num_kv_heads=1,
+        head_dim=draw(st.sampled_from((2, 4, 8)), label="value head width"),
+        ffn_dim=draw(st.sampled_from((8, 32)), label="ffn_dim"),
+        seed=draw(st.integers(0, 2**16), label="weight seed"),
+        window=draw(windows, label="window"),
+        window_layers=draw(st.sampled_from(("all", "alternate")), label="window layers"),
+        hidden=draw(st.sampled_from((16, 8, 32)), label="hidden") if latent > 64 else None,
+        attention="mla",
+        latent_dim=latent,
+        rope_dim=rope_dim,
+        nope_dim=draw(st.sampled_from((2, 4, 8)), label="nope_dim"),
+        mla_path=draw(st.sampled_from(("naive", "absorbed")), label="mla path"),
+    )
+
+
 def attention_room(config: ModelConfig, tokens: int) -> int:
     """The largest batch whose attention over ``tokens`` stays within the budget."""
-    per_row = config.num_heads * (config.head_dim + kvsizes.SCORE_COST) * tokens**2
+    width = config.head_dim
+    if config.attention == "mla":  # the absorbed path attends over the latent and rope key
+        width = max(width, config.query_width, config.latent_dim + config.rope_dim)
+    per_row = config.num_heads * (width + kvsizes.SCORE_COST) * tokens**2
     return max(1, kvsizes.ATTENTION_BUDGET // per_row)
 
 
@@ -352,14 +396,22 @@ def cache_specs(
     room = max(1, kvsizes.ROWS_BUDGET // max_length)  # for batch x kv heads x head_dim
     head_dim = draw(kvsizes.head_dims(room=room), label="head_dim")
     kv_heads = draw(kvsizes.kv_head_counts(room=room // head_dim), label="kv_heads")
+    value_dim = None
+    if kvsizes.domain().latent and draw(st.booleans(), label="latent"):
+        # An MLA layer's cache: one "head", its values a latent of another width.
+        kv_heads = 1
+        widths = [w for w in (2, 6, 16, 64, 512) if w * max_length <= kvsizes.ROWS_BUDGET]
+        value_dim = draw(st.sampled_from(widths or [2]), label="value_dim")
+    width = max(head_dim, value_dim or 0)  # of the widest rows
     return CacheSpec(
-        batch=draw(kvsizes.batches(small_max=3, room=room // (head_dim * kv_heads)), label="batch"),
+        batch=draw(kvsizes.batches(small_max=3, room=room // (width * kv_heads)), label="batch"),
         kv_heads=kv_heads,
         head_dim=head_dim,
         max_length=max_length,
         dtype=draw(dtypes_on_device(dtypes, judged), label="dtype"),
         device=kvdevices.current(),
         window=draw(windows, label="window"),
+        value_dim=value_dim,
     )
 
 
@@ -421,18 +473,29 @@ def _chunk_plans(draw, max_total: int, min_chunks: int, max_chunks: int) -> list
     return plan
 
 
-def random_rows(spec: CacheSpec, rows: int, seed: int) -> torch.Tensor:
-    """Keys or values for ``rows`` new tokens: normal noise, so every row is distinct."""
+def random_rows(spec: CacheSpec, rows: int, seed: int, *, values: bool = False) -> torch.Tensor:
+    """Keys (or with ``values``, values: ``spec.value_width`` wide) for ``rows`` new tokens:
+    normal noise, so every row is distinct."""
     generator = torch.Generator().manual_seed(seed)
-    shape = (spec.batch, spec.kv_heads, rows, spec.head_dim)
+    shape = (spec.batch, spec.kv_heads, rows, spec.value_width if values else spec.head_dim)
     rows = torch.randn(shape, generator=generator, dtype=torch.float64)
     return rows.to(device=spec.device, dtype=spec.dtype)
 
 
-def poison_rows(spec: CacheSpec, rows: int, kind: str) -> torch.Tensor:
-    """Keys or values for ``rows`` tokens, every one ``kind`` (nan, inf, -inf or huge): what
-    a reset must shed."""
-    shape = (spec.batch, spec.kv_heads, rows, spec.head_dim)
+def as_values(spec: CacheSpec, keys: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
+    """Values for the rows ``keys``: ``factor`` x ``keys``, their channels repeated or cut
+    to ``spec.value_width`` where values are of another width (a latent cache's), so that a
+    row of values stays as distinct from the others as its key."""
+    width = spec.value_width
+    if keys.shape[-1] != width:
+        keys = keys.repeat(1, 1, 1, -(-width // keys.shape[-1]))[..., :width]
+    return keys * factor
+
+
+def poison_rows(spec: CacheSpec, rows: int, kind: str, *, values: bool = False) -> torch.Tensor:
+    """Keys (or values) for ``rows`` tokens, every one ``kind`` (nan, inf, -inf or huge):
+    what a reset must shed."""
+    shape = (spec.batch, spec.kv_heads, rows, spec.value_width if values else spec.head_dim)
     return torch.full(shape, poison_value(kind, spec.dtype), dtype=spec.dtype, device=spec.device)
 
 

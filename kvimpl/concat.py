@@ -40,5 +40,8 @@ class ConcatCache:
 
     def reset(self) -> None:
         s = self.spec
-        empty = torch.empty(s.batch, s.kv_heads, 0, s.head_dim, dtype=s.dtype, device=s.device)
-        self.key, self.value = empty, empty.clone()
+
+        def empty(width: int) -> Tensor:
+            return torch.empty(s.batch, s.kv_heads, 0, width, dtype=s.dtype, device=s.device)
+
+        self.key, self.value = empty(s.head_dim), empty(s.value_width)

@@ -68,6 +68,22 @@ class ModelConfig:
     # the query and output projections mapping between the two), a model can be small
     # everywhere but where a cache looks: wide heads, many kv heads, on a narrow residual.
     hidden: int | None = None
+    # Multi-head latent attention (DeepSeek-V2/V3, contract section 10.2): each token's keys
+    # and values come from one compressed latent (``latent_dim`` wide, shared by every head)
+    # and one small rope key (``rope_dim``, shared too), which is all a layer's cache holds.
+    # A head's key is its up-projected ``nope_dim`` channels beside the rope key, its value
+    # ``head_dim`` channels up-projected from the latent. Cached calls take ``mla_path``: the
+    # "naive" one up-projects the cached latents, the "absorbed" one folds the up-projections
+    # into the query and the output and attends over the latents; uncached calls are naive.
+    attention: Literal["gqa", "mla"] = "gqa"
+    latent_dim: int = 16
+    rope_dim: int = 4
+    nope_dim: int = 8
+    mla_path: Literal["naive", "absorbed"] = "naive"
+    # Layers that read another layer's cache (cross-layer KV sharing, section 10.3): one entry
+    # per layer, None for a layer with a cache of its own, or the earlier layer whose cache
+    # it reads (a layer with one of its own, of the same window). None: every layer has one.
+    kv_sources: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -102,6 +118,82 @@ class ModelConfig:
             raise ValueError(
                 f"window_layers must be 'all' or 'alternate', got {self.window_layers!r}"
             )
+        self._check_latent()
+        self._check_kv_sources()
+
+    def _check_latent(self) -> None:
+        if self.attention not in ("gqa", "mla"):
+            raise ValueError(f'attention must be "gqa" or "mla", got {self.attention!r}')
+        if self.mla_path not in ("naive", "absorbed"):
+            raise ValueError(f'mla_path must be "naive" or "absorbed", got {self.mla_path!r}')
+        if self.attention == "gqa":
+            return
+        for name in ("latent_dim", "rope_dim", "nope_dim"):
+            if not is_count(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(
+                    f"ModelConfig.{name} must be an int >= 1, got {getattr(self, name)!r}"
+                )
+        if self.rope_dim % 2:
+            raise ValueError(f"rope_dim must be even for RoPE, got {self.rope_dim}")
+        if self.num_kv_heads != 1:
+            raise ValueError(
+                f"an MLA layer caches one latent and one rope key for every head: num_kv_heads "
+                f"must be 1, got {self.num_kv_heads}"
+            )
+
+    def _check_kv_sources(self) -> None:
+        if self.kv_sources is None:
+            return
+        sources = self.kv_sources
+        if not isinstance(sources, tuple) or len(sources) != self.num_layers:
+            raise ValueError(
+                f"kv_sources must be a tuple of {self.num_layers} entries (one per layer), got "
+                f"{sources!r}"
+            )
+        for layer, source in enumerate(sources):
+            if source is None:
+                continue
+            if not is_count(source) or source >= layer:
+                raise ValueError(
+                    f"kv_sources[{layer}] is {source!r}: a layer reads an earlier layer's cache"
+                )
+            if sources[source] is not None:
+                raise ValueError(
+                    f"kv_sources[{layer}] is {source}, which reads layer {sources[source]}'s "
+                    f"cache itself: a layer reads one that has a cache of its own"
+                )
+            if (self.layer_window(source), self.layer_sinks(source)) != (
+                self.layer_window(layer),
+                self.layer_sinks(layer),
+            ):
+                raise ValueError(
+                    f"kv_sources[{layer}] is {source}, a layer of another window or sinks: a "
+                    f"reader attends over its source's rows, so the two must agree"
+                )
+
+    def source_of(self, layer: int) -> int | None:
+        """The layer whose cache layer ``layer`` reads, or None where it has one of its own."""
+        return None if self.kv_sources is None else self.kv_sources[layer]
+
+    @property
+    def cache_layers(self) -> list[int]:
+        """The layers with a cache of their own (every layer, without ``kv_sources``)."""
+        return [layer for layer in range(self.num_layers) if self.source_of(layer) is None]
+
+    @property
+    def key_width(self) -> int:
+        """The width of a key row a layer's cache holds: the rope key's in MLA."""
+        return self.rope_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def value_width(self) -> int:
+        """The width of a value row a layer's cache holds: the latent's in MLA."""
+        return self.latent_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def query_width(self) -> int:
+        """The width of one query head: in MLA its no-rope channels and its rope channels."""
+        return self.nope_dim + self.rope_dim if self.attention == "mla" else self.head_dim
 
     def layer_window(self, layer: int) -> int | None:
         """Layer ``layer``'s window: every layer's (Mistral-style), or with ``alternate`` the
@@ -260,6 +352,7 @@ def attention(
     sink_end: int | Tensor | None = None,
     sink_query: Tensor | None = None,
     visible: Tensor | None = None,
+    scale: float | None = None,
 ) -> Tensor:
     """Softmax attention of ``query`` (B, H, T, D) over ``keys`` and ``values`` (B, H_kv,
     rows, D) at the given absolute positions, (T,) and (rows,) or each batch row's own (B, T)
@@ -272,7 +365,8 @@ def attention(
     the scores of the keys below ``sink_end`` are taken with it. With ``visible`` (T, rows)
     or (B, T, rows) booleans, query i sees only the rows it marks True for it, beside the
     causal mask (a draft tree's node sees its own ancestors, section 9.2): a row one query may
-    not see, another may, so its value is zeroed for that query alone."""
+    not see, another may, so its value is zeroed for that query alone. ``scale`` replaces
+    1/sqrt(D) where the query is not what the scores were defined on (MLA's absorbed path)."""
     group = query.shape[1] // keys.shape[1]
     if group > 1:
         # Skipped for ordinary multi-head attention: repeat_interleave copies even when
@@ -286,13 +380,14 @@ def attention(
     # same half-precision value whatever the chunk; a cache's attend still sums in float32.
     exact = query.dtype in HALF_DTYPES and query.device.type != "mps"  # MPS has no float64
     wide = torch.float64 if exact else at_least_float32(query.dtype)
-    scores = (query.to(wide) @ keys.to(wide).transpose(-2, -1)) / math.sqrt(query.shape[-1])
+    scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = (query.to(wide) @ keys.to(wide).transpose(-2, -1)) * scale
     if sink_query is not None:
         below = sink_end[:, None] if isinstance(sink_end, Tensor) and sink_end.ndim else sink_end
         sinks = key_positions < below  # (rows,) or (B, rows)
         sinks = sinks[:, None, None, :] if sinks.ndim == 2 else sinks
         at_sinks = sink_query.to(wide) @ keys.to(wide).transpose(-2, -1)
-        scores = torch.where(sinks, at_sinks / math.sqrt(query.shape[-1]), scores)
+        scores = torch.where(sinks, at_sinks * scale, scores)
     allowed = causal_mask(query_positions, key_positions, window, sink_end)
     if allowed.ndim == 3:  # per row: broadcast over the heads
         allowed = allowed[:, None]
@@ -310,6 +405,121 @@ def attention(
 
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def latent_attention(
+    layer: Attention,
+    path: str,
+    q: Tensor,
+    rope_keys: Tensor,
+    latents: Tensor,
+    *args,
+    sink_query: Tensor | None = None,
+    **kwargs,
+) -> Tensor:
+    """MLA (contract, section 10.2): ``q`` (B, H, T, nope + rope, its rope channels rotated)
+    over the rows an MLA layer caches, ``rope_keys`` (B, 1, rows, rope) and ``latents`` (B, 1,
+    rows, latent), on ``path``; the rest as ``attention`` takes it. Computed in float64 (MPS:
+    float32), so that the two paths, which sum in other orders, round to one result in the
+    model's dtype (they agree to some 1e-15 before that)."""
+    wide = torch.float32 if q.device.type == "mps" else torch.float64
+    c = layer.config
+    up_key = layer.up_key.weight.to(wide).view(c.num_heads, c.nope_dim, c.latent_dim)
+    up_value = layer.up_value.weight.to(wide).view(c.num_heads, c.head_dim, c.latent_dim)
+    query, rope_keys, latents = q.to(wide), rope_keys.to(wide), latents.to(wide)
+    sink_query = None if sink_query is None else sink_query.to(wide)
+    attend = naive_attention if path == "naive" else absorbed_attention
+    mixed = attend(
+        query, rope_keys, latents, up_key, up_value, *args, sink_query=sink_query, **kwargs
+    )
+    return mixed.to(q.dtype)
+
+
+def naive_attention(query, rope_keys, latents, up_key, up_value, *args, **kwargs) -> Tensor:
+    """MLA's naive path: each head's keys, its up-projected latent channels beside the rope
+    key, and its values up-projected from the latents, then ``attention`` per head."""
+    heads = up_key.shape[0]
+    keys = torch.einsum("bxrc,hnc->bhrn", latents, up_key)  # x: the one cached "head"
+    keys = torch.cat((keys, rope_keys.expand(-1, heads, -1, -1)), dim=-1)
+    values = torch.einsum("bxrc,hdc->bhrd", latents, up_value)
+    return attention(query, keys, values, *args, **kwargs)
+
+
+def absorbed_attention(query, rope_keys, latents, up_key, up_value, *args, **kwargs) -> Tensor:
+    """MLA's absorbed path (what decode kernels take): each head's no-rope query folded into
+    the latent space (q W_UK), scores over the latents and the rope keys side by side, the
+    latents summed as values, and the head's value projection applied to the sum."""
+    nope = up_key.shape[1]
+
+    def absorbed(q: Tensor | None) -> Tensor | None:
+        if q is None:
+            return None
+        folded = torch.einsum("bhtn,hnc->bhtc", q[..., :nope], up_key)
+        return torch.cat((folded, q[..., nope:]), dim=-1)
+
+    kwargs["sink_query"] = absorbed(kwargs.get("sink_query"))
+    keys = torch.cat((latents, rope_keys), dim=-1)
+    scale = 1 / math.sqrt(query.shape[-1])  # the scores' width: nope + rope
+    mixed = attention(absorbed(query), keys, latents, *args, scale=scale, **kwargs)
+    return torch.einsum("bhtc,hdc->bhtd", mixed, up_value)
+
+
+class SharedRows:
+    """A layer's cache as the model hands it to that layer where later layers read it
+    (contract, section 10.3): appends pass through, and what the append returned is kept
+    for this step's readers. In an uncached pass there is no cache, and the rows are the
+    pass's own keys and values."""
+
+    def __init__(self, cache: LayerCache | None) -> None:
+        self.cache = cache
+        self.before = 0  # the cache's length before this step's append
+        self.rows: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def keys_stored(self) -> str:
+        return "rotated" if self.cache is None else keys_stored(self.cache)
+
+    @property
+    def length(self) -> int:
+        return 0 if self.cache is None else self.cache.length
+
+    @property
+    def offset(self) -> int:
+        """Where a reader's queries start, after the session's first position: at the
+        positions this step's new rows were given, the length before the append."""
+        return self.before
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        self.before = self.length
+        self.rows = (key, value) if self.cache is None else self.cache.append(key, value)
+        return self.rows
+
+
+class SharedReader:
+    """What a layer that reads another's cache is handed in its place: appends nothing, and
+    gets back the rows its source's append of this step returned (rule 2 keeps them valid
+    until the source's next call, which comes after every reader)."""
+
+    def __init__(self, shared: SharedRows) -> None:
+        self.shared = shared
+
+    @property
+    def keys_stored(self) -> str:
+        return self.shared.keys_stored
+
+    @property
+    def length(self) -> int:
+        return self.shared.before
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        return self.shared.rows
+
+
+def is_cached(cache: object) -> bool:
+    """Whether the rows a layer attends over come from a cache (not an uncached pass)."""
+    if isinstance(cache, SharedReader):
+        cache = cache.shared
+    return cache is not None and not (isinstance(cache, SharedRows) and cache.cache is None)
 
 
 def at_least_float32(dtype: torch.dtype) -> torch.dtype:
@@ -401,11 +611,15 @@ class Attention(nn.Module):
         self.layer = layer
         self.window = config.layer_window(layer)
         self.sinks = config.layer_sinks(layer)
-        kv_width = config.num_kv_heads * config.head_dim
-        self.query = nn.Linear(config.d_model, config.attention_width, bias=False)
-        self.key = nn.Linear(config.d_model, kv_width, bias=False)
-        self.value = nn.Linear(config.d_model, kv_width, bias=False)
-        self.out = nn.Linear(config.attention_width, config.d_model, bias=False)
+        c = config
+        # What the cache is handed: the keys (in MLA, the rope key) and the values (the latent).
+        self.query = nn.Linear(c.d_model, c.num_heads * c.query_width, bias=False)
+        self.key = nn.Linear(c.d_model, c.num_kv_heads * c.key_width, bias=False)
+        self.value = nn.Linear(c.d_model, c.num_kv_heads * c.value_width, bias=False)
+        self.out = nn.Linear(c.attention_width, c.d_model, bias=False)
+        if c.attention == "mla":  # each head's no-rope key channels and value, from the latent
+            self.up_key = nn.Linear(c.latent_dim, c.num_heads * c.nope_dim, bias=False)
+            self.up_value = nn.Linear(c.latent_dim, c.num_heads * c.head_dim, bias=False)
 
     def forward(
         self,
@@ -423,12 +637,16 @@ class Attention(nn.Module):
         the session's first token (where its sinks are)."""
         c = self.config
         batch, new_tokens, _ = x.shape
-        q = self.query(x).view(batch, new_tokens, c.num_heads, c.head_dim).transpose(1, 2)
-        unrotated = self.key(x).view(batch, new_tokens, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = self.value(x).view(batch, new_tokens, c.num_kv_heads, c.head_dim).transpose(1, 2)
+
+        def heads(projected: Tensor, count: int) -> Tensor:  # (B, T, count x D) to (B, count, T, D)
+            return projected.view(batch, new_tokens, count, -1).transpose(1, 2)
+
+        q = heads(self.query(x), c.num_heads)
+        unrotated = heads(self.key(x), c.num_kv_heads)
+        v = heads(self.value(x), c.num_kv_heads)
         firsts = rows.firsts if isinstance(rows, RowBatch) else first
         sink_query = self._sink_query(q, positions, firsts)
-        q = apply_rope(q, positions, c.rope_base)
+        q = self._rotate_query(q, positions)
         k = apply_rope(unrotated, positions, c.rope_base)
         # What the cache is handed: keys rotated at their positions, never rotated again; or,
         # to a cache that keeps them unrotated (section 8.4), as they are, the model rotating
@@ -440,7 +658,10 @@ class Attention(nn.Module):
         elif rows is not None:
             mixed = self._attend_rows(q, handed, v, positions, cache, rows, sink_query)
         elif (
-            stored == "rotated" and sink_query is None and callable(getattr(cache, "attend", None))
+            stored == "rotated"
+            and sink_query is None
+            and c.attention == "gqa"  # an MLA cache holds no per-head keys to attend over
+            and callable(getattr(cache, "attend", None))
         ):
             # The cache computes attention itself (a paged kernel, say): no rows come back.
             mixed = cache.attend(q, k, v)
@@ -460,7 +681,8 @@ class Attention(nn.Module):
             key_positions = first + torch.tensor(kept, dtype=torch.long, device=x.device)
             if stored == "unrotated":
                 all_k = apply_rope(all_k, key_positions, c.rope_base)
-            mixed = attention(
+            mixed = self._attention(
+                is_cached(cache),
                 q,
                 all_k,
                 all_v,
@@ -485,7 +707,22 @@ class Attention(nn.Module):
         firsts = torch.as_tensor(first, device=positions.device)
         index = positions - (firsts[:, None] if firsts.ndim else firsts)
         gap = (index - (self.window - 1) - self.sinks).clamp(min=0)
-        return apply_rope(q, (positions - gap).clamp(min=0), self.config.rope_base)
+        return self._rotate_query(q, (positions - gap).clamp(min=0))
+
+    def _rotate_query(self, q: Tensor, positions: Tensor) -> Tensor:
+        """``q`` rotated at ``positions``: every channel, or in MLA its rope channels alone."""
+        if self.config.attention == "gqa":
+            return apply_rope(q, positions, self.config.rope_base)
+        nope, rope = q.split((self.config.nope_dim, self.config.rope_dim), dim=-1)
+        return torch.cat((nope, apply_rope(rope, positions, self.config.rope_base)), dim=-1)
+
+    def _attention(self, cached: bool, q: Tensor, keys: Tensor, values: Tensor, *args, **kwargs):
+        """``attention`` over the rows a cache returned (``cached``) or the uncached pass's:
+        per head over them, or in MLA over what they hold (``latent_attention``)."""
+        if self.config.attention == "gqa":
+            return attention(q, keys, values, *args, **kwargs)
+        path = self.config.mla_path if cached else "naive"
+        return latent_attention(self, path, q, keys, values, *args, **kwargs)
 
     def _attend_rows(
         self,
@@ -518,8 +755,17 @@ class Attention(nn.Module):
         if keys_stored(cache) == "unrotated":  # each row's keys at its own positions
             all_k = apply_rope(all_k, key_positions.clamp(min=0), self.config.rope_base)
         sink_end = firsts + self.sinks
-        return attention(
-            q, all_k, all_v, positions, key_positions, self.window, valid, sink_end, sink_query
+        return self._attention(
+            True,
+            q,
+            all_k,
+            all_v,
+            positions,
+            key_positions,
+            self.window,
+            valid,
+            sink_end,
+            sink_query,
         )
 
     def _attend_tree(
@@ -549,7 +795,8 @@ class Attention(nn.Module):
         if keys_stored(cache) == "unrotated":
             all_k = apply_rope(all_k, key_positions, self.config.rope_base)
         visible = committed | tree.seen[:, node]  # (nodes, rows)
-        return attention(
+        return self._attention(
+            True,
             q,
             all_k,
             all_v,
@@ -572,9 +819,10 @@ class Attention(nn.Module):
             isinstance(keys, Tensor)
             and isinstance(values, Tensor)
             and isinstance(valid, Tensor)
-            and keys.ndim == 4
-            and values.shape == keys.shape
-            and (keys.shape[0], keys.shape[1], keys.shape[3]) == (batch, c.num_kv_heads, c.head_dim)
+            and keys.ndim == values.ndim == 4
+            and keys.shape[:2] == values.shape[:2] == (batch, c.num_kv_heads)
+            and keys.shape[2] == values.shape[2]
+            and (keys.shape[3], values.shape[3]) == (c.key_width, c.value_width)
             and valid.dtype == torch.bool
             and valid.shape == (batch, keys.shape[2])
             and keys.dtype == values.dtype == self.out.weight.dtype
@@ -587,7 +835,7 @@ class Attention(nn.Module):
             ]
             raise CacheContractError(
                 f"layer {self.layer}: append_rows must return keys and values shaped ({batch}, "
-                f"{c.num_kv_heads}, rows, {c.head_dim}) in {self.out.weight.dtype} and valid "
+                f"{c.num_kv_heads}, rows, {self._widths}) in {self.out.weight.dtype} and valid "
                 f"booleans ({batch}, rows) on their device; it returned keys {got[0]}, values "
                 f"{got[1]} and valid {got[2]}"
             )
@@ -620,6 +868,14 @@ class Attention(nn.Module):
                 f"{tuple(query.shape)} {query.dtype}; it returned {got}"
             )
 
+    @property
+    def _widths(self) -> str:
+        """The width of a returned row, for a message: head_dim, or in MLA the two widths."""
+        c = self.config
+        if c.key_width == c.value_width:
+            return str(c.key_width)
+        return f"{c.key_width} for keys and {c.value_width} for values"
+
     def _check_returned_rows(
         self,
         keys: Tensor,
@@ -636,9 +892,10 @@ class Attention(nn.Module):
         new_tokens = end - start
         fewest = rows_needed(self.window, end, new_tokens, self.sinks)
         ok = (
-            keys.ndim == 4
-            and values.shape == keys.shape
-            and (keys.shape[0], keys.shape[1], keys.shape[3]) == (batch, c.num_kv_heads, c.head_dim)
+            keys.ndim == values.ndim == 4
+            and keys.shape[:3] == values.shape[:3]
+            and keys.shape[:2] == (batch, c.num_kv_heads)
+            and (keys.shape[3], values.shape[3]) == (c.key_width, c.value_width)
             and fewest <= keys.shape[2] <= end
         )
         if not ok:
@@ -649,7 +906,7 @@ class Attention(nn.Module):
             raise CacheContractError(
                 f"layer {self.layer}: the caches' length was {start} before this call, so "
                 f"after appending {new_tokens} tokens {call} must return {rows} rows{window}, "
-                f"shaped ({batch}, {c.num_kv_heads}, rows, {c.head_dim}); it returned keys "
+                f"shaped ({batch}, {c.num_kv_heads}, rows, {self._widths}); it returned keys "
                 f"{tuple(keys.shape)} and values {tuple(values.shape)}"
             )
 
@@ -727,19 +984,25 @@ class ReferenceTransformer(nn.Module):
         return CacheSpec(
             batch,
             c.num_kv_heads,
-            c.head_dim,
+            c.key_width,
             max_length,
             self.dtype,
             self.device,
             window=c.layer_window(layer),
             sinks=c.layer_sinks(layer),
             rope_base=c.rope_base,
+            value_dim=c.value_width if c.attention == "mla" else None,
         )
 
-    def new_caches(self, factory: CacheFactory, *, batch: int, max_length: int) -> list[LayerCache]:
-        """One fresh cache per layer, each built from its layer's CacheSpec."""
+    def new_caches(
+        self, factory: CacheFactory, *, batch: int, max_length: int
+    ) -> list[LayerCache | None]:
+        """One fresh cache per layer, each built from its layer's CacheSpec; None for a layer
+        that reads another's (``kv_sources``)."""
         return [
-            factory(self.cache_spec(batch, max_length, layer=layer))
+            None
+            if self.config.source_of(layer) is not None
+            else factory(self.cache_spec(batch, max_length, layer=layer))
             for layer in range(self.config.num_layers)
         ]
 
@@ -779,6 +1042,8 @@ class ReferenceTransformer(nn.Module):
         ``first_position``, 0 for a cache without one; every layer and row the same."""
         firsts = set()
         for cache in caches:
+            if cache is None:  # a layer that reads another's cache
+                continue
             first = getattr(cache, "first_position", 0)
             firsts.update((first,) if isinstance(first, int) else tuple(first))
         if len(firsts) > 1 or not all(is_count(first) for first in firsts):
@@ -804,6 +1069,7 @@ class ReferenceTransformer(nn.Module):
         ``row_lengths`` on. Pad slots give nan logits, and their keys and values reach the
         caches as ``pad``, so that a pad let into attention shows."""
         self._check_token_ids(token_ids)
+        self._check_unshared("forward_rows")
         batch, new_tokens = token_ids.shape
         lengths, firsts, padding = self._check_row_caches(caches, batch)
         counts = check_counts(counts, batch, new_tokens)
@@ -862,6 +1128,7 @@ class ReferenceTransformer(nn.Module):
         committed tokens and its path's (``forward_tree_uncached``). The caches then hold L + T
         rows until ``commit_tree``."""
         self._check_token_ids(token_ids)
+        self._check_unshared("forward_tree")
         batch, nodes = token_ids.shape
         parents = check_tree(parents, nodes)
         held = self._check_caches(caches, batch=batch)
@@ -933,7 +1200,8 @@ class ReferenceTransformer(nn.Module):
         window keep the same positions, and a global layer never needs to refuse)."""
         windows = [self.config.layer_window(layer) for layer in range(self.config.num_layers)]
         return sorted(
-            range(len(windows)), key=lambda layer: (windows[layer] is None, -(windows[layer] or 0))
+            self.config.cache_layers,
+            key=lambda layer: (windows[layer] is None, -(windows[layer] or 0)),
         )
 
     def reorder(self, caches: Sequence[LayerCache], indices: Tensor) -> None:
@@ -946,17 +1214,23 @@ class ReferenceTransformer(nn.Module):
                 f"reorder: indices must be a torch.Tensor, got {type(indices).__name__}"
             )
         # The batch a cache's spec says, else the one the indices imply.
-        specs = [getattr(cache, "spec", None) for cache in caches]
+        specs = [getattr(caches[layer], "spec", None) for layer in self.config.cache_layers]
         batches = {spec.batch for spec in specs if isinstance(spec, CacheSpec)}
         batch = batches.pop() if len(batches) == 1 else indices.numel()
         check_reorder(self.cache_spec(batch, 1), indices)
-        for cache in caches:
-            cache.reorder(indices)
+        for layer in self.config.cache_layers:
+            caches[layer].reorder(indices)
+
+    def _check_unshared(self, call: str) -> None:
+        if self.config.kv_sources is not None:
+            raise ValueError(
+                f"{call}: layers that share a cache (kv_sources) run through forward() only"
+            )
 
     @staticmethod
     def _check_offered(caches: Sequence[LayerCache], capability: str) -> None:
         for layer, cache in enumerate(caches):
-            if not callable(getattr(cache, capability, None)):
+            if cache is not None and not callable(getattr(cache, capability, None)):
                 raise CacheContractError(
                     f"layer {layer}: {type(cache).__name__} offers no {capability}()"
                 )
@@ -986,14 +1260,25 @@ class ReferenceTransformer(nn.Module):
     ):
         """The tokens at positions ``offset`` onwards, in a session whose first token sat at
         ``first`` (its sinks); each layer's new keys (rotated or not, ``keys``) and values."""
+        c = self.config
         new_tokens = token_ids.shape[1]
         positions = torch.arange(offset, offset + new_tokens, device=self.device)
         x = self.embedding(token_ids)
         keys_and_values = []
+        read = {c.source_of(layer) for layer in range(c.num_layers)} - {None}
+        shared: dict[int, SharedRows] = {}  # a source layer's rows of this step, for its readers
         for layer, block in enumerate(self.blocks):
-            cache = None if caches is None else caches[layer]
-            x, k, v = block(x, positions, cache, first=first, keys=keys)
-            keys_and_values.append((k, v))
+            source, at = c.source_of(layer), positions
+            if source is not None:
+                cache = SharedReader(shared[source])
+                if caches is not None:  # queries at the positions the source's rows were given
+                    at = first + shared[source].offset + torch.arange(new_tokens, device=x.device)
+            else:
+                cache = None if caches is None else caches[layer]
+                if layer in read:
+                    cache = shared[layer] = SharedRows(cache)
+            x, k, v = block(x, at, cache, first=first, keys=keys)
+            keys_and_values.append((k, v) if source is None else keys_and_values[source])
         logits = self.final_norm(x) @ self.embedding.weight.T  # tied output embedding
         return logits, keys_and_values
 
@@ -1025,18 +1310,32 @@ class ReferenceTransformer(nn.Module):
             raise CacheContractError(
                 f"wrong number of caches: {layers} layers need {layers}, got {len(caches)}"
             )
-        first_layer_of: dict[int, int] = {}
-        stored = [keys_stored(cache) for cache in caches]
         for layer, cache in enumerate(caches):
-            if stored[layer] not in KEYS_STORED:
+            source = self.config.source_of(layer)
+            if source is not None and cache is not None:
                 raise CacheContractError(
-                    f"layer {layer}: keys_stored is {stored[layer]!r}, neither "
+                    f"layer {layer} reads layer {source}'s cache (kv_sources), but was handed a "
+                    f"cache of its own ({type(cache).__name__}); its entry must be None"
+                )
+            if source is None and cache is None:
+                raise CacheContractError(
+                    f"layer {layer}: no cache (None), and it reads no other layer's (kv_sources)"
+                )
+        owned = self.config.cache_layers
+        first_layer_of: dict[int, int] = {}
+        stored = [keys_stored(caches[layer]) for layer in owned]
+        for index, layer in enumerate(owned):
+            cache = caches[layer]
+            if stored[index] not in KEYS_STORED:
+                raise CacheContractError(
+                    f"layer {layer}: keys_stored is {stored[index]!r}, neither "
                     f'"rotated" nor "unrotated" (contract, section 8.4)'
                 )
             if id(cache) in first_layer_of:
                 raise CacheContractError(
                     f"the same cache object is used for layers {first_layer_of[id(cache)]} and "
-                    f"{layer}; each layer needs a cache of its own"
+                    f"{layer}; each layer needs a cache of its own (a layer that reads another's "
+                    f"declares it in ModelConfig.kv_sources, its entry None)"
                 )
             first_layer_of[id(cache)] = layer
         if len(set(stored)) > 1:
@@ -1044,8 +1343,8 @@ class ReferenceTransformer(nn.Module):
                 f"inconsistent layer caches: keys_stored by layer {stored}; every layer's cache "
                 f"must keep keys the same way (contract, section 8.4)"
             )
-        lengths = [cache.length for cache in caches]
-        for layer, length in enumerate(lengths):
+        lengths = [caches[layer].length for layer in owned]
+        for layer, length in zip(owned, lengths, strict=True):
             if isinstance(length, bool) or not isinstance(length, int) or length < 0:
                 raise CacheContractError(
                     f"layer {layer}: cache.length must be an int >= 0, got {length!r}"
@@ -1055,7 +1354,8 @@ class ReferenceTransformer(nn.Module):
             raise CacheContractError(
                 f"inconsistent layer caches: {problem}; lengths by layer {lengths}"
             )
-        for layer, cache in enumerate(caches):
+        for layer in owned:
+            cache = caches[layer]
             # `spec` is not part of the protocol, but a cache that exposes one lets the model
             # reject a mismatch before layer 0 has appended anything.
             spec = getattr(cache, "spec", None)
@@ -1063,7 +1363,7 @@ class ReferenceTransformer(nn.Module):
                 continue
             wanted = self.cache_spec(batch or spec.batch, max(lengths[0], 1), layer=layer)
             # Not the window: a cache may ignore it and keep everything (the mask applies it).
-            for field in ("batch", "kv_heads", "head_dim", "dtype"):
+            for field in ("batch", "kv_heads", "head_dim", "value_width", "dtype"):
                 if getattr(spec, field) != getattr(wanted, field):
                     raise CacheContractError(
                         f"layer {layer}: cache built for {field} {getattr(spec, field)}, but this "

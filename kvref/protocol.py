@@ -38,7 +38,8 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """What a cache is built for: keys and values shaped (batch, kv_heads, length, head_dim)."""
+    """What a cache is built for: keys shaped (batch, kv_heads, length, head_dim) and values
+    (batch, kv_heads, length, value_width): ``value_dim``, or ``head_dim`` where it is None."""
 
     batch: int
     kv_heads: int
@@ -53,8 +54,21 @@ class CacheSpec:
     sinks: int = 0
     # The model's RoPE base, for a cache that rotates keys itself (context shift, section 8.4).
     rope_base: float = 10_000.0
+    # A latent (MLA) layer's values are wider than its keys (contract, section 10.2): the
+    # compressed latent beside the small rope key. None, the values are ``head_dim`` wide;
+    # the kit sets it only for a cache that declares ``supports: {"latent": True}``.
+    value_dim: int | None = None
+
+    @property
+    def value_width(self) -> int:
+        """The width of a value row: ``value_dim``, or ``head_dim`` where it is None."""
+        return self.head_dim if self.value_dim is None else self.value_dim
 
     def __post_init__(self) -> None:
+        if self.value_dim is not None and not (is_count(self.value_dim) and self.value_dim):
+            raise ValueError(
+                f"CacheSpec.value_dim must be None or an int >= 1, got {self.value_dim!r}"
+            )
         if self.window is not None and (
             isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1
         ):
@@ -172,7 +186,7 @@ def check_append(
                 f"append: {name} must have rank 4 (batch, kv_heads, T, head_dim), "
                 f"got rank {tensor.ndim} with shape {tuple(tensor.shape)}"
             )
-    if key.shape != value.shape:
+    if key.shape[:3] != value.shape[:3] or (spec.value_dim is None and key.shape != value.shape):
         raise ValueError(
             f"append: key and value shapes differ: "
             f"key {tuple(key.shape)}, value {tuple(value.shape)}"
@@ -185,6 +199,11 @@ def check_append(
                 f"append: wrong {axis}: got {got}, this cache was built for {expected[axis]} "
                 f"(key shape {tuple(key.shape)})"
             )
+    if value.shape[3] != spec.value_width:
+        raise ValueError(
+            f"append: wrong value width: got {value.shape[3]}, this cache was built for "
+            f"{spec.value_width} (value shape {tuple(value.shape)})"
+        )
     if new_tokens == 0:
         raise ValueError("append: zero new tokens (T = 0); append at least one token")
     for name, tensor in (("key", key), ("value", value)):
@@ -362,18 +381,19 @@ def min_nbytes(
     storage: tuple[Quantized | None, Quantized | None] = (None, None),
     in_codes: tuple[int, int] = (0, 0),
 ) -> int:
-    """The least a cache holding ``length`` tokens can reserve: 2 x B x H_kv x rows x D x
-    itemsize (the 2 counts keys and values), where rows is ``length``, or min(length, W - 1)
-    with a window. A concat cache reserves exactly this. Under a declared lossy ``storage``
-    (section 10.1), of keys and of values the first ``in_codes`` rows may be in codes, each
-    at its declaration's least (``Quantized.nbytes``)."""
+    """The least a cache holding ``length`` tokens can reserve: B x H_kv x rows x (D + the
+    value width) x itemsize (2 x D where values are as wide as keys), where rows is
+    ``length``, or min(length, W - 1) with a window. A concat cache reserves exactly this.
+    Under a declared lossy ``storage`` (section 10.1), of keys and of values the first
+    ``in_codes`` rows may be in codes, each at its declaration's least (``Quantized.nbytes``)."""
     itemsize = torch.empty((), dtype=spec.dtype).element_size()
     rows = spec.rows_needed(length)
     total = 0
-    for declared, coded in zip(storage, in_codes, strict=True):
+    widths = (spec.head_dim, spec.value_width)
+    for declared, coded, width in zip(storage, in_codes, widths, strict=True):
         coded = 0 if declared is None else max(0, min(rows, coded - (length - rows)))
-        exact = (rows - coded) * spec.head_dim * itemsize
-        total += exact + (declared.nbytes(coded, spec.head_dim) if declared else 0)
+        exact = (rows - coded) * width * itemsize
+        total += exact + (declared.nbytes(coded, width) if declared else 0)
     return spec.batch * spec.kv_heads * total
 
 

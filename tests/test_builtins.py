@@ -19,6 +19,7 @@ from kvcheck import CacheTests, Sizes
 from kvcheck import strategies as kvst
 from kvcheck.properties import core
 from kvimpl import ChunkedCache, sdpa
+from kvimpl.latent import LatentCache
 from kvimpl.quantized import QuantizedCache
 from kvref import ModelConfig, ReferenceTransformer, min_nbytes
 from tests import depth
@@ -39,6 +40,14 @@ class TestQuantizedCache(CacheTests):
     kvimpl.CACHES, whose benchmark rows hold every cache to the full-precision formula."""
 
     factory = QuantizedCache
+    examples_scale = depth.pick(0.1, soak=0.5)
+
+
+class TestLatentCache(CacheTests):
+    """The latent (MLA) cache (contract, section 10.2): latent and rope key in one buffer
+    row, held to every property on MLA models and latent specs beside the ordinary ones."""
+
+    factory = LatentCache
     examples_scale = depth.pick(0.1, soak=0.5)
 
 

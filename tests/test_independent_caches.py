@@ -18,6 +18,7 @@ from tests.independent.half_kernel_cache import HalfKernelCache
 from tests.independent.left_padded_batch_cache import LeftPaddedBatchCache
 from tests.independent.list_cache import ListCache
 from tests.independent.paged_cache import PagedCache
+from tests.independent.paged_latent_cache import PagedLatentCache
 from tests.independent.pooled_ring_cache import RingCache
 from tests.independent.radix_prefix_pool import RadixPrefixPool
 from tests.independent.sdpa_cache import SdpaCache
@@ -137,6 +138,14 @@ class TestGroupInt4Cache(Independent):
     it declares, every row check and the logits budget without a false alarm."""
 
     factory = GroupInt4Cache
+
+
+class TestPagedLatentCache(Independent):
+    """A latent (MLA) cache in pages of 8 tokens allocated on demand, rope keys and latents
+    in lists of their own, gathered by torch.cat (contract, section 10.2): held to every
+    property on MLA models and latent specs."""
+
+    factory = PagedLatentCache
 
 
 class TestHalfKernelCache(Independent):

@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 import kvimpl
 from examples import doubling_cache as examples_doubling
 from kvcheck import asserts as kvassert
+from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
+from kvcheck.properties.shared import kv_sources
 from kvref import CacheContractError, ModelConfig, ReferenceTransformer
 from kvref import attention as kvref_attention
 
@@ -60,46 +62,75 @@ def test_a_global_position_offset_does_not_change_logits(data):
 
 def naive_logits(model: ReferenceTransformer, tokens: torch.Tensor) -> torch.Tensor:
     """The same transformer written the slow way: one query, one head, one key at a time,
-    with RoPE as multiplication by a complex phase. Shares nothing with kvref but weights."""
+    with RoPE as multiplication by a complex phase; in MLA, each head's key and value
+    up-projected from the latent; a layer that reads another's (``kv_sources``) attending
+    over that layer's keys and values. Shares nothing with kvref but weights."""
     c = model.config
     weights = model.state_dict()
     group = c.num_heads // c.num_kv_heads
-    half = c.head_dim // 2
-    theta = torch.tensor(
-        [c.rope_base ** (-2 * i / c.head_dim) for i in range(half)], dtype=torch.float64
-    )
+    mla = c.attention == "mla"
 
     def rms_norm(x, weight):
         return x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * weight
 
     def rotate(vector, position):
+        half = len(vector) // 2
+        theta = torch.tensor(
+            [c.rope_base ** (-2 * i / len(vector)) for i in range(half)], dtype=torch.float64
+        )
         phase = torch.polar(torch.ones(half, dtype=torch.float64), position * theta)
         turned = torch.complex(vector[:half], vector[half:]) * phase
         return torch.cat((turned.real, turned.imag))
 
     x = weights["embedding.weight"][tokens]
     batch, length, _ = x.shape
+    keys_and_values = {}  # by layer: key(b, s, head) and value(b, s, head), for readers
     for layer in range(c.num_layers):
         window = c.layer_window(layer) or length  # the whole prefix when global
         w = {name.removeprefix(f"blocks.{layer}."): t for name, t in weights.items()}
         h = rms_norm(x, w["attention_norm.weight"])
-        q = (h @ w["attention.query.weight"].T).view(batch, length, c.num_heads, c.head_dim)
-        k = (h @ w["attention.key.weight"].T).view(batch, length, c.num_kv_heads, c.head_dim)
-        v = (h @ w["attention.value.weight"].T).view(batch, length, c.num_kv_heads, c.head_dim)
+        q = (h @ w["attention.query.weight"].T).view(batch, length, c.num_heads, -1)
+        k = (h @ w["attention.key.weight"].T).view(batch, length, c.num_kv_heads, -1)
+        v = (h @ w["attention.value.weight"].T).view(batch, length, c.num_kv_heads, -1)
+        if mla:  # k: the rope key, v: the latent, of the one cached "head"
+            up_key = (v @ w["attention.up_key.weight"].T).view(batch, length, c.num_heads, -1)
+            up_value = (v @ w["attention.up_value.weight"].T).view(batch, length, c.num_heads, -1)
+
+            def key(b, s, head, k=k, up_key=up_key):
+                return torch.cat((up_key[b, s, head], rotate(k[b, s, 0], s)))
+
+            def value(b, s, head, up_value=up_value):
+                return up_value[b, s, head]
+
+            def query(b, p, head, q=q):
+                nope = q[b, p, head, : c.nope_dim]
+                return torch.cat((nope, rotate(q[b, p, head, c.nope_dim :], p)))
+        else:
+
+            def key(b, s, head, k=k):
+                return rotate(k[b, s, head // group], s)
+
+            def value(b, s, head, v=v):
+                return v[b, s, head // group]
+
+            def query(b, p, head, q=q):
+                return rotate(q[b, p, head], p)
+
+        source = c.source_of(layer)
+        keys_and_values[layer] = (key, value) if source is None else keys_and_values[source]
+        key, value = keys_and_values[layer]
         mixed = torch.zeros(batch, length, c.num_heads, c.head_dim, dtype=torch.float64)
         for b in range(batch):
             for head in range(c.num_heads):
-                kv_head = head // group
                 for p in range(length):
-                    query = rotate(q[b, p, head], p)
+                    first = max(0, p - window + 1)
+                    asked = query(b, p, head)
                     scores = [
-                        query @ rotate(k[b, s, kv_head], s) / math.sqrt(c.head_dim)
-                        for s in range(max(0, p - window + 1), p + 1)
+                        asked @ key(b, s, head) / math.sqrt(len(asked)) for s in range(first, p + 1)
                     ]
                     attention = torch.softmax(torch.stack(scores), dim=0)
-                    first = max(0, p - window + 1)
                     mixed[b, p, head] = sum(
-                        a * v[b, first + i, kv_head] for i, a in enumerate(attention)
+                        a * value(b, first + i, head) for i, a in enumerate(attention)
                     )
         x = x + mixed.reshape(batch, length, -1) @ w["attention.out.weight"].T
         h = rms_norm(x, w["ffn_norm.weight"])
@@ -107,9 +138,19 @@ def naive_logits(model: ReferenceTransformer, tokens: torch.Tensor) -> torch.Ten
     return rms_norm(x, weights["final_norm.weight"]) @ weights["embedding.weight"].T
 
 
+@st.composite
+def any_configs(draw, max_layers: int = 2) -> ModelConfig:
+    """A model config: grouped-query or MLA (either path), with layers sharing caches or not."""
+    with kvsizes.aiming_at(kvsizes.Sizes(supports=kvsizes.Domain(latent=True))):
+        config = draw(kvst.model_configs(max_layers=max_layers), label="config")
+    if config.num_layers > 1 and draw(st.booleans(), label="shared layers"):
+        config = replace(config, kv_sources=draw(kv_sources(config), label="kv_sources"))
+    return config
+
+
 @given(data=st.data())
 def test_agrees_with_a_naive_attention(data):
-    config = data.draw(kvst.model_configs(max_layers=2), label="config")
+    config = data.draw(any_configs(max_layers=3), label="config")
     batch = data.draw(st.integers(1, 2), label="batch")
     length = data.draw(st.integers(1, 10), label="length")
     model = kvst.build_model(config, torch.float64)
@@ -253,3 +294,95 @@ def test_an_attend_that_returns_the_wrong_shape_is_a_contract_error():
     caches = model.new_caches(Truncating, batch=1, max_length=4)
     with pytest.raises(CacheContractError, match="attend must return a tensor shaped like"):
         model(torch.zeros(1, 2, dtype=torch.int64), caches=caches)
+
+
+@given(data=st.data())
+def test_cached_calls_on_either_path_equal_the_uncached_model(data):
+    # MLA's absorbed path and layers that share caches, chunk by chunk, against the
+    # uncached pass: the model's part of what `logits` holds every cache to.
+    config = data.draw(any_configs(max_layers=3), label="config")
+    chunks = data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=5), label="chunks")
+    model = kvst.build_model(config, torch.float64)
+    tokens = kvst.random_tokens(config, 2, sum(chunks), seed=len(chunks))
+    caches = model.new_caches(kvimpl.ConcatCache, batch=2, max_length=sum(chunks))
+    start, cached = 0, []
+    for size in chunks:
+        cached.append(model(tokens[:, start : start + size], caches=caches))
+        start += size
+    kvassert.assert_close_at(
+        torch.cat(cached, dim=1),
+        model(tokens),
+        what="cached and uncached logits",
+        where=f"chunks {chunks} of {kvst.describe_config(config)}",
+        position_axis=1,
+    )
+
+
+def test_the_two_latent_paths_agree_to_rounding():
+    config = ModelConfig(
+        vocab_size=13, num_layers=2, num_heads=4, num_kv_heads=1, head_dim=6, attention="mla"
+    )
+    tokens = kvst.random_tokens(config, 2, 9, seed=3)
+    logits = []
+    for path in ("naive", "absorbed"):
+        model = ReferenceTransformer(replace(config, mla_path=path))
+        caches = model.new_caches(kvimpl.ConcatCache, batch=2, max_length=9)
+        logits.append(
+            torch.cat([model(tokens[:, :5], caches=caches), model(tokens[:, 5:], caches=caches)], 1)
+        )
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-12, atol=1e-12)
+    spec = ReferenceTransformer(config).cache_spec(2, 9)
+    assert (spec.kv_heads, spec.head_dim, spec.value_dim) == (1, 4, 16)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_kv_heads": 2, "num_heads": 4}, "num_kv_heads must be 1"),
+        ({"rope_dim": 3}, "rope_dim must be even"),
+        ({"latent_dim": 0}, "latent_dim must be an int >= 1"),
+        ({"mla_path": "fast"}, "mla_path must be"),
+    ],
+)
+def test_latent_configs_are_checked(change, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**{"num_heads": 4, "num_kv_heads": 1, "attention": "mla", **change})
+
+
+@pytest.mark.parametrize(
+    ("sources", "message"),
+    [
+        ((None, 1), "reads an earlier layer"),
+        ((None, 0, 1), "which reads layer 0's cache itself"),
+        ((0, None), "reads an earlier layer"),
+        ((None,), "a tuple of 2 entries"),
+    ],
+)
+def test_kv_sources_are_checked(sources, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(num_layers=max(2, len(sources)), kv_sources=sources)
+
+
+def test_a_reader_must_share_its_sources_window():
+    with pytest.raises(ValueError, match="another window"):
+        ModelConfig(num_layers=2, window=4, window_layers="alternate", kv_sources=(None, 0))
+
+
+def test_sharing_is_allowed_exactly_where_declared():
+    shared = ReferenceTransformer(ModelConfig(num_layers=3, kv_sources=(None, None, 0)))
+    caches = shared.new_caches(kvimpl.ConcatCache, batch=1, max_length=4)
+    assert [cache is None for cache in caches] == [False, False, True]
+    tokens = torch.zeros(1, 2, dtype=torch.long)
+    own = [*caches[:2], kvimpl.ConcatCache(shared.cache_spec(1, 4))]
+    with pytest.raises(CacheContractError, match="layer 2 reads layer 0's cache"):
+        shared(tokens, caches=own)
+    with pytest.raises(CacheContractError, match="layer 1: no cache"):
+        shared(tokens, caches=[caches[0], None, None])
+    with pytest.raises(CacheContractError, match="same cache object"):
+        shared(tokens, caches=[caches[0], caches[0], None])
+    with pytest.raises(ValueError, match="forward\\(\\) only"):
+        shared.forward_rows(tokens, [2], caches)
+    unshared = ReferenceTransformer(ModelConfig(num_layers=2))
+    with pytest.raises(CacheContractError, match="layer 1: no cache"):
+        unshared(tokens, caches=[kvimpl.ConcatCache(unshared.cache_spec(1, 4)), None])
+    assert all(cache.length == 0 for cache in caches if cache is not None)  # nothing written

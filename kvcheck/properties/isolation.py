@@ -57,7 +57,7 @@ def check_isolation(factory: CacheFactory, plan: IsolationPlan, *, path: str = "
             if not sizes[step]:
                 continue
             new = kvst.random_rows(spec, sizes[step], seed=1000 * which + step)
-            give(cache, new, new * 3, seed=step)
+            give(cache, new, kvst.as_values(spec, new, 3), seed=step)
             where = f"{cache.path} #{step} of cache {name}: {plan.describe()}"
             kvassert.assert_length(cache, cache.given_length, who=f"cache {name}", where=where)
             assert_served(cache, who=f"cache {name}", where=where)

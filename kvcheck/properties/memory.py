@@ -18,7 +18,7 @@ def check_nbytes(factory: CacheFactory, plan: kvst.CachePlan) -> None:
             cache.reset()
         else:
             new = kvst.random_rows(spec, rows, seed=step)
-            cache.append(new, new)
+            cache.append(new, kvst.as_values(spec, new))
         nbytes = cache.nbytes
         needed = min_nbytes(spec, cache.length, cache.storage, tuple(cache.quantized_below))
         where = f"step {step} of {plan.describe()}"

@@ -8,6 +8,8 @@ cache as it was: same length, and a read-back append returns the rows held befor
 
 from __future__ import annotations
 
+import functools
+
 from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
 from kvcheck import failures
@@ -40,7 +42,8 @@ def check_refused(factory: CacheFactory, plan: kvst.CachePlan, case, method: str
 def check_bad_append(factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.BadInput) -> None:
     """``case`` applied to a warm cache is refused as the contract says and changes nothing."""
     good = kvst.random_rows(plan.spec, plan.new_tokens, seed=7)
-    check_refused(factory, plan, case, "append", lambda cache: case.make(good, good.clone()))
+    value = functools.partial(kvst.as_values, plan.spec, good)
+    check_refused(factory, plan, case, "append", lambda cache: case.make(good, value()))
 
 
 def check_overflow(factory: CacheFactory, plan: kvst.CachePlan) -> None:
@@ -49,7 +52,7 @@ def check_overflow(factory: CacheFactory, plan: kvst.CachePlan) -> None:
     rows = plan.spec.max_length - cache.given_length + plan.new_tokens
     new = kvst.random_rows(plan.spec, rows, seed=rows)
     where = f"{rows} tokens appended to {plan.describe()}, {plan.new_tokens} past max_length"
-    bad = (new, new * 2)
+    bad = (new, kvst.as_values(plan.spec, new, 2))
     error = kvassert.raised_by(lambda: cache.append(*bad))
     case = kvbad.overflow(plan.spec.max_length, rows)
     if kvassert.assert_refused(error, case, where=where):

@@ -74,11 +74,11 @@ def check_stale_rows(factory: CacheFactory, plan: StaleRowsPlan, *, path: str = 
             cache = clear(factory, cache, plan, spec, path, f"the start of round #{round_}")
         for rows in plan.poisoned:
             bad = kvst.poison_rows(spec, rows, plan.poison)
-            cache.append(bad, bad.clone())
+            cache.append(bad, kvst.as_values(spec, bad))
         cache = clear(factory, cache, plan, spec, path, f"round #{round_}")
         for step, rows in enumerate(plan.clean):
             clean = kvst.random_rows(spec, rows, seed=step + round_)
-            give(cache, clean, clean * 2, seed=step)
+            give(cache, clean, kvst.as_values(spec, clean, 2), seed=step)
             where = f"clean {cache.path} #{step} of round #{round_} of {plan.describe()}"
             assert_served(cache, who="the cache", where=where)
 

@@ -9,7 +9,9 @@ of ``tests/mutants/domain.py`` a bug inside the domain a cache declares, those o
 a bug in attention sinks, those of ``tests/mutants/shift.py`` a bug in context shift, those
 of ``tests/mutants/serving.py`` a bug in prefix caching or offload, those of
 ``tests/mutants/tree.py`` a bug in tree drafts, some of them patches of the model run on
-``ChunkedCache``, those of ``tests/mutants/quantized.py`` a bug in quantized storage); a
+``ChunkedCache``, those of ``tests/mutants/quantized.py`` a bug in quantized storage, those
+of ``tests/mutants/latent.py`` a bug in a latent (MLA) cache or, run on ``LatentCache``, in
+the model's absorbed path); a
 model mutant is a patch of the reference model with one bug, run on ``ConcatCache``.
 ``tests/test_mutants.py`` checks that some property catches each one, and
 ``python -m tests.mutants.report`` prints which property does and the shrunk counterexample.
@@ -22,12 +24,14 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 from kvimpl import ChunkedCache, ConcatCache
+from kvimpl.latent import LatentCache
 from kvref import CacheFactory
 from tests.independent.left_padded_batch_cache import LeftPaddedBatchCache
 from tests.mutants.attend import ATTEND_MUTANTS
 from tests.mutants.caches import CACHE_MUTANTS
 from tests.mutants.domain import DOMAIN_MUTANTS
 from tests.mutants.interplay import INTERPLAY_MUTANTS
+from tests.mutants.latent import LATENT_MODEL_MUTANTS, LATENT_MUTANTS
 from tests.mutants.model import MODEL_MUTANTS
 from tests.mutants.paged import PAGED_MUTANTS
 from tests.mutants.quantized import QUANTIZED_MUTANTS
@@ -72,7 +76,9 @@ MUTANTS = (
     *(Mutant(factory) for factory in SERVING_MUTANTS),
     *(Mutant(factory) for factory in TREE_MUTANTS),
     *(Mutant(factory) for factory in QUANTIZED_MUTANTS),
+    *(Mutant(factory) for factory in LATENT_MUTANTS),
     *(Mutant(ConcatCache, patch) for patch in MODEL_MUTANTS),
     *(Mutant(LeftPaddedBatchCache, patch) for patch in ROWS_MODEL_MUTANTS),
     *(Mutant(ChunkedCache, patch) for patch in TREE_MODEL_MUTANTS),
+    *(Mutant(LatentCache, patch) for patch in LATENT_MODEL_MUTANTS),
 )

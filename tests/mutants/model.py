@@ -120,9 +120,28 @@ def feeds_prompt_again() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def reader_after_the_append() -> Iterator[None]:
+    """A layer that reads another layer's cache puts its queries at the source's length
+    after this step's append, not before it: a chunk of T tokens sits T positions late.
+
+    Stands for cross-layer KV sharing reading the shared cache's offset after the source
+    layer advanced it (mlx-lm 1702; vllm 43185's class): token-by-token decode is off by
+    one position, a chunked prefill by its chunk, and the uncached pass, which has no cache
+    to read an offset from, is right.
+    """
+
+    def after(self: model.SharedRows) -> int:
+        return self.length
+
+    with mock.patch.object(model.SharedRows, "offset", property(after)):
+        yield
+
+
 MODEL_MUTANTS = (
     mask_from_chunk_start,
     rope_restarts_at_zero,
     rotates_held_keys_again,
     feeds_prompt_again,
+    reader_after_the_append,
 )

@@ -1,0 +1,73 @@
+"""A latent (MLA) cache: each token's latent and rope key side by side in one row of one
+buffer, as vLLM and FlashMLA lay out ``kv_c_and_k_pe`` (contract, section 10.2).
+
+An MLA layer's spec has values (the compressed latent, ``value_dim`` wide) wider than its
+keys (the rope key, ``head_dim`` wide). Keeping the two in one buffer row, latent first,
+means one write per token and one copy per reorder; what ``append`` returns are two views
+of that buffer, the rope keys and the latents, neither of them contiguous. The cache takes
+any spec, of one head or many, of one width or two, and declares the latent layout so that
+the kit draws MLA models for it.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from kvref.protocol import CacheSpec, check_append, check_reorder, check_truncate
+
+
+class LatentCache:
+    kv_sizes: ClassVar[dict] = {"supports": {"latent": True}}
+
+    def __init__(self, spec: CacheSpec) -> None:
+        self.spec = spec
+        # Per token: its latent (the values), then its rope key (the keys).
+        width = spec.value_width + spec.head_dim
+        self.rows = torch.zeros(
+            spec.batch, spec.kv_heads, spec.max_length, width, dtype=spec.dtype, device=spec.device
+        )
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        start = self._length
+        end = start + check_append(self.spec, start, key, value, capacity=self.spec.max_length)
+        latent = self.spec.value_width
+        self.rows[:, :, start:end, :latent] = value
+        self.rows[:, :, start:end, latent:] = key
+        self._length = end
+        return self._held()
+
+    def _held(self) -> tuple[Tensor, Tensor]:
+        """The rope keys and the latents of every token held: views of the buffer."""
+        held = self.rows[:, :, : self._length]
+        latent = self.spec.value_width
+        return held[..., latent:], held[..., :latent]
+
+    def truncate(self, length: int) -> None:
+        check_truncate(self._length, length)
+        self._length = length  # rows past it are overwritten before they are returned again
+
+    def reorder(self, indices: Tensor) -> None:
+        check_reorder(self.spec, indices)
+        held = slice(0, self._length)
+        self.rows[:, :, held] = self.rows[:, :, held].index_select(0, indices)
+
+    def fork(self) -> LatentCache:
+        child = LatentCache(self.spec)
+        child.rows[:, :, : self._length] = self.rows[:, :, : self._length]
+        child._length = self._length
+        return child
+
+    def reset(self) -> None:
+        self._length = 0

@@ -1,0 +1,126 @@
+"""Broken latent (MLA) caches and a broken MLA model (docs/contract.md, section 10.2): the
+caches are the built-in ``LatentCache`` with one bug in where a row's two parts go, the
+model a patch of ``kvref.model`` run on it. The first paragraph of each docstring names the
+bug and the second the real failure it stands for."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from unittest import mock
+
+import torch
+from torch import Tensor
+
+from kvimpl.latent import LatentCache
+from kvref import model
+from kvref.protocol import CacheSpec, check_append
+
+
+class RopeKeyOneSlotBack(LatentCache):
+    """The rope keys sit in a buffer of their own, and a decode step writes its rope key one
+    slot back: the newest token's latent comes back beside the previous token's rope key,
+    and the previous token's rope key is lost.
+
+    Stands for latent rows returned with the rope part of another position (mlx-lm 1189,
+    sglang 30433): the latent and the rope key kept apart, their slots computed apart, one
+    of them from the length before the other's update.
+    """
+
+    def __init__(self, spec: CacheSpec) -> None:
+        super().__init__(spec)
+        shape = (spec.batch, spec.kv_heads, spec.max_length, spec.head_dim)
+        self.rope = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes + self.rope.nbytes
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        start = self._length
+        end = start + check_append(self.spec, start, key, value, capacity=self.spec.max_length)
+        latent = self.spec.value_width
+        self.rows[:, :, start:end, :latent] = value
+        slot = start - 1 if end - start == 1 and start else start  # decode: one slot back
+        self.rope[:, :, slot : slot + end - start] = key
+        self._length = end
+        return self._held()
+
+    def _held(self) -> tuple[Tensor, Tensor]:
+        return self.rope[:, :, : self._length], self.rows[
+            :, :, : self._length, : self.spec.value_width
+        ]
+
+    def reorder(self, indices: Tensor) -> None:
+        super().reorder(indices)
+        held = slice(0, self._length)
+        self.rope[:, :, held] = self.rope[:, :, held].index_select(0, indices)
+
+    def fork(self) -> RopeKeyOneSlotBack:
+        child = RopeKeyOneSlotBack(self.spec)
+        child.rows.copy_(self.rows)
+        child.rope.copy_(self.rope)
+        child._length = self._length
+        return child
+
+
+class LatentCutToHeadDim(LatentCache):
+    """The buffer is shaped by head_dim for both parts: a latent is cut to the rope key's
+    width (or padded with zeros up to it), and comes back that wide.
+
+    Stands for a cache shaped by head_dim for keys and values alike (mlx-lm 1323): an MLA
+    model's latent, wider than its rope key, stored in a tensor built for per-head keys.
+    """
+
+    def __init__(self, spec: CacheSpec) -> None:
+        super().__init__(spec)
+        shape = (spec.batch, spec.kv_heads, spec.max_length, 2 * spec.head_dim)
+        self.rows = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        start = self._length
+        end = start + check_append(self.spec, start, key, value, capacity=self.spec.max_length)
+        width = self.spec.head_dim
+        kept = value[..., :width]
+        self.rows[:, :, start:end, :width] = torch.nn.functional.pad(
+            kept, (0, width - kept.shape[-1])
+        )
+        self.rows[:, :, start:end, width:] = key
+        self._length = end
+        return self._held()
+
+    def _held(self) -> tuple[Tensor, Tensor]:
+        held, width = self.rows[:, :, : self._length], self.spec.head_dim
+        return held[..., width:], held[..., :width]
+
+    def fork(self) -> LatentCutToHeadDim:
+        child = LatentCutToHeadDim(self.spec)
+        child.rows.copy_(self.rows)
+        child._length = self._length
+        return child
+
+
+@contextmanager
+def absorbed_without_rope_key() -> Iterator[None]:
+    """The absorbed path scores each head's folded query against the latents alone: the rope
+    query and the rope keys take no part.
+
+    Stands for an absorbed decode path that drops the decoupled rope key (sglang 30433's
+    class): the naive path, which prefill and the uncached model take, is right, so only
+    cached calls on the absorbed path are wrong.
+    """
+
+    def without_rope(query, rope_keys, latents, up_key, up_value, *args, **kwargs):
+        nope = up_key.shape[1]
+        folded = torch.einsum("bhtn,hnc->bhtc", query[..., :nope], up_key)
+        kwargs.pop("sink_query", None)
+        scale = 1 / query.shape[-1] ** 0.5
+        mixed = model.attention(folded, latents, latents, *args, scale=scale, **kwargs)
+        return torch.einsum("bhtc,hdc->bhtd", mixed, up_value)
+
+    with mock.patch.object(model, "absorbed_attention", without_rope):
+        yield
+
+
+LATENT_MUTANTS = (RopeKeyOneSlotBack, LatentCutToHeadDim)
+LATENT_MODEL_MUTANTS = (absorbed_without_rope_key,)
