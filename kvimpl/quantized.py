@@ -81,7 +81,9 @@ class QuantizedCache:
             self.scales[part][:, :, start:stop] = scale
             self.zeros[part][:, :, start:stop] = zero
         self.quantized = stop
-        self.exact = [rows[:, :, leaving:] for rows in exact]
+        # Copies, so that the rows gone into codes free their storage and nbytes stays what
+        # the cache holds.
+        self.exact = [rows[:, :, leaving:].clone() if leaving else rows for rows in exact]
         return self.rows(0), self.rows(1)
 
     def rows(self, part: int) -> Tensor:
@@ -98,7 +100,7 @@ class QuantizedCache:
     def truncate(self, length: int) -> None:
         check_truncate(self.length, length)
         if length >= self.quantized:
-            self.exact = [rows[:, :, : length - self.quantized] for rows in self.exact]
+            self.exact = [rows[:, :, : length - self.quantized].clone() for rows in self.exact]
         else:
             self.quantized = length
             self.exact = [rows[:, :, :0] for rows in self.exact]

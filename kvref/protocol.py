@@ -397,6 +397,53 @@ def min_nbytes(
     return spec.batch * spec.kv_heads * total
 
 
+# What ``held_nbytes`` looks through, and what it knows holds no tensor.
+_SCALARS = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.Size)
+_OPAQUE = (type, type(len), type(min_nbytes), type(dataclasses))  # classes, functions, modules
+
+
+def held_nbytes(obj: object, *, depth: int = 6) -> int | None:
+    """The bytes of the tensors ``obj`` holds: reachable through its attributes, lists,
+    tuples, sets and dicts (``depth`` levels down), a tensor subclass counted by the inner
+    tensors its ``__tensor_flatten__`` names, each storage once, whole (a view holds all of
+    its storage); None where it meets an object it cannot see into (an extension type
+    without attributes), since what that holds is unknown. What a cache's ``nbytes`` should
+    be at most, where it keeps its rows in tensors of its own (contract, section 10.1)."""
+    storages: dict[tuple, int] = {}
+    seen: set[int] = set()
+
+    def visit(item: object, left: int) -> bool:
+        if isinstance(item, (*_SCALARS, *_OPAQUE)) or id(item) in seen:
+            return True
+        seen.add(id(item))
+        if left < 0:
+            return True  # deeper than a cache keeps its rows: not counted, not unknown
+        if isinstance(item, Tensor):
+            if type(item) is not Tensor and hasattr(item, "__tensor_flatten__"):
+                names, _ = item.__tensor_flatten__()
+                return all(visit(getattr(item, name), left - 1) for name in names)
+            storage = item.untyped_storage()
+            storages[(storage.data_ptr(), str(item.device), storage.nbytes())] = storage.nbytes()
+            return True
+        if isinstance(item, bytes | bytearray | memoryview):
+            storages[(id(item),)] = len(item)
+            return True
+        if isinstance(item, list | tuple | set | frozenset):
+            return all(visit(part, left - 1) for part in item)
+        if isinstance(item, dict):
+            return all(visit(part, left - 1) for part in item.values())
+        fields = getattr(item, "__dict__", None)
+        if fields is None and not hasattr(item, "__slots__"):
+            return False
+        values = list((fields or {}).values())
+        values += [
+            getattr(item, name) for name in getattr(item, "__slots__", ()) if hasattr(item, name)
+        ]
+        return all(visit(part, left - 1) for part in values)
+
+    return sum(storages.values()) if visit(obj, depth) else None
+
+
 @runtime_checkable
 class Truncatable(Protocol):
     def truncate(self, length: int) -> None:

@@ -1,4 +1,7 @@
-"""Memory: ``nbytes`` never claims less than the keys and values held."""
+"""Memory: ``nbytes`` never claims less than the keys and values held; under a declared
+lossy storage (contract, section 10.1), never more than the tensors the cache holds either:
+a compressed cache's savings are what it claims, so a count of the full-precision size
+(quanto's quantized tensors report theirs) would hide that nothing was saved."""
 
 from __future__ import annotations
 
@@ -7,16 +10,23 @@ from kvcheck import strategies as kvst
 from kvcheck.harness import recorded
 from kvcheck.kit import KitTests, Property, property_test
 from kvref import CacheFactory, min_nbytes
+from kvref.protocol import held_nbytes
 
 
 def check_nbytes(factory: CacheFactory, plan: kvst.CachePlan) -> None:
-    """nbytes is an int, never below 2 x B x H_kv x L x D x itemsize, at every step of the
-    plan and after a reset."""
+    """nbytes is an int, never below 2 x B x H_kv x L x D x itemsize (the packed size of the
+    rows that may be in codes, under a declared lossy storage, and then never above what
+    the cache's tensors take), at every step of the plan, filled to max_length, and after a
+    reset."""
     spec, cache = plan.spec, recorded(factory, plan.spec)
-    for step, rows in enumerate([*plan.chunks, "reset"]):
+    for step, rows in enumerate([*plan.chunks, "fill", "reset"]):
         if rows == "reset":
             cache.reset()
         else:
+            # Last, the rest of max_length: a cache that preallocates is then full.
+            rows = spec.max_length - cache.length if rows == "fill" else rows
+            if not rows:
+                continue
             new = kvst.random_rows(spec, rows, seed=step)
             cache.append(new, kvst.as_values(spec, new))
         nbytes = cache.nbytes
@@ -33,13 +43,26 @@ def check_nbytes(factory: CacheFactory, plan: kvst.CachePlan) -> None:
             if any(cache.storage):
                 formula = (
                     f"the rows as given, and those that may be in codes at the declared "
-                    f"{'; '.join(part.describe() for part in cache.storage if part)} (packed "
+                    f"{declared(cache)} (packed "
                     f"codes and 2-byte scales)"
                 )
             raise failures.WrongResults(
                 f"the cache: nbytes is {nbytes} while holding {cache.length} tokens, which take "
                 f"at least {needed} bytes ({formula})\n  at {where}"
             )
+        held = held_nbytes(cache.cache) if any(cache.storage) else None
+        if held is not None and nbytes > held:
+            raise failures.WrongResults(
+                f"the cache: nbytes is {nbytes} while its tensors take {held} bytes (each "
+                f"storage once, whole); under the declared "
+                f"{declared(cache)} it must count "
+                f"what its codes and scales take, not the rows' full-precision size\n  at {where}"
+            )
+
+
+def declared(cache) -> str:
+    """The recorded cache's declared storage, each kind once: "int8 per token, ..."."""
+    return "; ".join(dict.fromkeys(part.describe() for part in cache.storage if part))
 
 
 MEMORY = Property(

@@ -107,6 +107,21 @@ class AnotherRowsScale(QuantizedCache):
         return torch.cat((old, self.exact[part]), dim=2)
 
 
+class NbytesAtFullPrecision(QuantizedCache):
+    """``nbytes`` counts every row held at its full-precision size, codes and all.
+
+    Stands for a quantized cache that reports the size of the tensors its codes stand for:
+    quanto's quantized tensors report their full-precision ``nbytes`` (found by this kit,
+    docs/found-in-the-wild.md), so a memory figure built on them shows no saving at all.
+    """
+
+    @property
+    def nbytes(self) -> int:
+        itemsize = torch.empty((), dtype=self.spec.dtype).element_size()
+        s = self.spec
+        return 2 * s.batch * s.kv_heads * self.length * s.head_dim * itemsize
+
+
 QUANTIZED_MUTANTS = (
     ScaleIgnoredOnRead,
     ScalesOverPaddedWidth,
@@ -114,4 +129,5 @@ QUANTIZED_MUTANTS = (
     ReorderLeavesRecentRows,
     ReorderLeavesScales,
     AnotherRowsScale,
+    NbytesAtFullPrecision,
 )
