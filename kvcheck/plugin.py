@@ -238,7 +238,7 @@ def read_supports(given: list[str]) -> dict:
         items = [item.strip() for item in values.split(",") if item.strip()]
         if kind == "bool":
             if values.strip().lower() not in ("true", "false"):
-                raise ValueError(f"--kv-supports {text!r}: windows is true or false")
+                raise ValueError(f"--kv-supports {text!r}: {field} is true or false")
             fields[field] = values.strip().lower() == "true"
         elif kind == "names":
             fields[field] = tuple(items)

@@ -41,6 +41,7 @@ from tests.mutants.hunt import (
 )
 from tests.mutants.hunt import HUNT_ORDER as PROPERTIES
 from tests.mutants.interplay import INTERPLAY_MUTANTS
+from tests.mutants.latent import LATENT_MODEL_MUTANTS, LATENT_MUTANTS
 from tests.mutants.model import MODEL_MUTANTS
 from tests.mutants.paged import PAGED_MUTANTS
 from tests.mutants.quantized import QUANTIZED_MUTANTS
@@ -116,9 +117,12 @@ context shift (`tests/mutants/shift.py`); {sinks} break attention sinks
 (`tests/mutants/serving.py`: broken serving pools); {tree} break tree drafts
 (`tests/mutants/tree.py`, four of them patches of the model's tree mask or positions, run on
 `ChunkedCache`); {quantized} break quantized storage (`tests/mutants/quantized.py`: the
-built-in int8 cache under its declared bound); {model} patch a function or class attribute
-of `kvref.model` and run on `ConcatCache` (`tests/mutants/model.py`; undone when the test
-ends). Each docstring's first paragraph names the bug: it is the table's second column.
+built-in int8 cache under its declared bound); {latent} break a latent (MLA) cache or the
+model's absorbed path (`tests/mutants/latent.py`: the built-in `LatentCache` with one bug,
+and one patch of the model run on it); {model} patch a function or class attribute of
+`kvref.model` and run on `ConcatCache` (`tests/mutants/model.py`, one of them a layer that
+reads another's cache; undone when the test ends). Each docstring's first paragraph names
+the bug: it is the table's second column.
 
 ## How a mutant is hunted
 
@@ -178,6 +182,7 @@ def preamble(today: datetime.date) -> str:
         serving=len(SERVING_MUTANTS),
         tree=len(TREE_MUTANTS) + len(TREE_MODEL_MUTANTS),
         quantized=len(QUANTIZED_MUTANTS),
+        latent=len(LATENT_MUTANTS) + len(LATENT_MODEL_MUTANTS),
         model=len(MODEL_MUTANTS),
         examples=EXAMPLES_PER_PROPERTY,
     )
