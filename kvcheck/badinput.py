@@ -185,6 +185,12 @@ BAD_APPENDS = [
         either(shapes_of(0), sizes_of(3)),
     ),
     BadInput(
+        "value of another width than its spec's",
+        lambda k, v: (k, grow(v, 3)),
+        rf"differ|mismatch|match|!=|same|equal|width|head.?dim|\bdim\b|value.?dim|{cased('D')}",
+        shapes_of(1),
+    ),
+    BadInput(
         "zero new tokens",
         lambda k, v: (k[:, :, :0], v[:, :, :0]),
         rf"zero|empty|nothing|no tokens|at least|length|{cased('T')}|(?<![\d.])0(?![\d.])",

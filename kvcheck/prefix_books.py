@@ -197,5 +197,6 @@ def _rows(blocks: dict[int, Written], table: list[int], part: str, recorder, hit
     """One batch row's hit rows, (H_kv, hit, D), as written into the blocks of ``table``."""
     if not table:
         spec = recorder.cache.spec
-        return torch.empty(spec.kv_heads, 0, spec.head_dim, dtype=spec.dtype, device=spec.device)
+        width = spec.head_dim if part == "keys" else spec.value_width
+        return torch.empty(spec.kv_heads, 0, width, dtype=spec.dtype, device=spec.device)
     return torch.cat([getattr(blocks[block], part) for block in table], dim=1)

@@ -132,8 +132,11 @@ def describe_config(c: ModelConfig) -> str:
     hidden = "" if c.hidden is None else f" on a residual of width {c.hidden}"
     shared = ""
     if c.kv_sources is not None:
-        readers = [f"{layer} reads {source}" for layer, source in enumerate(c.kv_sources)]
-        shared = f", layers sharing caches ({', '.join(r for r in readers if 'None' not in r)})"
+        reads = [f"layer {layer} reads {source}'s" for layer, source in enumerate(c.kv_sources)]
+        readers = [
+            read for read, source in zip(reads, c.kv_sources, strict=True) if source is not None
+        ]
+        shared = f", layers sharing caches ({', '.join(readers)})"
     if c.attention == "mla":
         return (
             f"{c.num_layers} layers of latent attention ({c.mla_path} path for cached calls): "
@@ -198,7 +201,7 @@ def model_configs(
     # Wide or long: one or two layers (a cache's bugs rarely need a third).
     few = wide or tokens > 2 * MAX_SESSION
     layers = st.integers(min_layers, min(max_layers, max(min_layers, 2)) if few else max_layers)
-    if kvsizes.domain().latent and draw(st.booleans(), label="latent attention"):
+    if latent_drawable() and draw(st.booleans(), label="latent attention"):
         return draw(latent_configs(head_dim, group, layers, units), label="latent config")
     return ModelConfig(
         vocab_size=draw(st.integers(5, 40), label="vocab_size"),
@@ -213,6 +216,13 @@ def model_configs(
         # Wide heads on a narrow residual: the cache sees real sizes, the model stays cheap.
         hidden=draw(st.sampled_from((16, 8, 32)), label="hidden") if wide else None,
     )
+
+
+def latent_drawable() -> bool:
+    """Whether latent (MLA) layers are drawn: the cache declares them, and its domain's kv
+    heads (where it declares some) take a latent layer's one."""
+    domain = kvsizes.domain()
+    return bool(domain.latent) and (domain.kv_heads is None or 1 in domain.kv_heads)
 
 
 @st.composite
@@ -379,10 +389,13 @@ def cache_specs(
     dtypes: tuple[torch.dtype, ...] = WITH_HALF,
     min_length: int = 1,
     judged: tuple[torch.dtype, ...] = WITH_HALF,
+    latent: bool = True,
 ) -> CacheSpec:
     """A spec for cache-level properties (no model, so they can go long cheaply): mostly
     small; a share up to ``kvsizes.LONG`` rows, at and around page boundaries, and a share
-    wide, within ``kvsizes.ROWS_BUDGET`` numbers per key tensor."""
+    wide, within ``kvsizes.ROWS_BUDGET`` numbers per key tensor; for a cache that declares
+    latent layers, half of them a latent layer's (values of their own width), unless not
+    ``latent`` (``attend``, whose output is shaped like the query, has no latent form yet)."""
     low = max(1, min_length)
     largest = kvsizes.domain().max_length
     limit = kvsizes.longest(kvsizes.LONG)
@@ -397,7 +410,7 @@ def cache_specs(
     head_dim = draw(kvsizes.head_dims(room=room), label="head_dim")
     kv_heads = draw(kvsizes.kv_head_counts(room=room // head_dim), label="kv_heads")
     value_dim = None
-    if kvsizes.domain().latent and draw(st.booleans(), label="latent"):
+    if latent and latent_drawable() and draw(st.booleans(), label="latent"):
         # An MLA layer's cache: one "head", its values a latent of another width.
         kv_heads = 1
         widths = [w for w in (2, 6, 16, 64, 512) if w * max_length <= kvsizes.ROWS_BUDGET]

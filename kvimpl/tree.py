@@ -87,9 +87,9 @@ class TreeDraftsMixin:
         paths = check_accepted(accepted, tree.parents, tree.batch, same_length=not rows)
         counts = [len(path) for path in paths]
         width = max(counts)
-        shape = (tree.batch, tree.keys.shape[1], width, tree.keys.shape[3])
-        keys = tree.keys.new_zeros(shape)
-        values = tree.values.new_zeros(shape)
+        shape = (tree.batch, tree.keys.shape[1], width)
+        keys = tree.keys.new_zeros((*shape, tree.keys.shape[3]))
+        values = tree.values.new_zeros((*shape, tree.values.shape[3]))
         padding = getattr(self, "padding", "right") if rows else "right"
         for row, path in enumerate(paths):
             if not path:

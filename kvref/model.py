@@ -102,7 +102,7 @@ class ModelConfig:
             raise ValueError(
                 f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})"
             )
-        if self.head_dim % 2:
+        if self.head_dim % 2 and self.attention != "mla":  # MLA rotates its rope_dim alone
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.window is not None and (isinstance(self.window, bool) or self.window < 1):
             raise ValueError(f"window must be None or an int >= 1, got {self.window!r}")

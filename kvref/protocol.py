@@ -28,7 +28,10 @@ messages in one call; using them is optional, keeping the rules is not.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+import functools
+import threading
+import types
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -397,51 +400,104 @@ def min_nbytes(
     return spec.batch * spec.kv_heads * total
 
 
-# What ``held_nbytes`` looks through, and what it knows holds no tensor.
-_SCALARS = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.Size)
-_OPAQUE = (type, type(len), type(min_nbytes), type(dataclasses))  # classes, functions, modules
+# What ``held_nbytes`` knows holds no rows: scalars and names, and what code is made of.
+_HOLDS_NOTHING = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    range,
+    slice,
+    torch.dtype,
+    torch.device,
+    torch.Size,
+    torch.Generator,
+    type,
+    type(dataclasses),
+    type(threading.Lock()),
+    type(threading.RLock()),
+)
 
 
-def held_nbytes(obj: object, *, depth: int = 6) -> int | None:
-    """The bytes of the tensors ``obj`` holds: reachable through its attributes, lists,
-    tuples, sets and dicts (``depth`` levels down), a tensor subclass counted by the inner
-    tensors its ``__tensor_flatten__`` names, each storage once, whole (a view holds all of
-    its storage); None where it meets an object it cannot see into (an extension type
-    without attributes), since what that holds is unknown. What a cache's ``nbytes`` should
-    be at most, where it keeps its rows in tensors of its own (contract, section 10.1)."""
+def _slot_names(kind: type) -> tuple[str, ...]:
+    slots = vars(kind).get("__slots__", ())
+    return (slots,) if isinstance(slots, str) else tuple(slots)
+
+
+def _class_data(kind: type) -> list:
+    """What a class and its bases hold as data that could be rows (an arena its instances
+    share, say): tensors and collections, not methods, descriptors or constants."""
+    return [
+        value
+        for base in kind.__mro__[:-1]  # not object
+        if base.__module__ != "builtins"
+        for name, value in vars(base).items()
+        if not name.startswith("__") and isinstance(value, Tensor | Mapping | list | tuple | set)
+    ]
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:  # a name not yet bound
+        return False
+    return True
+
+
+def held_nbytes(obj: object) -> int | None:
+    """The bytes of the tensors ``obj`` holds: reachable through its attributes (``__dict__``
+    and every class's ``__slots__``), collections, dicts, bound methods and partials, a
+    tensor subclass counted by the inner tensors its ``__tensor_flatten__`` names and an
+    array by its ``nbytes``, each storage once and whole (a view holds all of its storage).
+    None where it meets an object it cannot see into (an extension type without attributes,
+    a tensor whose storage cannot be read), since what that holds is unknown. What a cache's
+    ``nbytes`` should be at most, where it keeps its rows in objects of its own (contract,
+    section 10.1)."""
     storages: dict[tuple, int] = {}
     seen: set[int] = set()
-
-    def visit(item: object, left: int) -> bool:
-        if isinstance(item, (*_SCALARS, *_OPAQUE)) or id(item) in seen:
-            return True
+    todo = [obj]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, _HOLDS_NOTHING) or id(item) in seen:
+            continue
         seen.add(id(item))
-        if left < 0:
-            return True  # deeper than a cache keeps its rows: not counted, not unknown
         if isinstance(item, Tensor):
             if type(item) is not Tensor and hasattr(item, "__tensor_flatten__"):
-                names, _ = item.__tensor_flatten__()
-                return all(visit(getattr(item, name), left - 1) for name in names)
-            storage = item.untyped_storage()
-            storages[(storage.data_ptr(), str(item.device), storage.nbytes())] = storage.nbytes()
-            return True
-        if isinstance(item, bytes | bytearray | memoryview):
+                todo += [getattr(item, name) for name in item.__tensor_flatten__()[0]]
+                continue
+            try:
+                storage = item.untyped_storage()
+                key = (storage.data_ptr(), str(item.device), storage.nbytes())
+            except (RuntimeError, NotImplementedError):  # sparse, or a wrapper without data
+                return None
+            storages[key] = storage.nbytes()
+        elif isinstance(item, bytes | bytearray | memoryview):
             storages[(id(item),)] = len(item)
-            return True
-        if isinstance(item, list | tuple | set | frozenset):
-            return all(visit(part, left - 1) for part in item)
-        if isinstance(item, dict):
-            return all(visit(part, left - 1) for part in item.values())
-        fields = getattr(item, "__dict__", None)
-        if fields is None and not hasattr(item, "__slots__"):
-            return False
-        values = list((fields or {}).values())
-        values += [
-            getattr(item, name) for name in getattr(item, "__slots__", ()) if hasattr(item, name)
-        ]
-        return all(visit(part, left - 1) for part in values)
-
-    return sum(storages.values()) if visit(obj, depth) else None
+        elif hasattr(item, "__array_interface__") and isinstance(
+            getattr(item, "nbytes", None), int
+        ):
+            storages[(id(item),)] = item.nbytes  # a numpy array
+        elif isinstance(item, Mapping):
+            todo += list(item.values())
+        elif isinstance(item, Collection):
+            todo += list(item)
+        elif isinstance(item, functools.partial):
+            todo += [item.func, *item.args, *item.keywords.values()]
+        elif hasattr(item, "__self__"):  # a bound method: what it is bound to
+            todo.append(item.__self__)
+        elif isinstance(item, types.FunctionType):  # what its closure holds, not its module
+            todo += [cell.cell_contents for cell in item.__closure__ or () if _filled(cell)]
+        else:
+            fields = getattr(item, "__dict__", None)
+            slots = [name for kind in type(item).__mro__ for name in _slot_names(kind)]
+            if fields is None and not slots:
+                return None
+            todo += list((fields or {}).values())
+            todo += [getattr(item, name) for name in slots if hasattr(item, name)]
+            todo += _class_data(type(item))
+    return sum(storages.values())
 
 
 @runtime_checkable

@@ -57,7 +57,8 @@ def attend_plans(draw) -> AttendPlan:
     # hundreds). The logits and reset properties hold a half-precision attend to the
     # model's error budget on their attend path.
     spec = draw(
-        kvst.cache_specs(dtypes=kvst.DTYPES, judged=kvst.DTYPES, min_length=2), label="spec"
+        kvst.cache_specs(dtypes=kvst.DTYPES, judged=kvst.DTYPES, min_length=2, latent=False),
+        label="spec",
     )
     # At most LONG rows: a reference attention over a domain's largest max_length (4096
     # queries over 4096 keys) costs more than the edge is worth (the other properties hit it).
@@ -84,11 +85,11 @@ def check_attend(factory: CacheFactory, plan: AttendPlan) -> None:
     spec = plan.spec
     cache = build(factory, spec)
     scale = LARGE[spec.dtype] if plan.large else 1.0
-    keys = values = kvst.random_rows(spec, 0, seed=0)
+    keys, values = kvst.random_rows(spec, 0, seed=0), kvst.random_rows(spec, 0, 0, values=True)
     for index, (kind, rows) in enumerate(plan.calls):
         seed = plan.seed + 10 * index
         key = kvst.random_rows(spec, rows, seed=seed) * scale
-        value = kvst.random_rows(spec, rows, seed=seed + 1)
+        value = kvst.random_rows(spec, rows, seed=seed + 1, values=True)
         start = keys.shape[2]
         keys, values = torch.cat((keys, key), dim=2), torch.cat((values, value), dim=2)
         where = (

@@ -496,7 +496,8 @@ def restore_without_room(factory: CacheFactory, plan: ServingPlan) -> None:
     spec = kvst.build_model(plan.config, plan.dtype).cache_spec(1, 2 * size + 2)
     pool = factory.with_blocks(3)
     cache = build(pool, spec)
-    keys, values = kvst.random_rows(spec, 2 * size + 1, 1), kvst.random_rows(spec, 2 * size + 1, 2)
+    keys = kvst.random_rows(spec, 2 * size + 1, 1)
+    values = kvst.random_rows(spec, 2 * size + 1, 2, values=True)
     cache.append(keys.clone(), values.clone())
     cache.offload()
     where = f"a cache holding {2 * size + 1} rows in blocks of {size}, offloaded, of {spec}"

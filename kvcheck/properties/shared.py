@@ -24,6 +24,7 @@ import torch
 from hypothesis import strategies as st
 
 from kvcheck import asserts as kvassert
+from kvcheck import devices as kvdevices
 from kvcheck import failures
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
@@ -65,7 +66,7 @@ class SharedPlan:
         return (
             f"shared-layers plan: {self.tokens} tokens fed as one prefill, then in chunks "
             f"{list(self.chunks)}, then token by token\n  model: {model}, batch {self.batch}, "
-            f"{self.dtype}"
+            f"{kvdevices.dtype_name(self.dtype)}"
         )
 
     def summary(self) -> tuple[str, str, str]:
