@@ -411,10 +411,16 @@ def assert_served(cache: Recorder, *, who: str, where: str) -> None:
 def full_precision(spec: CacheSpec, path: str) -> CacheSpec:
     """The spec a cache-level plan runs at on ``path``: the attend path is judged at the
     dtype's tolerance, so a half-precision spec runs in float32 there (half precision is held
-    to its budget through the model, by ``logits`` and ``reset``)."""
+    to its budget through the model, by ``logits`` and ``reset``); and it takes values as
+    wide as the keys (``attend`` returns one row shaped like the query: a latent layer's has
+    no attend yet, contract section 10.2)."""
     from kvcheck.asserts import needs_reference
 
-    if path == "attend" and needs_reference(spec.dtype):
+    if path != "attend":
+        return spec
+    if spec.value_dim is not None:
+        spec = dataclasses.replace(spec, value_dim=None)
+    if needs_reference(spec.dtype):
         exact = supported_dtypes(DTYPES[::-1], DTYPES)  # float32 first, within the domain
         return dataclasses.replace(spec, dtype=exact[0])
     return spec

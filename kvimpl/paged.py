@@ -7,12 +7,14 @@ pool. ``kvimpl.CACHES["paged"]`` and ``kvimpl.paged:pool`` are the default insta
 work. Naming the class (``kvimpl.paged:PagedPool``) would not: it builds pools, not caches,
 so called with a spec it raises a TypeError that says to name an instance.
 
-Storage. Blocks of one shape live together: per (kv_heads, head_dim, dtype, device) the pool
-keeps segments, each a key tensor and a value tensor shaped (blocks, kv_heads, block_size,
-head_dim). A group gets its first segment (16 blocks) when a cache of that shape first
-appends, and each later one as large as all before it, or what the append needs if more: a
-tiny test reserves kilobytes, and a group never reserves more than 16 blocks or twice the
-most it has had in use at once, whichever is larger.
+Storage. Blocks of one shape live together: per (kv_heads, head_dim, value width, dtype,
+device) the pool keeps segments, each a key tensor shaped (blocks, kv_heads, block_size,
+head_dim) and a value tensor as wide as the values (a latent layer's are wider: contract,
+section 10.2, which the pool declares it takes). A group gets its first segment (16
+blocks) when a cache of that shape first appends, and each later one as large as all
+before it, or what the append needs if more: a tiny test reserves kilobytes, and a group
+never reserves more than 16 blocks or twice the most it has had in use at once, whichever
+is larger.
 Block ids are ints unique in the pool: each segment owns a consecutive range of them.
 Freed blocks go back to their group and are reused smallest id first, so the blocks that an
 append takes for every batch row at once are usually adjacent in one segment, and attention
@@ -60,10 +62,10 @@ import bisect
 import dataclasses
 import heapq
 import itertools
-import math
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -89,9 +91,11 @@ FIRST_SEGMENT_BLOCKS = 16
 @dataclass
 class _Group:
     """The storage of every block shaped (kv_heads, block_size, head_dim) of one dtype and
-    device, and its free blocks."""
+    device, its values ``value_width`` wide (a latent layer's: contract, section 10.2), and
+    its free blocks."""
 
     shape: tuple[int, int, int]
+    value_width: int
     dtype: torch.dtype
     device: torch.device
     reserved: int = 0  # blocks in this group's segments
@@ -101,7 +105,9 @@ class _Group:
     @property
     def block_nbytes(self) -> int:
         """Key and value bytes of one block."""
-        return 2 * math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        heads, rows, width = self.shape
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return heads * rows * (width + self.value_width) * itemsize
 
 
 @dataclass
@@ -116,6 +122,9 @@ class PagedPool:
     """A pool of ``num_blocks`` blocks of ``block_size`` tokens, and the factory of the caches
     that share it (``kvref.BlockPool``). See the module docstring for how it stores and
     counts blocks."""
+
+    # Values of their own width in blocks of their own: latent (MLA) layers (section 10.2).
+    kv_sizes: ClassVar[dict] = {"supports": {"latent": True}}
 
     def __init__(
         self,
@@ -244,10 +253,10 @@ class PagedPool:
 
     def _group(self, spec: CacheSpec) -> _Group:
         device = torch.device(spec.device)
-        key = (spec.kv_heads, spec.head_dim, spec.dtype, device)
+        key = (spec.kv_heads, spec.head_dim, spec.value_width, spec.dtype, device)
         if key not in self._groups:
             shape = (spec.kv_heads, self._block_size, spec.head_dim)
-            self._groups[key] = _Group(shape, spec.dtype, device)
+            self._groups[key] = _Group(shape, spec.value_width, spec.dtype, device)
         return self._groups[key]
 
     def _refuse_unless_free(self, needed: int, doing: str) -> None:
@@ -280,7 +289,9 @@ class PagedPool:
         blocks = max(min(doubling, self.num_blocks - group.reserved), at_least)
         storage = (blocks, *group.shape)
         key = torch.zeros(storage, dtype=group.dtype, device=group.device)
-        value = torch.zeros(storage, dtype=group.dtype, device=group.device)
+        value = torch.zeros(
+            (*storage[:-1], group.value_width), dtype=group.dtype, device=group.device
+        )
         first = self._next_id
         self._segments.append(_Segment(group, first, key, value))
         self._segment_starts.append(first)
@@ -364,7 +375,13 @@ class PagedCache(TreeDraftsMixin, RowBook):
         self._tables: list[list[int]] = [[] for _ in range(spec.batch)]
         self._lengths = [0] * spec.batch  # per row: its tokens
         self._firsts = [0] * spec.batch  # per row: the position of its first token
-        self._shape = (spec.kv_heads, spec.head_dim, spec.dtype, torch.device(spec.device))
+        self._shape = (
+            spec.kv_heads,
+            spec.head_dim,
+            spec.value_width,
+            spec.dtype,
+            torch.device(spec.device),
+        )
         self._forget_tokens()
         self._away: list[tuple[Tensor, Tensor]] | None = None  # the rows, while offloaded
         self._give_back_when_collected()
@@ -530,7 +547,7 @@ class PagedCache(TreeDraftsMixin, RowBook):
         s, longest, size = self.spec, self.length, self.pool.block_size
         shape = (len(self._tables), s.kv_heads, longest, s.head_dim)
         keys = torch.zeros(shape, dtype=s.dtype, device=s.device)
-        values = torch.zeros_like(keys)
+        values = torch.zeros((*shape[:3], s.value_width), dtype=s.dtype, device=s.device)
         for row, (table, held) in enumerate(zip(self._tables, self._lengths, strict=True)):
             for index, block in enumerate(table):
                 segment, slot = self.pool._locate(block)

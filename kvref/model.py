@@ -763,9 +763,9 @@ class Attention(nn.Module):
             positions,
             key_positions,
             self.window,
-            valid,
-            sink_end,
-            sink_query,
+            valid=valid,
+            sink_end=sink_end,
+            sink_query=sink_query,
         )
 
     def _attend_tree(

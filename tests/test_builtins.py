@@ -41,7 +41,7 @@ class TestQuantizedCache(CacheTests):
     kvimpl.CACHES, whose benchmark rows hold every cache to the full-precision formula."""
 
     factory = QuantizedCache
-    examples_scale = depth.pick(0.1, soak=0.5)
+    examples_scale = depth.pick(0.05, soak=0.5)
 
 
 class TestLatentCache(CacheTests):
@@ -49,7 +49,7 @@ class TestLatentCache(CacheTests):
     row, held to every property on MLA models and latent specs beside the ordinary ones."""
 
     factory = LatentCache
-    examples_scale = depth.pick(0.1, soak=0.5)
+    examples_scale = depth.pick(0.05, soak=0.5)
 
 
 @pytest.mark.soak  # the tight domains below hold the domain's draws in the default run

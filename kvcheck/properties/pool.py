@@ -80,7 +80,8 @@ class _Given:
 
     def __init__(self, cache, spec: CacheSpec) -> None:
         self.cache = cache
-        self.keys = self.values = kvst.random_rows(spec, 0, seed=0)
+        self.keys = kvst.random_rows(spec, 0, seed=0)
+        self.values = kvst.random_rows(spec, 0, seed=0, values=True)
 
     def append(self, key, value):
         returned = self.cache.append(key.clone(), value.clone())
