@@ -408,7 +408,7 @@ def assert_served(cache: Recorder, *, who: str, where: str) -> None:
     )
 
 
-def full_precision(spec: CacheSpec, path: str) -> CacheSpec:
+def spec_on_path(spec: CacheSpec, path: str) -> CacheSpec:
     """The spec a cache-level plan runs at on ``path``: the attend path is judged at the
     dtype's tolerance, so a half-precision spec runs in float32 there (half precision is held
     to its budget through the model, by ``logits`` and ``reset``); and it takes values as

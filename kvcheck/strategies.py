@@ -132,9 +132,10 @@ def describe_config(c: ModelConfig) -> str:
     hidden = "" if c.hidden is None else f" on a residual of width {c.hidden}"
     shared = ""
     if c.kv_sources is not None:
-        reads = [f"layer {layer} reads {source}'s" for layer, source in enumerate(c.kv_sources)]
         readers = [
-            read for read, source in zip(reads, c.kv_sources, strict=True) if source is not None
+            f"layer {layer} reads {source}'s"
+            for layer, source in enumerate(c.kv_sources)
+            if source is not None
         ]
         shared = f", layers sharing caches ({', '.join(readers)})"
     if c.attention == "mla":
@@ -204,18 +205,27 @@ def model_configs(
     if latent_drawable() and draw(st.booleans(), label="latent attention"):
         return draw(latent_configs(head_dim, group, layers, units), label="latent config")
     return ModelConfig(
-        vocab_size=draw(st.integers(5, 40), label="vocab_size"),
-        num_layers=draw(layers, label="layers"),
+        **draw(any_attention(layers), label="model"),
         num_heads=kv_heads * group,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        ffn_dim=draw(st.sampled_from((8, 32)), label="ffn_dim"),
-        seed=draw(st.integers(0, 2**16), label="weight seed"),
-        window=draw(windows, label="window"),
-        window_layers=draw(st.sampled_from(("all", "alternate")), label="window layers"),
         # Wide heads on a narrow residual: the cache sees real sizes, the model stays cheap.
         hidden=draw(st.sampled_from((16, 8, 32)), label="hidden") if wide else None,
     )
+
+
+@st.composite
+def any_attention(draw, layers: st.SearchStrategy[int]) -> dict:
+    """The fields of a drawn model that do not depend on its attention: vocabulary, layers,
+    feed-forward width, weights and windows."""
+    return {
+        "vocab_size": draw(st.integers(5, 40), label="vocab_size"),
+        "num_layers": draw(layers, label="layers"),
+        "ffn_dim": draw(st.sampled_from((8, 32)), label="ffn_dim"),
+        "seed": draw(st.integers(0, 2**16), label="weight seed"),
+        "window": draw(windows, label="window"),
+        "window_layers": draw(st.sampled_from(("all", "alternate")), label="window layers"),
+    }
 
 
 def latent_drawable() -> bool:
@@ -235,15 +245,10 @@ def latent_configs(draw, rope_dim: int, heads: int, layers, units: int) -> Model
     if room >= 512 and kvsizes.large(draw, "latent_dim"):
         latent = 512
     return ModelConfig(
-        vocab_size=draw(st.integers(5, 40), label="vocab_size"),
-        num_layers=draw(layers, label="layers"),
+        **draw(any_attention(layers), label="model"),
         num_heads=heads,
         num_kv_heads=1,
         head_dim=draw(st.sampled_from((2, 4, 8)), label="value head width"),
-        ffn_dim=draw(st.sampled_from((8, 32)), label="ffn_dim"),
-        seed=draw(st.integers(0, 2**16), label="weight seed"),
-        window=draw(windows, label="window"),
-        window_layers=draw(st.sampled_from(("all", "alternate")), label="window layers"),
         hidden=draw(st.sampled_from((16, 8, 32)), label="hidden") if latent > 64 else None,
         attention="mla",
         latent_dim=latent,

@@ -816,13 +816,8 @@ class Attention(nn.Module):
         before the new ones and the new ones); returns the count per row."""
         c = self.config
         shaped = (
-            isinstance(keys, Tensor)
-            and isinstance(values, Tensor)
-            and isinstance(valid, Tensor)
-            and keys.ndim == values.ndim == 4
-            and keys.shape[:2] == values.shape[:2] == (batch, c.num_kv_heads)
-            and keys.shape[2] == values.shape[2]
-            and (keys.shape[3], values.shape[3]) == (c.key_width, c.value_width)
+            isinstance(valid, Tensor)
+            and self._rows_shaped(keys, values, batch)
             and valid.dtype == torch.bool
             and valid.shape == (batch, keys.shape[2])
             and keys.dtype == values.dtype == self.out.weight.dtype
@@ -868,6 +863,19 @@ class Attention(nn.Module):
                 f"{tuple(query.shape)} {query.dtype}; it returned {got}"
             )
 
+    def _rows_shaped(self, keys: object, values: object, batch: int) -> bool:
+        """Keys and values of this layer, as many of each: (batch, kv_heads, rows, width), the
+        keys' width and the values' their own (in MLA, the rope key's and the latent's)."""
+        c = self.config
+        return (
+            isinstance(keys, Tensor)
+            and isinstance(values, Tensor)
+            and keys.ndim == values.ndim == 4
+            and keys.shape[:3] == values.shape[:3]
+            and keys.shape[:2] == (batch, c.num_kv_heads)
+            and (keys.shape[3], values.shape[3]) == (c.key_width, c.value_width)
+        )
+
     @property
     def _widths(self) -> str:
         """The width of a returned row, for a message: head_dim, or in MLA the two widths."""
@@ -891,13 +899,7 @@ class Attention(nn.Module):
         c = self.config
         new_tokens = end - start
         fewest = rows_needed(self.window, end, new_tokens, self.sinks)
-        ok = (
-            keys.ndim == values.ndim == 4
-            and keys.shape[:3] == values.shape[:3]
-            and keys.shape[:2] == (batch, c.num_kv_heads)
-            and (keys.shape[3], values.shape[3]) == (c.key_width, c.value_width)
-            and fewest <= keys.shape[2] <= end
-        )
+        ok = self._rows_shaped(keys, values, batch) and fewest <= keys.shape[2] <= end
         if not ok:
             rows = f"{end}" if fewest == end else f"{fewest} to {end}"
             window = "" if self.window is None else f" (window {self.window})"

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kvcheck import asserts as kvassert
 from kvcheck import failures
 from kvcheck import strategies as kvst
-from kvcheck.harness import assert_served, assert_views_kept, full_precision, give, recorded
+from kvcheck.harness import assert_served, assert_views_kept, give, recorded, spec_on_path
 from kvcheck.kit import KitTests, Property, property_test
 from kvcheck.strategies import cache_specs, chunk_plans
 from kvref import CacheFactory, CacheSpec
@@ -46,7 +46,7 @@ def isolation_plans(draw) -> IsolationPlan:
 
 def check_isolation(factory: CacheFactory, plan: IsolationPlan, *, path: str = "append") -> None:
     """Two caches from one factory, given distinct rows in turns, each return only their own."""
-    spec = full_precision(plan.spec, path)
+    spec = spec_on_path(plan.spec, path)
     caches = {"A": recorded(factory, spec, path), "B": recorded(factory, spec, path)}
     # Each plan's appends in turns, then one more row for each cache, once both plans are
     # done, to read both back after every append of the other.

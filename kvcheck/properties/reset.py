@@ -18,7 +18,7 @@ from kvcheck import asserts as kvassert
 from kvcheck import failures
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
-from kvcheck.harness import assert_served, full_precision, give, recorded
+from kvcheck.harness import assert_served, give, recorded, spec_on_path
 from kvcheck.kit import KitTests, Property, property_test
 from kvcheck.properties.core import check_logits_match_uncached
 from kvcheck.strategies import POISON_VALUES, cache_specs, chunk_plans
@@ -67,7 +67,7 @@ def stale_rows_plans(draw) -> StaleRowsPlan:
 def check_stale_rows(factory: CacheFactory, plan: StaleRowsPlan, *, path: str = "append") -> None:
     """Rows given before a reset (or to another cache), even nan, inf or huge ones, never
     come back."""
-    spec = full_precision(plan.spec, path)
+    spec = spec_on_path(plan.spec, path)
     cache = recorded(factory, spec, path)
     for round_ in range(plan.rounds):
         if round_:  # room for the poison: the last round's clean rows go the same way
