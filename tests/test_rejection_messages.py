@@ -71,6 +71,13 @@ class TrimsTheValue(Unchecked):
         return super().append(key, value[:, :, : key.shape[2]])
 
 
+class TrimsTheValueWidth(Unchecked):
+    """Takes a value wider than its spec's, cut to the width it was built for."""
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        return super().append(key, value[..., : self.spec.value_width])
+
+
 class GrowsOnNothing(Unchecked):
     """Takes an append of no tokens by adding a row of zeros."""
 
@@ -183,6 +190,16 @@ ACCEPTED = [
         "value=a tensor shaped (1, 1, 2, 2), float64 on cpu",
         "keys: row 3 as sent\n",
         "values: row 3 as sent: the first 1 of the 2 rows sent, the rest not held",
+    ),
+    taken(
+        "a value of another width cut to the spec's",
+        TrimsTheValueWidth,
+        plan(),
+        APPENDS["value of another width than its spec's"],
+        "value of another width than its spec's: accepted without an error",
+        "value=a tensor shaped (1, 1, 1, 3), float64 on cpu",
+        "length changed from 3 to 4",
+        absent=[HELD_CHANGED],
     ),
     taken(
         "truncate(-1) dropping a row",
