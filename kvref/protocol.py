@@ -40,6 +40,69 @@ from torch import Tensor
 
 
 @dataclass(frozen=True)
+class Shard:
+    """One tensor-parallel rank's share of an attention layer (contract, section 11.1): the
+    global ids of the kv heads its caches hold and of the query heads it computes, in the
+    order its output has them, of a layer of ``num_kv_heads`` kv heads."""
+
+    rank: int
+    world: int
+    kv_heads: tuple[int, ...]
+    query_heads: tuple[int, ...]
+    num_kv_heads: int
+
+    @property
+    def replicated(self) -> bool:
+        """Whether other ranks hold its kv heads too (kv heads fewer than ranks)."""
+        return self.num_kv_heads < self.world
+
+
+def shard_heads(num_heads: int, num_kv_heads: int, world: int) -> tuple[Shard, ...]:
+    """The shards Megatron and vLLM cut (section 11.1): with at least as many kv heads as
+    ranks, rank r holds the r-th contiguous block of them and their query heads; with fewer,
+    each kv head is replicated on world / num_kv_heads consecutive ranks, which split its
+    group of query heads between them. Raises ``ValueError`` where neither count divides
+    the other, or a replicated group does not split evenly."""
+    for name, count in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("world", world)):
+        if not is_count(count) or count < 1:
+            raise ValueError(f"shard_heads: {name} must be an int >= 1, got {count!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"shard_heads: {num_heads} query heads for {num_kv_heads} kv heads")
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= world:
+        if num_kv_heads % world:
+            raise ValueError(f"shard_heads: {num_kv_heads} kv heads do not split over {world}")
+        per = num_kv_heads // world
+        return tuple(
+            Shard(
+                rank,
+                world,
+                tuple(range(rank * per, (rank + 1) * per)),
+                tuple(range(rank * per * group, (rank + 1) * per * group)),
+                num_kv_heads,
+            )
+            for rank in range(world)
+        )
+    if world % num_kv_heads or group % (world // num_kv_heads):
+        raise ValueError(
+            f"shard_heads: {num_kv_heads} kv heads of {group} query heads each do not "
+            f"replicate over {world} ranks"
+        )
+    replicas = world // num_kv_heads
+    share = group // replicas
+    return tuple(
+        Shard(
+            rank,
+            world,
+            (rank // replicas,),
+            tuple(range(rank * share, (rank + 1) * share)),
+            num_kv_heads,
+        )
+        for rank in range(world)
+    )
+
+
+@dataclass(frozen=True)
 class CacheSpec:
     """What a cache is built for: keys shaped (batch, kv_heads, length, head_dim) and values
     (batch, kv_heads, length, value_width): ``value_dim``, or ``head_dim`` where it is None."""
@@ -61,6 +124,9 @@ class CacheSpec:
     # compressed latent beside the small rope key. None, the values are ``head_dim`` wide;
     # the kit sets it only for a cache that declares ``supports: {"latent": True}``.
     value_dim: int | None = None
+    # The tensor-parallel rank this cache serves (contract, section 11.1): its share of the
+    # layer's heads, ``kv_heads`` of them; None outside a sharded run. A cache may ignore it.
+    shard: Shard | None = None
 
     @property
     def value_width(self) -> int:
@@ -594,6 +660,84 @@ class Offloadable(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class CacheRows:
+    """A cache's rows out of it, in no layout (contract, section 11.2): ``keys`` (B, H_kv,
+    rows, D) and ``values`` (B, H_kv, rows, value width), oldest first, the last at position
+    ``length - 1``; ``block_size`` the block size of the layout they came from (None: none)."""
+
+    keys: Tensor
+    values: Tensor
+    length: int
+    block_size: int | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.keys.shape[2] if isinstance(self.keys, Tensor) else 0
+
+
+@runtime_checkable
+class Movable(Protocol):
+    """A cache whose rows can move to a cache of another layout: another block size, shard
+    count or device (disaggregated prefill and decode, section 11.2)."""
+
+    def export_rows(self) -> CacheRows:
+        """The rows held, in tensors later calls on this cache never change."""
+        ...
+
+    def import_rows(self, rows: CacheRows) -> None:
+        """On an empty cache: hold ``rows`` as if fed their tokens (ValueError, changing
+        nothing, for rows it cannot take)."""
+        ...
+
+
+def check_import(
+    spec: CacheSpec, length: int, rows: object, *, capacity: int | None = None
+) -> CacheRows:
+    """Validate one ``import_rows(rows)`` (section 11.2) on a cache holding ``length`` tokens
+    that can hold ``capacity`` (None: no limit); return ``rows``. ``TypeError`` for what is
+    not a ``CacheRows``, ``ValueError`` for the rest; it only reads, like ``check_append``."""
+    if not isinstance(rows, CacheRows):
+        raise TypeError(f"import_rows: expected a kvref.CacheRows, got {type(rows).__name__}")
+    if length:
+        raise ValueError(f"import_rows: the cache holds {length} tokens; import into an empty one")
+    if not is_count(rows.length):
+        raise ValueError(f"import_rows: length must be an int >= 0, got {rows.length!r}")
+    if not isinstance(rows.keys, Tensor) or not isinstance(rows.values, Tensor):
+        raise TypeError("import_rows: keys and values must be torch.Tensors")
+    if rows.keys.ndim != 4 or rows.values.ndim != 4 or rows.keys.shape[:3] != rows.values.shape[:3]:
+        raise ValueError(
+            f"import_rows: keys {tuple(rows.keys.shape)} and values {tuple(rows.values.shape)} "
+            "must be (batch, kv_heads, rows, width) with the same rows"
+        )
+    for name, tensor in (("keys", rows.keys), ("values", rows.values)):
+        if tensor.dtype != spec.dtype or not _same_device(tensor.device, torch.device(spec.device)):
+            raise ValueError(
+                f"import_rows: {name} are {tensor.dtype} on {tensor.device}; this cache holds "
+                f"{spec.dtype} on {spec.device}"
+            )
+    want = (spec.batch, spec.kv_heads, spec.head_dim, spec.value_width)
+    got = (*rows.keys.shape[:2], rows.keys.shape[3], rows.values.shape[3])
+    if got != want:
+        raise ValueError(
+            f"import_rows: rows of (batch, kv_heads, head_dim, value width) {got}; this cache "
+            f"was built for {want}"
+        )
+    if rows.rows > rows.length:
+        raise ValueError(f"import_rows: {rows.rows} rows for a length of {rows.length}")
+    needed = spec.rows_needed(rows.length)
+    if rows.rows < needed:
+        raise ValueError(
+            f"import_rows: {rows.rows} rows for a length of {rows.length}; this cache needs "
+            f"the last {needed}"
+        )
+    if capacity is not None and rows.length > capacity:
+        raise ValueError(
+            f"import_rows: overflow: {rows.length} tokens exceed the capacity of {capacity}"
+        )
+    return rows
+
+
 CAPABILITIES = {
     "truncate": Truncatable,
     "reorder": Reorderable,
@@ -603,6 +747,7 @@ CAPABILITIES = {
     "shift": Shiftable,
     "tree": TreeDrafts,
     "offload": Offloadable,
+    "move": Movable,
 }
 
 
