@@ -30,7 +30,8 @@ by the model), and for the optional capabilities ``AttendTests``, ``ForkTests``,
 ``PoolTests`` (a factory that is a ``kvref.BlockPool``), ``TruncateTests``, ``ReorderTests``
 ``RowsTests`` (rows of their own, ``append_rows``), ``ShiftTests`` (context shift, ``shift``),
 ``SinksTests`` (attention sinks a cache declares), ``ServingTests`` (prefix caching and
-offload) and ``TreeTests`` (tree drafts)); subclass one of them instead to run
+offload), ``TreeTests`` (tree drafts) and ``ShardedTests`` (tensor-parallel ranks, run on
+every cache)); subclass one of them instead to run
 only that area. The contract a cache must keep is in ``kvref.protocol`` and
 ``docs/contract.md``.
 """
@@ -50,6 +51,7 @@ __all__ = [
     "ResetTests",
     "RowsTests",
     "ServingTests",
+    "ShardedTests",
     "SharedLayersTests",
     "ShiftTests",
     "SinksTests",

@@ -28,6 +28,7 @@ from kvcheck.properties.requests import ForkTests, RequestsTests
 from kvcheck.properties.reset import ResetTests
 from kvcheck.properties.rows import RowsTests
 from kvcheck.properties.serving import ServingTests
+from kvcheck.properties.sharded import ShardedTests
 from kvcheck.properties.shared import SharedLayersTests
 from kvcheck.properties.shift import ShiftTests
 from kvcheck.properties.sinks import SinksTests
@@ -54,6 +55,7 @@ class CacheTests(
     RowsTests,
     ShiftTests,
     SinksTests,
+    ShardedTests,
 ):
     """Every property of the kit. Subclass it, set ``factory``, and pytest runs them all;
     those of a capability the cache does not offer are skipped as "not offered"."""
@@ -74,6 +76,7 @@ __all__ = [
     "ResetTests",
     "RowsTests",
     "ServingTests",
+    "ShardedTests",
     "SharedLayersTests",
     "ShiftTests",
     "SinksTests",

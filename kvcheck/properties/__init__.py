@@ -21,6 +21,7 @@ from kvcheck.properties import (
     reset,
     rows,
     serving,
+    sharded,
     shared,
     shift,
     sinks,
@@ -46,6 +47,7 @@ AREAS = (
     rows,
     shift,
     sinks,
+    sharded,
 )
 
 

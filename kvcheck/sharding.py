@@ -1,0 +1,245 @@
+"""Tensor-parallel shards of an attention layer (docs/contract.md, section 11.1).
+
+A ``ShardedCache`` is what the reference model sees in one layer of a sharded run: one
+object offering ``attend`` over every query head, behind which each rank this process hosts
+has a cache of its own, built from the user's factory for its shard of kv heads. A call
+slices the rank's heads, attends through its cache (``attend`` where the cache offers it,
+``append`` and ``kvref.attention`` over the rows returned otherwise) and gathers every
+rank's output into the query heads the plan gave it. The ranks live either here
+(``SimulatedRanks``: all of them in this process, the gather a list) or one per process
+(``kvcheck.distributed.ProcessGroupRanks``: ``torch.distributed``), so both tests of
+``kvcheck/properties/sharded.py`` run one engine.
+
+Every event the session engine sends (reset, truncate, reorder, fork) reaches every rank's
+cache, and ``length`` gathers every rank's: ranks that disagree are a failure naming them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from kvcheck import asserts as kvassert
+from kvcheck import failures
+from kvcheck.harness import Recorder, build, offers_attend
+from kvref import CacheContractError, CacheFactory, CacheSpec, Shard, attention, shard_heads
+from kvref.protocol import capabilities
+
+
+class Ranks(Protocol):
+    """The ranks of one sharded run, as this process sees them."""
+
+    world: int
+    hosted: tuple[int, ...]  # the ranks whose caches live in this process
+
+    def gather(self, local: Sequence[Tensor]) -> list[Tensor]:
+        """Every rank's tensor, in rank order, from those of the hosted ranks (equal shapes)."""
+        ...
+
+
+class SimulatedRanks:
+    """Every rank in this process: a gather is the list itself."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.hosted = tuple(range(world))
+
+    def gather(self, local: Sequence[Tensor]) -> list[Tensor]:
+        return list(local)
+
+
+def plan_for(factory: CacheFactory, num_heads: int, num_kv_heads: int, world: int):
+    """The shards of a layer: the factory's own ``tensor_parallel`` plan where it has one
+    (checked that it can be run), else ``kvref.shard_heads``."""
+    declared = getattr(factory, "tensor_parallel", None)
+    if not callable(declared):
+        return shard_heads(num_heads, num_kv_heads, world)
+    shards = tuple(declared(num_heads, num_kv_heads, world))
+    check_plan(shards, num_heads, num_kv_heads, world)
+    return shards
+
+
+def check_plan(shards: Sequence[Shard], num_heads: int, num_kv_heads: int, world: int) -> None:
+    """A declared plan can be run: one ``Shard`` per rank in rank order, every query head
+    computed by exactly one rank, each rank's query heads a multiple of its kv heads and as
+    many as every other rank's (an all-gather needs equal shapes)."""
+    what = f"tensor_parallel({num_heads}, {num_kv_heads}, {world})"
+    if len(shards) != world or any(
+        not isinstance(shard, Shard) or shard.rank != rank or shard.world != world
+        for rank, shard in enumerate(shards)
+    ):
+        raise CacheContractError(f"{what} must return {world} kvref.Shard, rank r at index r")
+    computed = sorted(head for shard in shards for head in shard.query_heads)
+    if computed != list(range(num_heads)):
+        raise CacheContractError(
+            f"{what}: the shards compute query heads {computed}, not each of 0..{num_heads - 1} "
+            f"once: {shards}"
+        )
+    for shard in shards:
+        heads = len(shard.query_heads)
+        if not shard.kv_heads or heads % len(shard.kv_heads) or heads != num_heads // world:
+            raise CacheContractError(
+                f"{what}: rank {shard.rank} computes {heads} query heads over "
+                f"{len(shard.kv_heads)} kv heads; every rank needs {num_heads // world}, a "
+                f"multiple of its kv heads: {shard}"
+            )
+        if any(not 0 <= head < num_kv_heads for head in shard.kv_heads):
+            raise CacheContractError(f"{what}: rank {shard.rank} holds kv heads {shard.kv_heads}")
+
+
+class ShardedCache:
+    """One layer's caches on every rank this process hosts, presented to the model as one
+    cache that attends over every query head (see the module docstring)."""
+
+    def __init__(
+        self, spec: CacheSpec, shards: Sequence[Shard], ranks: Ranks, recorders: dict
+    ) -> None:
+        self.spec = spec
+        self.shards = tuple(shards)
+        self.ranks = ranks
+        self.recorders = recorders  # rank -> Recorder of that rank's cache
+
+    @classmethod
+    def build(
+        cls, factory, spec: CacheSpec, shards: Sequence[Shard], ranks: Ranks, path: str
+    ) -> ShardedCache:
+        """Each hosted rank's cache for its shard, from ``factory``, taking ``path``."""
+        recorders = {}
+        for rank in ranks.hosted:
+            shard = shards[rank]
+            local = build(factory, local_spec(spec, shard))
+            if path == "attend" and not offers_attend(local):
+                raise CacheContractError(f"rank {rank}'s cache has no attend()")
+            recorders[rank] = Recorder(local, spec.window, path, spec.sinks, spec.rope_base)
+        return cls(spec, shards, ranks, recorders)
+
+    @property
+    def offered(self) -> set[str]:
+        return capabilities(next(iter(self.recorders.values())).cache)
+
+    # --- what the model reads -------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        lengths = self._every_rank(lambda recorder: recorder.length)
+        if len(set(lengths)) > 1:
+            said = ", ".join(f"rank {rank} {n}" for rank, n in enumerate(lengths))
+            raise failures.DataLoss(
+                f"the ranks' caches of one layer disagree on length ({said}): every rank must "
+                f"see every event (a reset, truncate or append that one rank skipped)\n"
+                f"  shards: {self.describe()}"
+            )
+        return lengths[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(recorder.nbytes for recorder in self.recorders.values())
+
+    def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        start = self.length
+        outputs = []
+        for rank, recorder in self.recorders.items():
+            shard = self.shards[rank]
+            heads = torch.tensor(shard.kv_heads, device=key.device)
+            local = query[:, list(shard.query_heads)], key[:, heads], value[:, heads]
+            outputs.append(self._attend_rank(rank, recorder, *local, start))
+        gathered = self.ranks.gather(outputs)
+        mixed = torch.empty_like(query)
+        for shard, output in zip(self.shards, gathered, strict=True):
+            mixed[:, list(shard.query_heads)] = output.to(query.device)
+        return mixed
+
+    def _attend_rank(self, rank, recorder, query, key, value, start: int) -> Tensor:
+        if recorder.path == "attend":
+            return recorder.attend(query, key, value)
+        keys, values = recorder.append(key, value)
+        where = f"step at positions {start}..{start + key.shape[2] - 1}"
+        kvassert.assert_returned_rows(recorder, who=self._who(rank), where=where)
+        end = start + key.shape[2]
+        positions = torch.arange(end - keys.shape[2], end, device=query.device)
+        return attention(
+            query, keys, values, positions[-key.shape[2] :], positions, self.spec.window
+        )
+
+    # --- events, on every rank ------------------------------------------------------------
+    def reset(self) -> None:
+        for recorder in self.recorders.values():
+            recorder.reset()
+
+    # --- for messages ---------------------------------------------------------------------
+    def _every_rank(self, read) -> list[int]:
+        hosted = [read(recorder) for recorder in self.recorders.values()]
+        if len(self.ranks.hosted) == self.ranks.world:
+            return hosted
+        local = torch.tensor(hosted, dtype=torch.long)
+        return [int(n) for tensor in self.ranks.gather([local]) for n in tensor]
+
+    def _who(self, rank: int) -> str:
+        shard = self.shards[rank]
+        return (
+            f"rank {rank} of {shard.world} (kv heads {list(shard.kv_heads)}, query heads "
+            f"{list(shard.query_heads)})"
+        )
+
+    def describe(self) -> str:
+        return "; ".join(self._who(rank) for rank in range(len(self.shards)))
+
+
+def local_spec(spec: CacheSpec, shard: Shard) -> CacheSpec:
+    """What a rank's cache is built for: its kv heads, and its shard."""
+    from dataclasses import replace
+
+    return replace(spec, kv_heads=len(shard.kv_heads), shard=shard)
+
+
+class _Truncates:
+    def truncate(self, length: int) -> None:
+        for recorder in self.recorders.values():
+            recorder.truncate(length)
+
+
+class _Reorders:
+    def reorder(self, indices: Tensor) -> None:
+        for recorder in self.recorders.values():
+            recorder.reorder(indices)
+
+
+class _Forks:
+    def fork(self) -> ShardedCache:
+        forks = {rank: recorder.fork() for rank, recorder in self.recorders.items()}
+        return type(self)(self.spec, self.shards, self.ranks, forks)
+
+
+EVENTS = {"truncate": _Truncates, "reorder": _Reorders, "fork": _Forks}
+_TYPES: dict[frozenset, type] = {}
+
+
+def sharded_type(offered: set[str]) -> type:
+    """A ``ShardedCache`` class offering exactly the events the ranks' caches offer (a
+    capability is offered by having the method: contract, section 4)."""
+    events = frozenset(EVENTS) & frozenset(offered)
+    if events not in _TYPES:
+        mixins = tuple(EVENTS[name] for name in sorted(events))
+        _TYPES[events] = type("ShardedCache", (*mixins, ShardedCache), {})
+    return _TYPES[events]
+
+
+class ShardedFactory:
+    """The factory a sharded engine builds its caches from: for a layer's spec (the whole
+    layer's kv heads), a ``ShardedCache`` over every hosted rank's cache from ``factory``,
+    each built through ``kvcheck.harness.build`` for its own spec (the domain is the ranks')."""
+
+    builds_through_kit = True
+
+    def __init__(self, factory, shards: Sequence[Shard], ranks: Ranks, path: str) -> None:
+        self.factory = factory
+        self.shards = tuple(shards)
+        self.ranks = ranks
+        self.path = path
+        self.__name__ = f"sharded {getattr(factory, '__name__', type(factory).__name__)}"
+
+    def __call__(self, spec: CacheSpec) -> ShardedCache:
+        built = ShardedCache.build(self.factory, spec, self.shards, self.ranks, self.path)
+        return sharded_type(built.offered)(built.spec, built.shards, built.ranks, built.recorders)
