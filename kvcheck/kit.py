@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 from kvcheck import devices as kvdevices
@@ -136,6 +137,10 @@ class Property:
     pinned: tuple = ()  # inputs tried first on every run (@example): past regressions
     # Inputs run as plain tests by name, not as @example, so that a search still shrinks.
     edges: dict[str, Any] = field(default_factory=dict)
+    # What every example of one test shares, entered around its search: context(factory)
+    # (the processes of a torch.distributed group, started once per test).
+    context: Callable[[CacheFactory], AbstractContextManager] | None = None
+    shrinks: bool = True  # False where a retry costs a restart: the failure is reported as drawn
 
     def not_offered(self, factory: CacheFactory, path: str = "append") -> str | None:
         """Why ``factory`` cannot be tested for this property on ``path``: the capabilities
@@ -217,13 +222,14 @@ def property_test(prop: Property):
             with kvprofiles.torch_threads(), kvsizes.aiming_at(sizes), young_objects_only():
                 prop.check(cache_factory, examples_scale=self.examples_scale, **paths)
             return
-        search(
-            prop,
-            lambda drawn: prop.run(cache_factory, drawn, case, path),
-            self.pinned,
-            sizes,
-            self.examples_scale,
-        )
+        with prop.context(cache_factory) if prop.context else nullcontext():
+            search(
+                prop,
+                lambda drawn: prop.run(cache_factory, drawn, case, path),
+                self.pinned,
+                sizes,
+                self.examples_scale,
+            )
 
     # pytest parametrizes only arguments without defaults: one signature per shape.
     if prop.cases and prop.paths:
@@ -288,8 +294,9 @@ def search(
         test = example(drawn=drawn)(test)
     kit = kvprofiles.current()
     examples = max(1, math.ceil(kit.max_examples * prop.examples_share * examples_scale))
+    phases = kit.phases if prop.shrinks else tuple(p for p in kit.phases if p != Phase.shrink)
     with kvprofiles.torch_threads(), kvsizes.aiming_at(sizes):
-        given(drawn=prop.strategy)(settings(kit, max_examples=examples)(test))()
+        given(drawn=prop.strategy)(settings(kit, max_examples=examples, phases=phases)(test))()
 
 
 def edge_test(prop: Property):

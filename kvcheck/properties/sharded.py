@@ -22,6 +22,7 @@ import torch
 from hypothesis import strategies as st
 
 from kvcheck import devices as kvdevices
+from kvcheck import distributed as kvdistributed
 from kvcheck import failures
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
@@ -104,8 +105,8 @@ def sharded_configs(draw, world: int) -> ModelConfig:
 
 
 @st.composite
-def sharded_plans(draw, worlds: tuple[int, ...] = (2, 4)) -> ShardedPlan:
-    world = draw(st.sampled_from(worlds), label="world")
+def sharded_plans(draw, dtypes: tuple = kvst.WITH_HALF) -> ShardedPlan:
+    world = draw(st.sampled_from((2, 4)), label="world")
     config = draw(sharded_configs(world), label="config")
     events, held, requests = [], [0], 1
     for _ in range(draw(st.integers(1, 7), label="events")):
@@ -138,15 +139,16 @@ def sharded_plans(draw, worlds: tuple[int, ...] = (2, 4)) -> ShardedPlan:
         config=config,
         path=draw(st.sampled_from(("append", "attend")), label="path"),
         batch=draw(kvsizes.batches(small_max=3), label="batch"),
-        dtype=draw(kvst.dtypes_on_device(kvst.WITH_HALF), label="dtype"),
+        dtype=draw(kvst.dtypes_on_device(dtypes), label="dtype"),
         events=tuple(events),
         token_seed=draw(st.integers(0, 2**16), label="token seed"),
     )
 
 
-def run_sharded(factory: CacheFactory, plan: ShardedPlan, ranks: Ranks) -> None:
+def run_sharded(factory: CacheFactory, plan: ShardedPlan, ranks: Ranks, progress=None) -> None:
     """The plan's events through the session engine on ``ShardedCache`` layers: every
-    step's logits held to the unsharded uncached model, every rank agreeing on lengths."""
+    step's logits held to the unsharded uncached model, every rank agreeing on lengths;
+    ``progress(said)`` hears of each event before it runs."""
     config = plan.config
     shards = plan_for(factory, config.num_heads, config.num_kv_heads, plan.world)
     path = path_for(plan.path, factory)
@@ -170,6 +172,8 @@ def run_sharded(factory: CacheFactory, plan: ShardedPlan, ranks: Ranks) -> None:
         kind, index, *rest = event
         request = requests[index]
         at = f" (event #{step}: {_event_said(event)})"
+        if progress is not None:
+            progress(f"event #{step}: {_event_said(event)}")
         if kind == "feed":
             new = torch.randint(0, config.vocab_size, (plan.batch, rest[0]), generator=generator)
             engine.feed(request, new.to(kvdevices.current()), at=at)
@@ -192,6 +196,11 @@ def run_sharded(factory: CacheFactory, plan: ShardedPlan, ranks: Ranks) -> None:
 def check_sharded(factory: CacheFactory, plan: ShardedPlan) -> None:
     """Every rank simulated in this process."""
     run_sharded(factory, plan, SimulatedRanks(plan.world))
+
+
+def check_sharded_runtime(factory: CacheFactory, plan: ShardedPlan) -> None:
+    """Every rank a process of its own, in a ``torch.distributed`` group."""
+    kvdistributed.run_on_processes(factory, plan)
 
 
 # Tried first on every run: two kv heads replicated over four ranks, each rank computing
@@ -218,7 +227,24 @@ SHARDED = Property(
 )
 
 
+SHARDED_RUNTIME = Property(
+    "sharded runtime",
+    "the same, each rank a process of its own in a torch.distributed group (gloo), a hung "
+    "rank a failure",
+    check_sharded_runtime,
+    sharded_plans(kvst.DTYPES),
+    failures.WRONG_RESULTS,
+    pinned=(REPLICATED,),
+    examples_share=0.1,  # each plan runs on every process; `sharded` searches the same plans
+    dtypes=kvst.DTYPES,  # on the CPU, where half precision is slow and adds nothing here
+    attend_dtypes=kvst.DTYPES,
+    context=kvdistributed.serving,
+    shrinks=False,
+)
+
+
 class ShardedTests(KitTests):
     """Tensor-parallel shards of every layer: every cache runs it."""
 
     test_sharded_ranks_equal_the_unsharded_model = property_test(SHARDED)
+    test_sharded_ranks_on_processes_equal_the_unsharded_model = property_test(SHARDED_RUNTIME)

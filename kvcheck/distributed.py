@@ -1,0 +1,229 @@
+"""Sharded plans on real processes: ``torch.distributed`` (docs/contract.md, section 11.1).
+
+A ``Runtime`` forks ``world`` rank processes that join one gloo process group on a store
+this process hosts at 127.0.0.1 (an unused port; gloo bound to the loopback interface), and
+a group of the first two ranks for plans of two. Each plan is sent to every rank over a
+pipe; each rank runs it through ``kvcheck.properties.sharded.run_sharded`` on caches from
+the factory, gathering attention outputs with ``torch.distributed.all_gather``, and answers
+"ok" or the failure it raised. A rank reports each event before it runs it, so a plan that
+passes its deadline fails naming the ranks that did not answer and the event each had
+reached; the runtime is then torn down (every rank killed) and the next plan starts another.
+
+The ranks are forked: they inherit the factory, the kit's settings and the declared domain
+as they are in this process (no pickling, no re-import). They run on the CPU: CUDA does not
+survive a fork, and the simulated test (``sharded``) runs on the kit's device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import time
+import traceback
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+
+import torch
+from torch import Tensor
+
+from kvcheck import devices as kvdevices
+from kvcheck import failures
+
+WORLD = 4  # the most ranks a plan asks for; plans of 2 run on the first two
+DEADLINE = 60.0  # seconds a plan may take on every rank, start-up included
+LOOPBACK = "127.0.0.1"
+
+
+def unavailable() -> str | None:
+    """Why sharded plans cannot run on processes here, or None."""
+    if not torch.distributed.is_available():
+        return "this torch is built without torch.distributed"
+    if not torch.distributed.is_gloo_available():
+        return "this torch is built without the gloo backend"
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return "the ranks are forked, and this platform cannot fork"
+    return None
+
+
+class ProcessGroupRanks:
+    """This process's rank of a ``torch.distributed`` group (``kvcheck.sharding.Ranks``)."""
+
+    def __init__(self, group=None) -> None:
+        self.group = group
+        self.world = torch.distributed.get_world_size(group)
+        self.hosted = (torch.distributed.get_rank(group),)
+
+    def gather(self, local: Sequence[Tensor]) -> list[Tensor]:
+        (mine,) = local
+        mine = mine.contiguous()
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        torch.distributed.all_gather(every, mine, group=self.group)
+        return every
+
+
+class Runtime:
+    """``world`` forked ranks serving sharded plans on caches from ``factory``."""
+
+    def __init__(self, factory, world: int = WORLD, deadline: float = DEADLINE) -> None:
+        self.factory = factory
+        self.world = world
+        self.deadline = deadline
+        self.ranks: list = []  # (process, pipe) per rank
+        self.store = None
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        self.store = torch.distributed.TCPStore(
+            LOOPBACK, 0, None, True, timeout=timedelta(seconds=self.deadline)
+        )
+        context = multiprocessing.get_context("fork")
+        for rank in range(self.world):
+            ours, theirs = context.Pipe()
+            process = context.Process(
+                target=_serve,
+                args=(rank, self.world, self.store.port, self.factory, theirs, self.deadline),
+                name=f"kvcheck rank {rank}",
+                daemon=True,
+            )
+            process.start()
+            theirs.close()
+            self.ranks.append((process, ours))
+
+    def close(self, *, broken: bool = False) -> None:
+        """Every rank told to stop, and killed where it does not within a few seconds (at
+        once where the group is ``broken``: its ranks may wait in a collective for ever)."""
+        for _, pipe in self.ranks if not broken else ():
+            with contextlib.suppress(OSError):
+                pipe.send(None)
+        for process, pipe in self.ranks:
+            process.join(timeout=0 if broken else 5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+            pipe.close()
+        self.ranks, self.store = [], None
+
+    def run(self, plan) -> None:
+        """Run ``plan`` on every rank; raise the first rank's failure, or a timeout naming
+        the ranks that did not answer."""
+        if not self.ranks:
+            self._start()
+        for _, pipe in self.ranks:
+            pipe.send(plan)
+        answers: dict[int, tuple] = {}
+        reached = dict.fromkeys(range(self.world), "starting")
+        end = time.monotonic() + self.deadline
+        while len(answers) < self.world:
+            waiting = [rank for rank in range(self.world) if rank not in answers]
+            ready = multiprocessing.connection.wait(
+                [self.ranks[rank][1] for rank in waiting], timeout=max(0.0, end - time.monotonic())
+            )
+            if not ready:
+                self.close(broken=True)
+                said = "; ".join(f"rank {rank} at {reached[rank]}" for rank in waiting)
+                raise TimeoutError(
+                    f"sharded runtime: ranks {waiting} did not answer within {self.deadline:.0f} "
+                    f"s ({said}); every rank was killed\n  {plan.describe()}"
+                )
+            for rank in waiting:
+                pipe = self.ranks[rank][1]
+                if pipe not in ready:
+                    continue
+                try:
+                    message = pipe.recv()
+                except EOFError:
+                    message = ("died", f"rank {rank}'s process died at {reached[rank]}")
+                if message[0] == "at":
+                    reached[rank] = message[1]
+                else:
+                    answers[rank] = message
+            if any(answer[0] != "ok" for answer in answers.values()):
+                break  # the others may wait in a collective for the failed rank: no use
+        failed = {rank: answer for rank, answer in answers.items() if answer[0] != "ok"}
+        if failed:
+            self.close(broken=True)  # a group with a failed rank cannot go on
+            rank, (kind, *detail) = min(failed.items())
+            raise _as_raised(rank, kind, detail, plan)
+
+
+def _as_raised(rank: int, kind: str, detail: list, plan) -> BaseException:
+    """A rank's failure raised here: the same severity, its message and where it was."""
+    if kind == "died":
+        return RuntimeError(f"sharded runtime: {detail[0]}\n  {plan.describe()}")
+    name, message = detail
+    kind_of = getattr(failures, name, None)
+    severity = kind_of if isinstance(kind_of, type) and issubclass(kind_of, Exception) else None
+    text = f"on rank {rank} of a real process group: {message}"
+    return severity(text) if severity is not None else RuntimeError(f"{name}: {text}")
+
+
+def _serve(rank: int, world: int, port: int, factory, pipe, deadline: float) -> None:
+    """A rank's process: join the group, then run each plan sent until told to stop."""
+    from kvcheck.properties.sharded import run_sharded
+
+    torch.set_num_threads(1)
+    kvdevices.choose("cpu")
+    if os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store = torch.distributed.TCPStore(LOOPBACK, port, None, False, timedelta(seconds=deadline))
+    torch.distributed.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=deadline)
+    )
+    groups = {world: None}
+    if world > 2:
+        groups[2] = torch.distributed.new_group([0, 1])
+    try:
+        while (plan := pipe.recv()) is not None:
+            if rank >= plan.world:
+                pipe.send(("ok",))
+                continue
+            try:
+                run_sharded(
+                    factory,
+                    plan,
+                    ProcessGroupRanks(groups[plan.world]),
+                    progress=lambda said: pipe.send(("at", said)),
+                )
+                pipe.send(("ok",))
+            except BaseException as error:
+                said = "\n".join((str(error), *getattr(error, "__notes__", ())))
+                if not isinstance(error, AssertionError):  # a crash: where, for its author
+                    said += "\n" + "".join(traceback.format_exception(error)[-3:])
+                pipe.send(("failed", type(error).__name__, said.strip()))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+_serving: list[Runtime] = []
+
+
+@contextlib.contextmanager
+def serving(factory) -> Iterator[None]:
+    """One runtime for every plan a test sends in this block (started at the first); the
+    test skips with the reason where processes cannot run plans here."""
+    if why := unavailable():
+        import pytest
+
+        pytest.skip(f"sharded runtime: {why}")
+    with Runtime(factory) as runtime:
+        _serving.append(runtime)
+        try:
+            yield
+        finally:
+            _serving.remove(runtime)
+
+
+def run_on_processes(factory, plan) -> None:
+    """``plan`` on the runtime a test opened for ``factory``, or on one of its own."""
+    for runtime in _serving:
+        if runtime.factory is factory:
+            runtime.run(plan)
+            return
+    with Runtime(factory) as runtime:
+        runtime.run(plan)

@@ -1,0 +1,72 @@
+"""The sharded runtime itself (``kvcheck.distributed``): a hung rank fails the plan with a
+message naming it and the event it reached, a rank that dies is named, a failure on one
+rank comes back with its severity, and the group restarts for the next plan."""
+
+import dataclasses
+import os
+import time
+
+import pytest
+
+from kvcheck import distributed as kvdistributed
+from kvcheck import failures
+from kvcheck.properties.sharded import REPLICATED
+from kvimpl import ConcatCache
+
+pytestmark = pytest.mark.skipif(
+    kvdistributed.unavailable() is not None, reason=f"{kvdistributed.unavailable()}"
+)
+
+
+class HangsOnRankOneAtTheDecode(ConcatCache):
+    """Rank 1's caches never return from the first decode: its peers wait in the gather."""
+
+    def append(self, key, value):
+        shard = self.spec.shard
+        if shard is not None and shard.rank == 1 and self.length:
+            time.sleep(3600)
+        return super().append(key, value)
+
+
+class DiesOnRankTwo(ConcatCache):
+    """Rank 2's process exits at its first append, as one killed by the OOM killer."""
+
+    def append(self, key, value):
+        if self.spec.shard is not None and self.spec.shard.rank == 2:
+            os._exit(3)
+        return super().append(key, value)
+
+
+def test_a_hung_rank_fails_the_plan_naming_it_and_its_event():
+    with kvdistributed.Runtime(HangsOnRankOneAtTheDecode, deadline=4) as runtime:
+        with pytest.raises(TimeoutError) as raised:
+            runtime.run(REPLICATED)
+        assert not runtime.ranks  # every rank killed
+    message = str(raised.value)
+    assert "did not answer within 4 s" in message
+    assert "rank 1 at event #1: feed 1 to request A" in message
+
+
+def test_a_rank_that_dies_is_named():
+    with kvdistributed.Runtime(DiesOnRankTwo, deadline=10) as runtime:
+        with pytest.raises((RuntimeError, TimeoutError)) as raised:
+            runtime.run(REPLICATED)
+    assert "rank 2" in str(raised.value)
+
+
+def test_a_failure_comes_back_with_its_severity_and_the_group_restarts():
+    from tests.mutants.shards import LastRankSkipsReset
+
+    with kvdistributed.Runtime(LastRankSkipsReset) as runtime:
+        with pytest.raises(failures.DataLoss, match="disagree on length"):
+            runtime.run(REPLICATED)
+        no_reset = dataclasses.replace(REPLICATED, events=REPLICATED.events[:-1])
+        runtime.run(no_reset)  # a fresh group, and a plan the mutant survives
+        assert len(runtime.ranks) == 4
+
+
+def test_plans_of_two_ranks_run_on_a_world_of_four():
+    config = dataclasses.replace(REPLICATED.config, num_heads=4, num_kv_heads=2)
+    with kvdistributed.Runtime(ConcatCache) as runtime:
+        runtime.run(dataclasses.replace(REPLICATED, world=2, config=config))
+        runtime.run(REPLICATED)
