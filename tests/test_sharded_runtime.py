@@ -48,9 +48,11 @@ def test_a_hung_rank_fails_the_plan_naming_it_and_its_event():
 
 
 def test_a_rank_that_dies_is_named():
-    with kvdistributed.Runtime(DiesOnRankTwo, deadline=10) as runtime:
-        with pytest.raises((RuntimeError, TimeoutError)) as raised:
-            runtime.run(REPLICATED)
+    with (
+        kvdistributed.Runtime(DiesOnRankTwo, deadline=10) as runtime,
+        pytest.raises((RuntimeError, TimeoutError)) as raised,
+    ):
+        runtime.run(REPLICATED)
     assert "rank 2" in str(raised.value)
 
 
