@@ -30,9 +30,9 @@ by the model), and for the optional capabilities ``AttendTests``, ``ForkTests``,
 ``PoolTests`` (a factory that is a ``kvref.BlockPool``), ``TruncateTests``, ``ReorderTests``
 ``RowsTests`` (rows of their own, ``append_rows``), ``ShiftTests`` (context shift, ``shift``),
 ``SinksTests`` (attention sinks a cache declares), ``ServingTests`` (prefix caching and
-offload), ``TreeTests`` (tree drafts) and ``ShardedTests`` (tensor-parallel ranks, run on
-every cache)); subclass one of them instead to run
-only that area. The contract a cache must keep is in ``kvref.protocol`` and
+offload), ``TreeTests`` (tree drafts), ``MoveTests`` (moves between layouts) and
+``ShardedTests`` (tensor-parallel ranks, run on every cache)); subclass one of them instead
+to run only that area. The contract a cache must keep is in ``kvref.protocol`` and
 ``docs/contract.md``.
 """
 
@@ -44,6 +44,7 @@ __all__ = [
     "ForkTests",
     "IsolationTests",
     "MemoryTests",
+    "MoveTests",
     "PoolTests",
     "RejectionTests",
     "ReorderTests",

@@ -24,7 +24,7 @@ from kvcheck.failures import (
     WrongResults,
 )
 from kvcheck.strategies import as_values, random_rows
-from kvref.protocol import Quantized, _same_device
+from kvref.protocol import Quantized, _same_device, rows_needed
 
 # float64 and float32 are exact enough for a fixed tolerance: float64 tight.
 TOLERANCES = {
@@ -315,6 +315,50 @@ def assert_returned_rows(cache, *, who: str, where: str) -> None:
             raise DataLoss(
                 f"{who}: {name} row {kept[bad[0]]} returned by append is not the row appended "
                 f"there{moved}{beyond} ({len(bad)} of {rows} rows returned differ: "
+                f"{[kept[row] for row in bad[:8]]})\n  at {where}"
+            )
+
+
+def assert_exported(cache, rows, *, who: str, where: str) -> None:
+    """What the recorded cache's ``export_rows`` gave (contract, section 11.2) is a
+    ``kvref.CacheRows`` of its length and, bit for bit, the most recent rows it was given
+    since its reset: all of them, or with a window at least the last W - 1."""
+    __tracebackhide__ = True
+    from kvref import CacheRows
+
+    if not isinstance(rows, CacheRows):
+        raise DataLoss(f"{who}: export_rows returned {type(rows).__name__}, not kvref.CacheRows")
+    held = cache.given_length
+    if rows.length != held:
+        raise DataLoss(
+            f"{who}: export_rows says length {rows.length}; the cache was given {held} tokens "
+            f"since its reset\n  at {where}"
+        )
+    fewest = rows_needed(cache.window, held)
+    for part, (name, got, given) in enumerate(
+        zip(("keys", "values"), (rows.keys, rows.values), cache.given or (None, None), strict=True)
+    ):
+        count = got.shape[2] if isinstance(got, Tensor) and got.ndim == 4 else -1
+        shape = None if given is None else given.shape[:2] + given.shape[3:]
+        if (
+            count < 0
+            or (shape is not None and got.shape[:2] + got.shape[3:] != shape)
+            or not (fewest <= count <= held)
+        ):
+            shown = tuple(got.shape) if isinstance(got, Tensor) else type(got).__name__
+            raise DataLoss(
+                f"{who}: export_rows gave {name} shaped {shown}; a cache given {held} rows "
+                f"since its reset must give the last {fewest} to {held} of them, oldest first"
+                f"\n  at {where}"
+            )
+        if not count:
+            continue
+        kept = list(range(held - count, held))
+        bad, beyond = rows_not_held(cache, part, got, given, kept)
+        if bad:
+            raise DataLoss(
+                f"{who}: {name} row {kept[bad[0]]} of export_rows is not the row appended there"
+                f"{beyond} ({len(bad)} of {count} rows exported differ: "
                 f"{[kept[row] for row in bad[:8]]})\n  at {where}"
             )
 

@@ -13,6 +13,7 @@ device or type name). It fails only when empty or about something else entirely.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from torch import Tensor
 from kvcheck.asserts import dtype_name
 from kvcheck.harness import Recorder, builder, record, recorded
 from kvcheck.strategies import ModelPlan, as_values, build_model, random_rows
-from kvref import CacheFactory, CacheSpec, ReferenceTransformer
+from kvref import CacheFactory, CacheRows, CacheSpec, ReferenceTransformer
 
 
 def _nothing(_bad: Any) -> Iterable[str]:
@@ -417,5 +418,85 @@ BAD_REORDERS = [
         lambda s: ([0] * s.batch,),
         NOT_A_TENSOR,
         errors=NOT_A_TENSOR_ERRORS,
+    ),
+]
+
+
+def good_rows(spec: CacheSpec, rows: int, length: int | None = None) -> CacheRows:
+    """Rows a fresh cache for ``spec`` may import: ``rows`` of them, ending at ``length``."""
+    keys = random_rows(spec, rows, seed=rows)
+    return CacheRows(keys, as_values(spec, keys), rows if length is None else length)
+
+
+def _resized(spec: CacheSpec, axis: int, which: str = "both") -> tuple:
+    rows = good_rows(spec, 2)
+    keys = grow(rows.keys, axis) if which in ("both", "keys") else rows.keys
+    values = grow(rows.values, axis) if which in ("both", "values") else rows.values
+    return (CacheRows(keys, values, rows.length),)
+
+
+def _moved(spec: CacheSpec, how: Callable[[Tensor], Tensor]) -> tuple:
+    rows = good_rows(spec, 2)
+    return (CacheRows(how(rows.keys), how(rows.values), rows.length),)
+
+
+def _too_few(spec: CacheSpec) -> tuple:
+    """One row for a length whose next query needs more (all of them, or the window's)."""
+    length = 3 if spec.window is None else spec.window + 3
+    return (good_rows(spec, 1, length),)
+
+
+IMPORT_WORDS = r"import|rows|length|shape|size"
+# make(spec) -> the argument of ``import_rows`` on a fresh cache for spec (the first case: on
+# a warm one); contract, section 11.2
+BAD_IMPORTS = [
+    BadInput(
+        "into a cache that holds tokens",
+        lambda s: (good_rows(s, 1),),
+        r"empty|holds|held|already|reset|fresh|length|tokens",
+    ),
+    BadInput("rows of another batch", lambda s: _resized(s, 0), BATCH, shapes_of(0)),
+    BadInput(
+        "rows of another number of kv heads",
+        lambda s: _resized(s, 1),
+        r"kv_heads|heads|H_kv|" + IMPORT_WORDS,
+    ),
+    BadInput("keys of another head_dim", lambda s: _resized(s, 3, "keys"), r"head_dim|dim|width"),
+    BadInput(
+        "values of another width", lambda s: _resized(s, 3, "values"), r"value|dim|width|shape"
+    ),
+    BadInput(
+        "rows of another dtype",
+        lambda s: _moved(s, lambda t: t.to(other_dtype(t.dtype))),
+        r"dtype|float|type",
+    ),
+    BadInput(
+        "rows on another device",
+        lambda s: _moved(s, lambda t: t.to(other_device(t.device))),
+        r"device|meta|cpu|cuda",
+    ),
+    BadInput(
+        "more rows than its length",
+        lambda s: (good_rows(s, 3, 2),),
+        r"rows|length|more|exceed",
+    ),
+    BadInput("fewer rows than the next query needs", _too_few, r"rows|length|needs|fewer|last"),
+    BadInput(
+        "a length that is not an int",
+        lambda s: (dataclasses.replace(good_rows(s, 2), length=2.5),),
+        r"int|length|type",
+        errors=NOT_A_TENSOR_ERRORS,
+    ),
+    BadInput(
+        "not a CacheRows",
+        lambda s: ((good_rows(s, 2).keys, good_rows(s, 2).values),),
+        r"CacheRows|type|tuple|rows",
+        errors=NOT_A_TENSOR_ERRORS,
+    ),
+    BadInput(
+        "a length past max_length",
+        lambda s: (good_rows(s, s.max_length + 2),),
+        r"max_length|capacity|overflow|exceed|length|room",
+        may_be_accepted=True,  # a cache that grows takes it (rule 4)
     ),
 ]

@@ -22,6 +22,7 @@ from kvcheck.properties.core import CoreTests
 from kvcheck.properties.edits import ReorderTests, TruncateTests
 from kvcheck.properties.isolation import IsolationTests
 from kvcheck.properties.memory import MemoryTests
+from kvcheck.properties.moves import MoveTests
 from kvcheck.properties.pool import PoolTests
 from kvcheck.properties.rejection import RejectionTests
 from kvcheck.properties.requests import ForkTests, RequestsTests
@@ -55,6 +56,7 @@ class CacheTests(
     RowsTests,
     ShiftTests,
     SinksTests,
+    MoveTests,
     ShardedTests,
 ):
     """Every property of the kit. Subclass it, set ``factory``, and pytest runs them all;
@@ -69,6 +71,7 @@ __all__ = [
     "IsolationTests",
     "KitTests",
     "MemoryTests",
+    "MoveTests",
     "PoolTests",
     "RejectionTests",
     "ReorderTests",

@@ -187,7 +187,7 @@ def _serve(rank: int, world: int, port: int, factory, pipe, deadline: float) -> 
                 run_sharded(
                     factory,
                     plan,
-                    ProcessGroupRanks(groups[plan.world]),
+                    lambda world: ProcessGroupRanks(groups[world]),
                     progress=lambda said: pipe.send(("at", said)),
                 )
                 pipe.send(("ok",))

@@ -316,9 +316,13 @@ class Recorder:
     def fork(self) -> Recorder:
         self.views = None
         twin = Recorder(self.cache.fork(), self.window, self.path, self.sinks, self.rope_base)
-        twin.given, twin.rerotated = self.given, dict(self.rerotated)
-        twin.quantized_below = list(self.quantized_below)
+        twin.take_history(self)
         return twin
+
+    def take_history(self, other: Recorder) -> None:
+        """Hold what ``other`` was given since its reset: its fork, or where its rows moved."""
+        self.given, self.rerotated = other.given, dict(other.rerotated)
+        self.quantized_below = list(other.quantized_below)
 
     def attended_and_reference(self) -> tuple[object, Tensor]:
         """What the last attend returned, and the reference attention of its query over the

@@ -33,7 +33,11 @@ OUTSIDE = "outside the declared domain"
 # Capabilities of the factory itself, not of its caches.
 FACTORY_CAPABILITIES = {"block pool": BlockPool, "prefix caching": PrefixCaching}
 # The methods a capability takes, where it is not the one named after it.
-METHODS = {"tree": "append_tree() and commit_tree()", "offload": "offload() and restore()"}
+METHODS = {
+    "tree": "append_tree() and commit_tree()",
+    "offload": "offload() and restore()",
+    "move": "export_rows() and import_rows()",
+}
 # Capabilities a cache declares in its sizes, not by a method, and why one is missing.
 DECLARED_CAPABILITIES = {
     "sinks": "the cache declares no attention sinks (its supports' sinks, contract 8.5)",

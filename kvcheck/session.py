@@ -102,14 +102,20 @@ class Engine:
         block_hash: Callable | None = None,
         describe: Callable[[], str] = lambda: "",
     ) -> None:
-        # On a pool of its own, so that the books can be audited against this engine's caches
-        # (keyed by ``block_hash`` where given: a prefix-caching pool, section 9.1).
-        self.factory = pool_books.fresh_pool(factory, blocks, block_hash)
         self.model = model
         self.max_length = max_length
         self.path = path
         self.describe = describe  # the plan so far, for every message
         self.live: dict[str, Request] = {}
+        self.blocks = blocks
+        self._use(factory, block_hash)
+
+    def _use(self, factory: CacheFactory, block_hash: Callable | None = None) -> None:
+        """Build every later cache from ``factory``: on a pool of its own, so that the books
+        can be audited against this engine's caches (keyed by ``block_hash`` where given: a
+        prefix-caching pool, section 9.1)."""
+        blocks = self.blocks
+        self.factory = pool_books.fresh_pool(factory, blocks, block_hash)
         self.pool = self.factory if isinstance(self.factory, BlockPool) else None
         # What each block was last written with, where a pool shares blocks by content.
         prefix = isinstance(self.factory, PrefixCaching)
@@ -622,6 +628,47 @@ class Engine:
         self._check_lengths(request, f"its restore{at}")
         if self.prefix is not None and request.looked_up:  # in other blocks now: not new writes
             self.prefix.wrote(request, 0, request.held, count=False)
+
+    # --- moves between layouts (contract, section 11.2) ----------------------------------
+    def move(self, request: Request, factory: CacheFactory, *, path: str, at: str = "") -> None:
+        """Every layer's rows out of ``request``'s caches (``export_rows``, held to the rows
+        given) and into fresh caches from ``factory`` taking ``path`` (``import_rows``), where
+        the request goes on; every later cache comes from ``factory`` too. The request must
+        be the only one alive: the blocks of a pool it leaves must all come back."""
+        if set(self.live) != {request.name}:
+            raise TypeError(f"a move of {request.name} beside other requests: no plan does so")
+        what = f"{request.name}, its move{at}"
+        exported = self._exported(request, self.where(what))
+        left, before = self.pool, self.pool_before
+        self.path = path
+        self._use(factory)
+        built = self.model.new_caches(
+            builder(self.factory), batch=request.batch, max_length=self.max_length
+        )
+        caches = record(built, self.model.config, path)
+        for recorder, rows, old in zip(caches, exported, request.caches, strict=True):
+            recorder.cache.import_rows(rows)
+            recorder.take_history(old)
+            if callable(getattr(recorder.cache, "take_history", None)):  # the kit's shards
+                recorder.cache.take_history(old.cache)
+        request.caches = caches
+        request.offered = frozenset(capabilities(caches[0].cache))
+        self._check_lengths(request, f"its move{at}")
+        if left is not None and left is not self.pool:  # the caches it left: collected
+            del old, recorder, built
+            gc.collect()
+            pool_books.all_back(left, before, where=self.where(what))
+
+    @staticmethod
+    def _exported(request: Request, where: str) -> list:
+        """Every layer's ``export_rows()``, each held to the rows that layer was given."""
+        exported = []
+        for layer, recorder in enumerate(request.caches):
+            recorder.views = recorder.returned = None  # a call: its views may go
+            rows = recorder.cache.export_rows()
+            kvassert.assert_exported(recorder, rows, who=f"layer {layer}", where=where)
+            exported.append(rows)
+        return exported
 
     # --- what holds after every event -----------------------------------------------------
     def _check_lengths(self, request: Request, what: str) -> None:

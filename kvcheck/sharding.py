@@ -25,7 +25,15 @@ from torch import Tensor
 from kvcheck import asserts as kvassert
 from kvcheck import failures
 from kvcheck.harness import Recorder, build, offers_attend
-from kvref import CacheContractError, CacheFactory, CacheSpec, Shard, attention, shard_heads
+from kvref import (
+    CacheContractError,
+    CacheFactory,
+    CacheRows,
+    CacheSpec,
+    Shard,
+    attention,
+    shard_heads,
+)
 from kvref.protocol import capabilities
 
 
@@ -212,7 +220,73 @@ class _Forks:
         return type(self)(self.spec, self.shards, self.ranks, forks)
 
 
-EVENTS = {"truncate": _Truncates, "reorder": _Reorders, "fork": _Forks}
+class _Moves:
+    """Moves between shard counts (contract, section 11.2), with every rank in this process:
+    each rank's rows out, the replicas of a kv head held to agree bit for bit, the heads put
+    together by global id; in, each rank's heads sliced from them."""
+
+    def export_rows(self) -> CacheRows:
+        by_head: dict[int, tuple[int, CacheRows]] = {}
+        for rank in self._all_here("export_rows"):
+            rows = self.recorders[rank].cache.export_rows()
+            for local, head in enumerate(self.shards[rank].kv_heads):
+                mine = (rows.keys[:, local : local + 1], rows.values[:, local : local + 1])
+                if head not in by_head:
+                    by_head[head] = (rank, rows.length, *mine)
+                    continue
+                first, length, *theirs = by_head[head]
+                if length != rows.length or any(
+                    a.shape != b.shape or kvassert.differing_rows(a, b)
+                    for a, b in zip(mine, theirs, strict=True)
+                ):
+                    raise failures.DataLoss(
+                        f"kv head {head}'s replicas differ: rank {rank}'s export_rows() is not "
+                        f"rank {first}'s (every rank holding a kv head must hold the same rows)"
+                        f"\n  shards: {self.describe()}"
+                    )
+        heads = [by_head[head] for head in sorted(by_head)]
+        keys = torch.cat([keys for _, _, keys, _ in heads], dim=1)
+        values = torch.cat([values for _, _, _, values in heads], dim=1)
+        return CacheRows(keys, values, heads[0][1])
+
+    def import_rows(self, rows: CacheRows) -> None:
+        for rank in self._all_here("import_rows"):
+            heads = list(self.shards[rank].kv_heads)
+            mine = CacheRows(rows.keys[:, heads], rows.values[:, heads], rows.length)
+            self.recorders[rank].cache.import_rows(mine)
+
+    def take_history(self, other: ShardedCache) -> None:
+        """What each rank was given, from the ranks of ``other``, another shard count."""
+        given = other.given_by_head()
+        for rank in self._all_here("take_history"):
+            heads = list(self.shards[rank].kv_heads)
+            self.recorders[rank].given = tuple(rows[:, heads] for rows in given)
+
+    def given_by_head(self) -> tuple[Tensor, Tensor]:
+        """The rows every kv head was given since the reset, by global id (from the first
+        rank that holds it)."""
+        holder = {}
+        for rank in reversed(self._all_here("given_by_head")):
+            for local, head in enumerate(self.shards[rank].kv_heads):
+                holder[head] = (self.recorders[rank].given, local)
+        return tuple(
+            torch.cat(
+                [
+                    given[which][:, local : local + 1]
+                    for given, local in map(holder.get, sorted(holder))
+                ],
+                dim=1,
+            )
+            for which in (0, 1)
+        )
+
+    def _all_here(self, call: str) -> tuple[int, ...]:
+        if len(self.ranks.hosted) != self.ranks.world:
+            raise TypeError(f"{call} of a sharded cache needs every rank in this process")
+        return self.ranks.hosted
+
+
+EVENTS = {"truncate": _Truncates, "reorder": _Reorders, "fork": _Forks, "move": _Moves}
 _TYPES: dict[frozenset, type] = {}
 
 

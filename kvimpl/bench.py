@@ -200,6 +200,7 @@ class IdealCache:
     It claims to hold all but the last of ``length + 1`` tokens, so the model decodes the
     last position, and its append hands back its tensors without reading or storing what it
     is given: all the rows, or with a window only the last W, all that the query can see.
+    A timing fixture, not a cache to move (no ``export_rows``: contract, section 11.2).
     """
 
     def __init__(self, key: Tensor, value: Tensor, length: int) -> None:

@@ -6,7 +6,8 @@ model calls ``attend`` instead when a cache has it, and this one does: it comput
 chunk by chunk where the chunks lie, merging them with an online softmax
 (``kvimpl.blockwise``), so decoding through ``attend`` copies nothing but the new rows.
 Tree drafts (contract, section 9.2) come from ``kvimpl.tree``, through ``append`` and
-``truncate``: every row accepts a path of one length.
+``truncate``: every row accepts a path of one length, and moves (section 11.2) from
+``kvimpl.moves``, through ``append``.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import torch
 from torch import Tensor
 
 from kvimpl.blockwise import attend_blocks
+from kvimpl.moves import MovableMixin
 from kvimpl.tree import TreeDraftsMixin
 from kvref.protocol import CacheSpec, check_append, check_attend, check_reorder, check_truncate
 
 DEFAULT_CHUNK_SIZE = 16
 
 
-class ChunkedCache(TreeDraftsMixin):
+class ChunkedCache(TreeDraftsMixin, MovableMixin):
     # Its sizes, for the suite to hit its chunk boundaries on purpose (kvcheck.Sizes; a
     # plain dict, so that the cache needs nothing from the kit).
     kv_sizes: ClassVar[dict[str, int]] = {"page": DEFAULT_CHUNK_SIZE}
@@ -45,7 +47,7 @@ class ChunkedCache(TreeDraftsMixin):
 
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         self._store(key, value, check_append(self.spec, self._length, key, value))
-        return self._joined(0), self._joined(1)
+        return self._rows_to_move()
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         new_tokens = check_attend(self.spec, self._length, query, key, value)
@@ -69,6 +71,9 @@ class ChunkedCache(TreeDraftsMixin):
     def reset(self) -> None:
         self.chunks: list[tuple[Tensor, Tensor]] = []
         self._length = 0
+
+    def _rows_to_move(self) -> tuple[Tensor, Tensor]:
+        return self._joined(0), self._joined(1)
 
     def _joined(self, which: int) -> Tensor:
         # Only the written rows of the last chunk, so the result is contiguous.

@@ -1,14 +1,16 @@
-"""The simplest cache: grow by ``torch.cat`` along the length axis (copies everything held)."""
+"""The simplest cache: grow by ``torch.cat`` along the length axis (copies everything held).
+Its rows move to and from other layouts (``kvimpl.moves``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from kvimpl.moves import MovableMixin
 from kvref.protocol import CacheSpec, check_append, check_reorder, check_truncate
 
 
-class ConcatCache:
+class ConcatCache(MovableMixin):
     def __init__(self, spec: CacheSpec) -> None:
         self.spec = spec
         self.reset()
@@ -37,6 +39,9 @@ class ConcatCache:
         check_reorder(self.spec, indices)
         self.key = self.key.index_select(0, indices)
         self.value = self.value.index_select(0, indices)
+
+    def _rows_to_move(self) -> tuple[Tensor, Tensor]:
+        return self.key, self.value
 
     def reset(self) -> None:
         s = self.spec

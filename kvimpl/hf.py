@@ -38,7 +38,9 @@ buffer size): the layer tracks its length itself (``StaticLayer`` no longer take
 ``cache_position`` in 5.x; it counts with ``cumulative_length``), so the adapter tracks none.
 The CacheSpec is deliberately NOT exposed as a ``spec`` attribute: the reference model would
 then refuse a batch/heads/dtype mismatch before any layer sees it, hiding how the layers
-themselves handle it.
+themselves handle it. For the same reason the adapters offer no move (``export_rows``,
+``import_rows``: contract, section 11.2): transformers' layers have no such call, and one
+written here would be this adapter's code, not the layer's.
 """
 
 from __future__ import annotations

@@ -50,6 +50,9 @@ What the layer stores, and the declaration (``kv_storage``) that says it:
   The kit holds each row to one quantization's bound against the row as given; a re-coding that
   drifts beyond it is reported, and is the layer's doing (quanto's stays within it; HQQ's drifts
   by a few roundings of bfloat16 per flush).
+
+No move is offered (``export_rows``, ``import_rows``: contract, section 11.2), as in
+``kvimpl/hf.py``: the layers have no such call, and their rows are codes (a move is lossy).
 """
 
 from __future__ import annotations

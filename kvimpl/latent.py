@@ -6,7 +6,8 @@ keys (the rope key, ``head_dim`` wide). Keeping the two in one buffer row, laten
 means one write per token and one copy per reorder; what ``append`` returns are two views
 of that buffer, the rope keys and the latents, neither of them contiguous. The cache takes
 any spec, of one head or many, of one width or two, and declares the latent layout so that
-the kit draws MLA models for it.
+the kit draws MLA models for it. Its rows move (contract, section 11.2) from
+``kvimpl.moves``: rope keys as the keys, latents as the values, as ``append`` returns them.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from kvimpl.moves import MovableMixin
 from kvref.protocol import CacheSpec, check_append, check_reorder, check_truncate
 
 
-class LatentCache:
+class LatentCache(MovableMixin):
     kv_sizes: ClassVar[dict] = {"supports": {"latent": True}}
 
     def __init__(self, spec: CacheSpec) -> None:
@@ -53,6 +55,12 @@ class LatentCache:
         held = self.rows[:, :, : self._length]
         latent = self.spec.value_width
         return held[..., latent:], held[..., :latent]
+
+    def _rows_to_move(self) -> tuple[Tensor, Tensor]:
+        return self._held()
+
+    def _import_capacity(self) -> int:
+        return self.spec.max_length
 
     def truncate(self, length: int) -> None:
         check_truncate(self._length, length)

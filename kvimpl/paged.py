@@ -54,12 +54,19 @@ When the pool has fewer free blocks than an append (or ``attend``, or its copy-o
 needs, it raises ``ValueError`` naming the pool and the blocks needed and free, having
 changed nothing. ``attend`` computes attention block by block where the blocks lie
 (``kvimpl.blockwise``), never joining the history into one tensor.
+
+Moves (contract, section 11.2, ``kvimpl.moves``): ``export_rows`` joins the rows from the
+blocks, with the pool's ``block_size``; ``import_rows`` takes blocks for them as one append
+does (refusing, having changed nothing, when too few are free), re-blocking the rows into this
+pool's block size whatever block size they came from. Rows of their own move only while every
+row holds one length from position 0 (``RowBook._movable``: an export of rows of different
+lengths is refused). ``PagedPool.with_block_size(n)`` is an empty pool of the same room with
+blocks of n tokens, for the other end of a move.
 """
 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import heapq
 import itertools
 import weakref
@@ -71,10 +78,12 @@ import torch
 from torch import Tensor
 
 from kvimpl.blockwise import attend_blocks
+from kvimpl.moves import MovableMixin
 from kvimpl.prefix_index import BlockHash, Prefix, PrefixIndex
 from kvimpl.rows import RowBook
 from kvimpl.tree import TreeDraftsMixin
 from kvref.protocol import (
+    CacheRows,
     CacheSpec,
     check_append,
     check_append_rows,
@@ -189,6 +198,15 @@ class PagedPool:
 
     def with_blocks(self, num_blocks: int, *, block_hash: BlockHash | None = None) -> PagedPool:
         return type(self)(self._block_size, num_blocks, block_hash=block_hash)
+
+    def with_block_size(self, block_size: int) -> PagedPool:
+        """A new, empty pool of the same kind, room and block hash, with blocks of
+        ``block_size`` tokens: the other end of a move between block sizes (section 11.2)."""
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(
+                f"with_block_size: block_size must be a positive int, got {block_size!r}"
+            )
+        return type(self)(block_size, self.num_blocks, block_hash=self._index.block_hash)
 
     def lookup_prefix(self, caches, tokens: Tensor, *, salt=None) -> int:
         """Declare ``tokens`` (B, T) to one request's empty caches, one per layer in layer
@@ -363,7 +381,7 @@ class PagedPool:
         to_segment.value[to_slot] = from_segment.value[from_slot]
 
 
-class PagedCache(TreeDraftsMixin, RowBook):
+class PagedCache(TreeDraftsMixin, RowBook, MovableMixin):  # RowBook's _movable first
     """One layer's keys and values in blocks of a ``PagedPool``; see the module docstring."""
 
     def __init__(self, pool: PagedPool, spec: CacheSpec) -> None:
@@ -402,11 +420,6 @@ class PagedCache(TreeDraftsMixin, RowBook):
         finalizer.atexit = False  # at exit the pool goes too: nothing to give back
 
     @property
-    def _batch_spec(self) -> CacheSpec:
-        """The spec, for the rows held now (select_rows and join change how many)."""
-        return dataclasses.replace(self.spec, batch=len(self._tables))
-
-    @property
     def nbytes(self) -> int:
         if self._away is not None:  # held in host memory until restored
             return sum(key.nbytes + value.nbytes for key, value in self._away)
@@ -421,9 +434,7 @@ class PagedCache(TreeDraftsMixin, RowBook):
         self._usable("append")
         self._one_length("append", "append_rows")
         new_tokens = check_append(self._batch_spec, self._length, key, value)
-        self._write(key, value, new_tokens, doing="append")
-        self._length += new_tokens
-        self._publish_full_blocks()
+        self._fill(key, value, new_tokens, doing="append")
         return self._joined()
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
@@ -431,12 +442,33 @@ class PagedCache(TreeDraftsMixin, RowBook):
         self._one_length("attend", "append_rows")
         new_tokens = check_attend(self._batch_spec, self._length, query, key, value)
         first = self._length
-        self._write(key, value, new_tokens, doing="attend")
-        self._length += new_tokens
-        self._publish_full_blocks()
+        self._fill(key, value, new_tokens, doing="attend")
         return attend_blocks(
             query, self.spec, first, self._length, self.pool.block_size, self._read
         )
+
+    def _fill(self, key: Tensor, value: Tensor, new_tokens: int, doing: str) -> None:
+        """Store ``new_tokens`` rows after the ``length`` held (taking blocks, refusing before
+        any change without them), count them and publish the blocks they fill."""
+        self._write(key, value, new_tokens, doing)
+        self._length += new_tokens
+        self._publish_full_blocks()
+
+    # --- moves (contract, section 11.2; ``kvimpl.moves``) ---------------------------------
+    def _movable(self, call: str) -> CacheSpec:
+        self._usable(call)
+        return super()._movable(call)
+
+    def _rows_to_move(self) -> tuple[Tensor, Tensor]:
+        return self._joined()
+
+    def _layout_block_size(self) -> int:
+        return self.pool.block_size
+
+    def _append_imported(self, rows: CacheRows) -> None:
+        # Rows in position order, whatever block size they left: written into this pool's
+        # blocks as an append writes them.
+        self._fill(rows.keys, rows.values, rows.rows, doing="import_rows")
 
     def truncate(self, length: int) -> None:
         self._usable("truncate")

@@ -8,15 +8,17 @@ the start of its buffer row, ``valid`` marking them; rows leave (``select_rows``
 A context shift (section 8.4) moves the rows after the discarded span down the buffer, each
 key re-rotated back by the span's length, as llama.cpp shifts its cache when it fills: the
 session then runs on past ``max_length`` tokens.
+
+Its rows move to and from other layouts (section 11.2, ``kvimpl.moves``) while every row
+holds one length from position 0; an import past ``max_length`` is refused, as an append is.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import Tensor
 
+from kvimpl.moves import MovableMixin
 from kvimpl.rows import RowBook
 from kvref.model import rerotate
 from kvref.protocol import (
@@ -29,7 +31,7 @@ from kvref.protocol import (
 )
 
 
-class PreallocatedCache(RowBook):
+class PreallocatedCache(RowBook, MovableMixin):  # RowBook's _movable first
     keys_stored = "rotated"  # shift re-rotates the keys it moves
 
     def __init__(self, spec: CacheSpec) -> None:
@@ -47,13 +49,13 @@ class PreallocatedCache(RowBook):
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         start = self.length
         self._one_length("append", "append_rows")
-        spec = dataclasses.replace(self.spec, batch=self._rows())
-        end = start + check_append(spec, start, key, value, capacity=self.spec.max_length)
+        end = start + check_append(
+            self._batch_spec, start, key, value, capacity=self.spec.max_length
+        )
         self.key[: self._rows(), :, start:end] = key
         self.value[: self._rows(), :, start:end] = value
         self._lengths = [end] * self._rows()
-        # Only the rows written since the last reset: stale rows never leave the cache.
-        return self.key[: self._rows(), :, :end], self.value[: self._rows(), :, :end]
+        return self._rows_to_move()
 
     def append_rows(self, key: Tensor, value: Tensor, counts) -> tuple[Tensor, Tensor, Tensor]:
         counts = check_append_rows(
@@ -66,12 +68,21 @@ class PreallocatedCache(RowBook):
             self._lengths[row] = start + count
         return self._held_rows()
 
+    def _rows_to_move(self) -> tuple[Tensor, Tensor]:
+        """The rows up to the longest row's end: only the rows written since the last reset,
+        so that stale rows never leave the cache (what ``append`` returns)."""
+        end = self.length
+        return self.key[: self._rows(), :, :end], self.value[: self._rows(), :, :end]
+
+    def _import_capacity(self) -> int:
+        return self.spec.max_length
+
     def _held_rows(self) -> tuple[Tensor, Tensor, Tensor]:
         """Every row's buffer up to the longest row, and which of its slots it holds."""
-        end = self.length
+        keys, values = self._rows_to_move()
         held = torch.tensor(self._lengths, device=self.key.device)
-        valid = torch.arange(end, device=self.key.device)[None, :] < held[:, None]
-        return self.key[: self._rows(), :, :end], self.value[: self._rows(), :, :end], valid
+        valid = torch.arange(self.length, device=self.key.device)[None, :] < held[:, None]
+        return keys, values, valid
 
     def truncate(self, length: int) -> None:
         self._one_length("truncate", "truncate_rows")
@@ -98,7 +109,7 @@ class PreallocatedCache(RowBook):
         return rerotate(keys, -count, self.spec.rope_base)
 
     def reorder(self, indices: Tensor) -> None:
-        check_reorder(dataclasses.replace(self.spec, batch=self._rows()), indices)
+        check_reorder(self._batch_spec, indices)
         self._take(indices)
 
     def select_rows(self, indices: Tensor) -> None:

@@ -4,7 +4,9 @@ keep a full-precision residual beside the codes.
 
 A row is quantized when it leaves the recent window and stays quantized: a truncate that
 brings the window back over it does not bring its precision back. Offers truncate and
-reorder (beam search moves codes, scales and the recent rows together).
+reorder (beam search moves codes, scales and the recent rows together), and no move
+(``export_rows``, ``import_rows``: contract, section 11.2): what it holds is codes, so the
+rows it could export are not the rows it was given.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """What a built-in with rows of their own keeps per batch row (contract, sections 8.1 and
 8.3): each row's length and first position, and the checks of the per-row calls. The
 built-ins that offer rows (``preallocated``, ``paged``) keep their storage their own way and
-share this bookkeeping."""
+share this bookkeeping, and what it allows of a move (section 11.2: ``_movable``, which
+overrides ``kvimpl.moves.MovableMixin``'s where a cache lists ``RowBook`` before it)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,28 @@ class RowBook:
 
     def _rows(self) -> int:
         return len(self._lengths)
+
+    @property
+    def _batch_spec(self) -> CacheSpec:
+        """The spec, for the rows held now (``select_rows`` and ``join`` change how many)."""
+        return dataclasses.replace(self.spec, batch=self._rows())
+
+    def _movable(self, call: str) -> CacheSpec:
+        """The spec rows moving in or out must fit (contract, section 11.2): the rows held
+        now. ``kvref.CacheRows`` is one run of rows for the whole batch from position 0, so
+        ``call`` is refused while the rows hold different numbers of tokens, or start at
+        positions other than 0 (``reset_at``): rows of their own do not move yet."""
+        if len(set(self._lengths)) > 1:
+            raise ValueError(
+                f"{call}: the rows hold different numbers of tokens {self._lengths}; rows of "
+                f"their own do not move (kvref.CacheRows has one length for the batch)"
+            )
+        if any(self._firsts):
+            raise ValueError(
+                f"{call}: the rows start at positions {self._firsts} (reset_at); "
+                f"kvref.CacheRows starts every row at position 0"
+            )
+        return self._batch_spec
 
     def _one_length(self, call: str, per_row: str) -> None:
         """Refuse ``call`` of the whole batch while rows hold different numbers of tokens."""

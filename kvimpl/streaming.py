@@ -15,6 +15,10 @@ section 8.5).
 
 With ``sinks = 0`` it is a plain ring-buffer window cache; with no window the ring keeps
 every row and doubles when full.
+
+Only then do its rows move (section 11.2, ``kvimpl.moves.RecentRunMixin``, as ``window``'s):
+``kvref.CacheRows`` is one run of the most recent rows, which has no place for the sinks, so
+``export_rows`` and ``import_rows`` refuse a cache with sinks (not designed yet).
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from kvimpl.moves import RecentRunMixin
 from kvref.protocol import CacheSpec, check_append, check_reorder, check_truncate
 
 
-class StreamingCache:
+class StreamingCache(RecentRunMixin):
     # The sink counts it takes beside a window (contract, section 8.5); 0 is a plain window.
     kv_sizes: ClassVar[dict] = {"supports": {"sinks": (0, 1, 2, 4, 8)}}
 
@@ -63,7 +68,19 @@ class StreamingCache:
         self.value[:, :, slots] = value
         self._length += new_tokens
         self._recent = min(self._recent + past_sinks, self.ring)
+        return self._rows_to_move()
+
+    def _rows_to_move(self) -> tuple[Tensor, Tensor]:
         return self._read(self.key), self._read(self.value)
+
+    def _movable(self, call: str) -> CacheSpec:
+        if self.sinks:
+            raise ValueError(
+                f"{call}: this streaming cache keeps {self.sinks} attention sinks beside its "
+                f"window; kvref.CacheRows is one run of the most recent rows, with no place "
+                f"for sinks, so a cache with sinks does not move (not designed yet)"
+            )
+        return self.spec
 
     def truncate(self, length: int) -> None:
         """Forget every token from index ``length`` on; refused when the query there would

@@ -5,6 +5,9 @@ so the cache is storage only: its rows are returned bit for bit as given, and a 
 is a deletion, exact whatever the dtype, with no key re-rotated (the positions after the span
 change because their indices do). It takes the append path: with keys to rotate after they
 are read, the model never calls an ``attend`` (none is offered here).
+
+Its keys move (``export_rows``, ``import_rows``: section 11.2) as it stores them, unrotated:
+the kit moves rows only between caches that store keys the same way.
 """
 
 from __future__ import annotations

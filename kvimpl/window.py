@@ -13,6 +13,10 @@ new queries need, fewer only while the session is shorter): a view when they lie
 of slots, a joined copy when they wrap past the end. ``length`` counts every token since the
 reset, and the cache never refuses for overflow. With ``window=None`` nothing is ever
 overwritten: the ring keeps every row and doubles when full.
+
+``export_rows`` gives the rows the ring holds, its recent run, and ``import_rows`` takes such
+a run (at least the ``spec.rows_needed`` last rows), each row into the slot of its position
+(section 11.2, ``kvimpl.moves.RecentRunMixin``).
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ import math
 import torch
 from torch import Tensor
 
+from kvimpl.moves import RecentRunMixin
 from kvref.protocol import CacheSpec, check_append, check_reorder, check_truncate
 
 
-class WindowCache:
+class WindowCache(RecentRunMixin):
     def __init__(self, spec: CacheSpec) -> None:
         self.spec = spec
         # The rows before the new ones that an append must keep: each new query looks back
@@ -53,6 +58,9 @@ class WindowCache:
         self._write(self.value, self._length, value)
         self._length += new_tokens
         self._held = min(self._held + new_tokens, self.capacity)
+        return self._rows_to_move()
+
+    def _rows_to_move(self) -> tuple[Tensor, Tensor]:
         first = self._length - self._held
         return self._read(self.key, first, self._held), self._read(self.value, first, self._held)
 

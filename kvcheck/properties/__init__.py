@@ -15,6 +15,7 @@ from kvcheck.properties import (
     edits,
     isolation,
     memory,
+    moves,
     pool,
     rejection,
     requests,
@@ -47,6 +48,7 @@ AREAS = (
     rows,
     shift,
     sinks,
+    moves,
     sharded,
 )
 

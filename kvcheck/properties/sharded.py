@@ -17,13 +17,14 @@ to the unsharded uncached model and every rank must agree on every length.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from hypothesis import strategies as st
 
 from kvcheck import devices as kvdevices
 from kvcheck import distributed as kvdistributed
-from kvcheck import failures
+from kvcheck import failures, scripts
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.kit import KitTests, Property, path_for, property_test
@@ -32,15 +33,13 @@ from kvcheck.sharding import Ranks, ShardedFactory, SimulatedRanks, plan_for
 from kvref import CacheFactory, ModelConfig
 
 MOST_TOKENS = 2 * kvst.EDGE + 4
-EVENTS = ("feed", "truncate", "reorder", "fork", "reset")
+EVENTS = ("feed", "truncate", "reorder", "fork", "reset")  # of kvcheck.scripts
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardedPlan:
     """A world of ranks, a model, the path each rank's caches take, a batch and a dtype, and
-    events: ("feed", request, tokens), ("truncate", request, back), ("reorder", request,
-    seed), ("fork", request), ("reset", request); request i is the i-th started (0 the
-    first, each fork the next)."""
+    a script of events (``kvcheck.scripts``)."""
 
     world: int
     config: ModelConfig
@@ -49,10 +48,14 @@ class ShardedPlan:
     dtype: torch.dtype
     events: tuple[tuple, ...]
     token_seed: int
+    # The world each move goes to (contract, section 11.2): move i to ``moves_to[i - 1]``.
+    moves_to: tuple[int, ...] = ()
 
     def describe(self) -> str:
         model = kvst.describe_config(self.config)
-        said = ", ".join(_event_said(event) for event in self.events)
+        said = ", ".join(scripts.said(event) for event in self.events)
+        if self.moves_to:
+            said += f" (the moves to {', '.join(f'{n} ranks' for n in self.moves_to)})"
         return (
             f"sharded plan: {self.world} ranks, each rank's caches on the {self.path} path, "
             f"batch {self.batch}, {kvdevices.dtype_name(self.dtype)}\n  model: {model}\n"
@@ -63,16 +66,6 @@ class ShardedPlan:
         tokens = sum(event[2] for event in self.events if event[0] == "feed")
         heads = f"{self.config.num_kv_heads}/{self.config.num_heads} heads on {self.world}"
         return f"{tokens} ({heads})", str(self.config.num_layers), str(self.batch)
-
-
-def _event_said(event: tuple) -> str:
-    kind, request, *rest = event
-    on = "request A" if request == 0 else f"fork {request}"
-    if kind == "feed":
-        return f"feed {rest[0]} to {on}"
-    if kind == "truncate":
-        return f"truncate {on} by {rest[0]}"
-    return f"{kind} {on}"
 
 
 @st.composite
@@ -105,97 +98,70 @@ def sharded_configs(draw, world: int) -> ModelConfig:
 
 
 @st.composite
-def sharded_plans(draw, dtypes: tuple = kvst.WITH_HALF) -> ShardedPlan:
+def sharded_plans(draw, dtypes: tuple = kvst.WITH_HALF, moves: bool = True) -> ShardedPlan:
+    """A plan; with ``moves``, a third of them move their request to another shard count
+    and back (a model that 4 ranks can shard, which 2 can too), with no forks."""
+    moved = draw(st.sampled_from((0, 0, 1, 2)), label="moves") if moves else 0
     world = draw(st.sampled_from((2, 4)), label="world")
-    config = draw(sharded_configs(world), label="config")
-    events, held, requests = [], [0], 1
-    for _ in range(draw(st.integers(1, 7), label="events")):
-        request = draw(st.integers(0, requests - 1), label="on request")
-        kind = draw(st.sampled_from(EVENTS), label="event") if held[request] else "feed"
-        if kind == "feed":
-            room = MOST_TOKENS - held[request]
-            if room < 1:
-                continue
-            tokens = draw(st.integers(1, min(room, 2 * kvst.EDGE + 1)), label="tokens")
-            events.append(("feed", request, tokens))
-            held[request] += tokens
-        elif kind == "truncate":
-            back = draw(st.integers(1, held[request]), label="truncate by")
-            events.append(("truncate", request, back))
-            held[request] -= back
-        elif kind == "reorder":
-            events.append(("reorder", request, draw(st.integers(0, 2**16), label="seed")))
-        elif kind == "fork":
-            events.append(("fork", request))
-            held.append(held[request])
-            requests += 1
-        else:
-            events.append(("reset", request))
-            held[request] = 0
-    if not any(event[0] == "feed" for event in events[1:]):  # a decode after the prefill
-        events.append(("feed", 0, 1))
+    config = draw(sharded_configs(4 if moved else world), label="config")
+    kinds = tuple(kind for kind in EVENTS if kind != "fork") if moved else EVENTS
+    events = draw(scripts.events(kinds, MOST_TOKENS, moves=moved), label="events")
+    worlds = [world]
+    for _ in range(moved):
+        worlds.append(draw(st.sampled_from([n for n in (2, 4) if n != worlds[-1]]), label="to"))
     return ShardedPlan(
         world=world,
         config=config,
         path=draw(st.sampled_from(("append", "attend")), label="path"),
         batch=draw(kvsizes.batches(small_max=3), label="batch"),
         dtype=draw(kvst.dtypes_on_device(dtypes), label="dtype"),
-        events=tuple(events),
+        events=events,
         token_seed=draw(st.integers(0, 2**16), label="token seed"),
+        moves_to=tuple(worlds[1:]),
     )
 
 
-def run_sharded(factory: CacheFactory, plan: ShardedPlan, ranks: Ranks, progress=None) -> None:
+def run_sharded(
+    factory: CacheFactory, plan: ShardedPlan, ranks: Callable[[int], Ranks], progress=None
+) -> None:
     """The plan's events through the session engine on ``ShardedCache`` layers: every
     step's logits held to the unsharded uncached model, every rank agreeing on lengths;
-    ``progress(said)`` hears of each event before it runs."""
+    ``ranks(world)`` are the ranks of a world, ``progress(said)`` hears of each event before
+    it runs."""
     config = plan.config
-    shards = plan_for(factory, config.num_heads, config.num_kv_heads, plan.world)
     path = path_for(plan.path, factory)
-    sharded = ShardedFactory(factory, shards, ranks, path)
-    model = kvst.build_model(config, plan.dtype)
-    most = MOST_TOKENS + 1
-    said = "; ".join(
-        f"rank {s.rank}: kv heads {list(s.kv_heads)}, query heads {list(s.query_heads)}"
-        for s in shards
-    )
+    shards = {}  # world -> the plan's shards there
+
+    def sharded(world: int) -> ShardedFactory:
+        shards[world] = plan_for(factory, config.num_heads, config.num_kv_heads, world)
+        return ShardedFactory(factory, shards[world], ranks(world), path)
+
+    def said() -> str:
+        return "".join(
+            f"\n  shards over {world}: "
+            + "; ".join(
+                f"rank {s.rank}: kv heads {list(s.kv_heads)}, query heads {list(s.query_heads)}"
+                for s in cut
+            )
+            for world, cut in shards.items()
+        )
+
+    def move(request, layout: int, at: str) -> None:
+        engine.move(request, sharded(plan.moves_to[layout - 1]), path="attend", at=at)
+
     engine = Engine(
-        sharded,
-        model,
-        max_length=most,
+        sharded(plan.world),
+        kvst.build_model(config, plan.dtype),
+        max_length=MOST_TOKENS + 1,
         path="attend",
-        describe=lambda: f"{plan.describe()}\n  shards: {said}",
+        describe=lambda: plan.describe() + said(),
     )
-    generator = torch.Generator().manual_seed(plan.token_seed)
-    requests = [engine.start("request A", plan.batch)]
-    for step, event in enumerate(plan.events):
-        kind, index, *rest = event
-        request = requests[index]
-        at = f" (event #{step}: {_event_said(event)})"
-        if progress is not None:
-            progress(f"event #{step}: {_event_said(event)}")
-        if kind == "feed":
-            new = torch.randint(0, config.vocab_size, (plan.batch, rest[0]), generator=generator)
-            engine.feed(request, new.to(kvdevices.current()), at=at)
-        elif kind == "truncate" and "truncate" in request.offered:
-            engine.truncate(request, request.held - rest[0], at=at)
-        elif kind == "reorder" and "reorder" in request.offered:
-            order = torch.Generator().manual_seed(rest[0])
-            indices = torch.randint(0, plan.batch, (plan.batch,), generator=order)
-            engine.reorder(request, indices.to(kvdevices.current()), at=at)
-        elif kind == "fork":
-            requests.append(engine.fork(request, f"fork {len(requests)}", at=at))
-        elif kind == "reset":
-            engine.reset(request)
-        elif kind in ("truncate", "reorder"):  # not offered: the rest of the plan still runs
-            continue
-        engine.check(f"event #{step}: {_event_said(event)}")
-    engine.finish(blocks_back=False)
+    scripts.play(engine, plan.events, plan.batch, plan.token_seed, move=move, progress=progress)
 
 
 def check_sharded(factory: CacheFactory, plan: ShardedPlan) -> None:
     """Every rank simulated in this process."""
-    run_sharded(factory, plan, SimulatedRanks(plan.world))
+    run_sharded(factory, plan, SimulatedRanks)
 
 
 def check_sharded_runtime(factory: CacheFactory, plan: ShardedPlan) -> None:
@@ -232,7 +198,7 @@ SHARDED_RUNTIME = Property(
     "the same, each rank a process of its own in a torch.distributed group (gloo), a hung "
     "rank a failure",
     check_sharded_runtime,
-    sharded_plans(kvst.DTYPES),
+    sharded_plans(kvst.DTYPES, moves=False),  # a move needs every rank in one process
     failures.WRONG_RESULTS,
     pinned=(REPLICATED,),
     examples_share=0.1,  # each plan runs on every process; `sharded` searches the same plans

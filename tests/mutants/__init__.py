@@ -11,7 +11,9 @@ of ``tests/mutants/serving.py`` a bug in prefix caching or offload, those of
 ``tests/mutants/tree.py`` a bug in tree drafts, some of them patches of the model run on
 ``ChunkedCache``, those of ``tests/mutants/quantized.py`` a bug in quantized storage, those
 of ``tests/mutants/latent.py`` a bug in a latent (MLA) cache or, run on ``LatentCache``, in
-the model's absorbed path); a
+the model's absorbed path), those of ``tests/mutants/shards.py`` a bug in tensor-parallel
+shards (a plan or a rank-aware cache), those of ``tests/mutants/moves.py`` a bug in moving a
+paged cache between layouts; a
 model mutant is a patch of the reference model with one bug, run on ``ConcatCache``.
 ``tests/test_mutants.py`` checks that some property catches each one, and
 ``python -m tests.mutants.report`` prints which property does and the shrunk counterexample.
@@ -33,10 +35,12 @@ from tests.mutants.domain import DOMAIN_MUTANTS
 from tests.mutants.interplay import INTERPLAY_MUTANTS
 from tests.mutants.latent import LATENT_MODEL_MUTANTS, LATENT_MUTANTS
 from tests.mutants.model import MODEL_MUTANTS
+from tests.mutants.moves import MOVE_MUTANTS
 from tests.mutants.paged import PAGED_MUTANTS
 from tests.mutants.quantized import QUANTIZED_MUTANTS
 from tests.mutants.rows import ROWS_MODEL_MUTANTS, ROWS_MUTANTS
 from tests.mutants.serving import SERVING_MUTANTS
+from tests.mutants.shards import SHARD_MUTANTS
 from tests.mutants.shift import SHIFT_MUTANTS
 from tests.mutants.sinks import SINKS_MUTANTS
 from tests.mutants.sizes import SIZE_MUTANTS
@@ -77,6 +81,8 @@ MUTANTS = (
     *(Mutant(factory) for factory in TREE_MUTANTS),
     *(Mutant(factory) for factory in QUANTIZED_MUTANTS),
     *(Mutant(factory) for factory in LATENT_MUTANTS),
+    *(Mutant(factory) for factory in SHARD_MUTANTS),
+    *(Mutant(factory) for factory in MOVE_MUTANTS),
     *(Mutant(ConcatCache, patch) for patch in MODEL_MUTANTS),
     *(Mutant(LeftPaddedBatchCache, patch) for patch in ROWS_MODEL_MUTANTS),
     *(Mutant(ChunkedCache, patch) for patch in TREE_MODEL_MUTANTS),

@@ -1,0 +1,220 @@
+"""Moves between layouts (docs/contract.md, section 11.2): disaggregated prefill and decode.
+
+A plan draws a model, a script of events on one request (``kvcheck.scripts``: feeds,
+truncates, reorders, forks, resets) with moves in it, and the layout each move goes to: the
+cache as given, its pool with another block size (where it has ``with_block_size``), or the
+kit's reference cache, the cache under test at one end of every move at least. At a move
+the session engine exports every layer's rows (held to the rows given, bit for bit), builds
+the next layout's caches, imports them there, and the request goes on: every step's logits
+are held to the uncached model, the pool left must have every block back.
+
+- ``move``: caches that offer ``export_rows`` and ``import_rows``.
+- ``bad import``: rows of another batch, heads, width, dtype or device, more rows than
+  their length or fewer than the next query needs, a length that is no int, not a
+  ``CacheRows``, or into a cache that holds tokens: refused, changing nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from hypothesis import strategies as st
+
+from kvcheck import asserts as kvassert
+from kvcheck import badinput as kvbad
+from kvcheck import devices as kvdevices
+from kvcheck import failures, scripts
+from kvcheck import moves as kvmoves
+from kvcheck import sizes as kvsizes
+from kvcheck import strategies as kvst
+from kvcheck.harness import warm
+from kvcheck.kit import KitTests, Property, path_for, property_test
+from kvcheck.properties.rejection import check_refused
+from kvcheck.session import Engine
+from kvref import BlockPool, CacheFactory, ModelConfig
+
+MOST_TOKENS = 2 * kvst.EDGE + 4
+EVENTS = ("feed", "truncate", "reorder", "reset")  # forks only after the last move
+BLOCK_SIZES = (1, 2, 3, 5, 8, 16, 32)
+
+
+@dataclasses.dataclass(frozen=True)
+class MovePlan:
+    """A model, a batch and a dtype, the layouts a request lives on in turn (the first
+    where it starts) and the path the model takes on each, and a script with its moves."""
+
+    config: ModelConfig
+    batch: int
+    dtype: torch.dtype
+    layouts: tuple
+    paths: tuple[str, ...]
+    events: tuple[tuple, ...]
+    token_seed: int
+
+    def describe(self) -> str:
+        layouts = "; ".join(
+            f"{n}: {kvmoves.said(layout)} ({path} path)"
+            for n, (layout, path) in enumerate(zip(self.layouts, self.paths, strict=True))
+        )
+        return (
+            f"move plan: batch {self.batch}, {kvdevices.dtype_name(self.dtype)}\n"
+            f"  model: {kvst.describe_config(self.config)}\n  layouts: {layouts}\n"
+            f"  events: {', '.join(scripts.said(event) for event in self.events)}"
+        )
+
+    def summary(self) -> tuple[str, str, str]:
+        tokens = sum(event[2] for event in self.events if event[0] == "feed")
+        return (
+            f"{tokens} ({len(self.layouts) - 1} moves)",
+            str(self.config.num_layers),
+            str(self.batch),
+        )
+
+
+@st.composite
+def layouts(draw, count: int) -> tuple:
+    """``count`` layouts, the cache under test at one end of every move at least, each
+    of another block size or the reference; resolved against the factory when run."""
+    sizes = kvsizes.domain().pages or BLOCK_SIZES
+    chosen = [kvmoves.THE_CACHE]
+    for _ in range(count - 1):
+        options = [kvmoves.THE_CACHE, *(("block size", size) for size in sizes)]
+        if chosen[-1] != kvmoves.REFERENCE:
+            options.append(kvmoves.REFERENCE)
+        chosen.append(draw(st.sampled_from(options), label="layout"))
+    return tuple(chosen)
+
+
+@st.composite
+def move_plans(draw) -> MovePlan:
+    moves = draw(st.integers(1, 3), label="moves")
+    script = list(draw(scripts.events(EVENTS, MOST_TOKENS, moves=moves), label="events"))
+    if not any(event[0] == "move" for event in script):  # a move after the prefill at least
+        script.insert(1, ("move", 0, 1))
+    moved = sum(event[0] == "move" for event in script)
+    if draw(st.booleans(), label="fork after the last move"):
+        script.extend((("fork", 0), ("feed", 1, 1), ("feed", 0, 1)))
+    return MovePlan(
+        config=draw(kvst.model_configs(max_layers=2, tokens=MOST_TOKENS), label="config"),
+        batch=draw(kvsizes.batches(small_max=3), label="batch"),
+        dtype=draw(kvst.dtypes_on_device(kvst.WITH_HALF), label="dtype"),
+        layouts=draw(layouts(moved + 1), label="layouts"),
+        paths=tuple(
+            draw(st.sampled_from(("append", "attend")), label="path") for _ in range(moved + 1)
+        ),
+        events=tuple(script),
+        token_seed=draw(st.integers(0, 2**16), label="token seed"),
+    )
+
+
+def resolved(factory: CacheFactory, plan: MovePlan) -> list[tuple[CacheFactory, str]]:
+    """Each layout's factory and path for ``factory``: a block size it cannot take (not a
+    pool with ``with_block_size``) is the cache itself, the reference where the cache keeps
+    keys unrotated (the reference keeps them rotated) is too; a path it lacks is append."""
+    pool = isinstance(factory, BlockPool) and callable(getattr(factory, "with_block_size", None))
+    probe = factory(kvst.build_model(plan.config, plan.dtype).cache_spec(1, 8))
+    out = []
+    for layout, path in zip(plan.layouts, plan.paths, strict=True):
+        if (isinstance(layout, tuple) and not pool) or (
+            layout == kvmoves.REFERENCE and not kvmoves.reference_fits(factory, probe)
+        ):
+            layout = kvmoves.THE_CACHE
+        made = kvmoves.factory_of(factory, layout)
+        out.append((made, path_for(path, made) if made is not kvmoves.ReferenceRows else "append"))
+    return out
+
+
+def check_moves(factory: CacheFactory, plan: MovePlan) -> None:
+    """Every step of the script, on each layout in turn, gives the uncached model's logits;
+    each export holds the rows given; the pool a request leaves gets every block back."""
+    model = kvst.build_model(plan.config, plan.dtype)
+    ends = resolved(factory, plan)
+    first, path = ends[0]
+    engine = Engine(first, model, max_length=MOST_TOKENS + 1, path=path, describe=plan.describe)
+
+    def move(request, layout: int, at: str) -> None:
+        made, path = ends[layout]
+        engine.move(request, made, path=path, at=at)
+
+    scripts.play(engine, plan.events, plan.batch, plan.token_seed, move=move)
+
+
+def check_bad_import(factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.BadInput) -> None:
+    """``case``'s rows, imported into a fresh cache (into the plan's warm one, for an import
+    into a cache that holds tokens), are refused as the contract says and change nothing."""
+    if case is kvbad.BAD_IMPORTS[0]:
+        check_refused(factory, plan, case, "import_rows", lambda cache: case.make(plan.spec))
+        return
+    empty = dataclasses.replace(plan, chunks=())
+    if case.may_be_accepted:  # an import past max_length: refused, or held whole
+        check_import_held_or_refused(factory, empty, case)
+        return
+    check_refused(factory, empty, case, "import_rows", lambda cache: case.make(plan.spec))
+
+
+def check_import_held_or_refused(factory, plan: kvst.CachePlan, case: kvbad.BadInput) -> None:
+    """Rows past max_length: refused (changing nothing), or taken and then held exactly."""
+    cache = warm(factory, plan)
+    (rows,) = case.make(plan.spec)
+    error = kvassert.raised_by(lambda: cache.cache.import_rows(rows))
+    where = plan.describe()
+    if kvassert.assert_refused(error, case, where=where):
+        kvassert.assert_unchanged(cache, plan.spec, who="the cache", where=where, case=case)
+        kvassert.assert_clear_error(error, case, (rows,), where=where)
+        return
+    cache.given = (rows.keys, rows.values)
+    kvassert.assert_length(cache, rows.length, who="the cache", where=where)
+    kvassert.assert_exported(cache, cache.cache.export_rows(), who="the cache", where=where)
+
+
+# Tried first on every run: a prefill ending inside a 16-token block, moved to a pool of
+# 3-token blocks, a decode, moved to the reference and back, a decode and a truncate.
+ACROSS_BLOCK_SIZES = MovePlan(
+    config=ModelConfig(vocab_size=23, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4),
+    batch=2,
+    dtype=torch.float64,
+    layouts=(kvmoves.THE_CACHE, ("block size", 3), kvmoves.REFERENCE, kvmoves.THE_CACHE),
+    paths=("append", "attend", "append", "attend"),
+    events=(
+        ("feed", 0, 19),
+        ("move", 0, 1),
+        ("feed", 0, 1),
+        ("move", 0, 2),
+        ("feed", 0, 2),
+        ("move", 0, 3),
+        ("feed", 0, 1),
+        ("truncate", 0, 2),
+        ("feed", 0, 1),
+    ),
+    token_seed=11,
+)
+
+MOVE = Property(
+    "move",
+    "a request prefilled on one layout and moved (another block size, the kit's reference "
+    "cache) decodes on the next as the uncached model does",
+    check_moves,
+    move_plans(),
+    failures.WRONG_RESULTS,
+    requires=("move",),
+    pinned=(ACROSS_BLOCK_SIZES,),
+)
+BAD_IMPORT = Property(
+    "bad import",
+    "an import of rows of another shape, dtype, device or length, or into a cache that holds "
+    "tokens, is refused, changing nothing",
+    check_bad_import,
+    kvst.cache_plans(room=1, min_chunks=1),
+    failures.ACCEPTS_BAD_INPUT,
+    cases=tuple(kvbad.BAD_IMPORTS),
+    requires=("move",),
+    examples_share=0.25,
+)
+
+
+class MoveTests(KitTests):
+    """Moves between layouts, for caches that offer export_rows and import_rows."""
+
+    test_moved_requests_decode_as_the_uncached_model = property_test(MOVE)
+    test_bad_import_is_refused_and_changes_nothing = property_test(BAD_IMPORT)
