@@ -1,8 +1,9 @@
 """Sharded plans on real processes: ``torch.distributed`` (docs/contract.md, section 11.1).
 
 A ``Runtime`` forks ``world`` rank processes that join one gloo process group on a store
-this process hosts at 127.0.0.1 (an unused port; gloo bound to the loopback interface), and
-a group of the first two ranks for plans of two. Each plan is sent to every rank over a
+rank 0 hosts at 127.0.0.1 (an unused port; gloo bound to the loopback interface), and a
+group of the first two ranks for plans of two. The store is not this process's: a thread
+serving it here could hold a lock at the moment of a fork, and a rank would hang on it. Each plan is sent to every rank over a
 pipe; each rank runs it through ``kvcheck.properties.sharded.run_sharded`` on caches from
 the factory, gathering attention outputs with ``torch.distributed.all_gather``, and answers
 "ok" or the failure it raised. A rank reports each event before it runs it, so a plan that
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import socket
 import time
 import traceback
 from collections.abc import Iterator, Sequence
@@ -31,8 +33,16 @@ from kvcheck import devices as kvdevices
 from kvcheck import failures
 
 WORLD = 4  # the most ranks a plan asks for; plans of 2 run on the first two
-DEADLINE = 60.0  # seconds a plan may take on every rank, start-up included
+DEADLINE = 60.0  # seconds a plan may take on every rank
+START_DEADLINE = 20.0  # seconds the ranks may take to join the group
 LOOPBACK = "127.0.0.1"
+
+
+def unused_port() -> int:
+    """A port of the loopback interface no one listens on now (rank 0's store takes it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((LOOPBACK, 0))
+        return probe.getsockname()[1]
 
 
 def unavailable() -> str | None:
@@ -70,7 +80,6 @@ class Runtime:
         self.world = world
         self.deadline = deadline
         self.ranks: list = []  # (process, pipe) per rank
-        self.store = None
 
     def __enter__(self) -> Runtime:
         return self
@@ -79,21 +88,50 @@ class Runtime:
         self.close()
 
     def _start(self) -> None:
-        self.store = torch.distributed.TCPStore(
-            LOOPBACK, 0, None, True, timeout=timedelta(seconds=self.deadline)
+        """Fork the ranks and wait until each has joined the group; a start that does not
+        finish within ``START_DEADLINE`` is tried once more (a fork can inherit a lock some
+        thread of this process held at that moment) before it fails."""
+        for _ in range(2):
+            port = unused_port()
+            context = multiprocessing.get_context("fork")
+            for rank in range(self.world):
+                ours, theirs = context.Pipe()
+                process = context.Process(
+                    target=_serve,
+                    args=(rank, self.world, port, self.factory, theirs, self.deadline),
+                    name=f"kvcheck rank {rank}",
+                    daemon=True,
+                )
+                process.start()
+                theirs.close()
+                self.ranks.append((process, ours))
+            joined = self._answers("joined", START_DEADLINE)
+            if len(joined) == self.world:
+                return
+            self.close(broken=True)
+        late = sorted(set(range(self.world)) - set(joined))
+        raise TimeoutError(
+            f"sharded runtime: ranks {late} did not join the gloo group at {LOOPBACK}:{port} "
+            f"within {START_DEADLINE:.0f} s, twice"
         )
-        context = multiprocessing.get_context("fork")
-        for rank in range(self.world):
-            ours, theirs = context.Pipe()
-            process = context.Process(
-                target=_serve,
-                args=(rank, self.world, self.store.port, self.factory, theirs, self.deadline),
-                name=f"kvcheck rank {rank}",
-                daemon=True,
-            )
-            process.start()
-            theirs.close()
-            self.ranks.append((process, ours))
+
+    def _answers(self, kind: str, deadline: float) -> dict[int, tuple]:
+        """The first message of each rank, waited for until ``deadline`` seconds."""
+        answers: dict[int, tuple] = {}
+        end = time.monotonic() + deadline
+        while len(answers) < self.world:
+            waiting = {
+                self.ranks[rank][1]: rank for rank in range(self.world) if rank not in answers
+            }
+            ready = multiprocessing.connection.wait(list(waiting), max(0.0, end - time.monotonic()))
+            if not ready:
+                break
+            for pipe in ready:
+                try:
+                    answers[waiting[pipe]] = pipe.recv()
+                except EOFError:
+                    answers[waiting[pipe]] = ("died",)
+        return {rank: answer for rank, answer in answers.items() if answer[0] == kind}
 
     def close(self, *, broken: bool = False) -> None:
         """Every rank told to stop, and killed where it does not within a few seconds (at
@@ -107,7 +145,7 @@ class Runtime:
                 process.kill()
                 process.join()
             pipe.close()
-        self.ranks, self.store = [], None
+        self.ranks = []
 
     def run(self, plan) -> None:
         """Run ``plan`` on every rank; raise the first rank's failure, or a timeout naming
@@ -171,13 +209,16 @@ def _serve(rank: int, world: int, port: int, factory, pipe, deadline: float) -> 
     kvdevices.choose("cpu")
     if os.path.exists("/sys/class/net/lo"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    store = torch.distributed.TCPStore(LOOPBACK, port, None, False, timedelta(seconds=deadline))
+    # Rank 0 hosts the store: no thread of the parent serves it while it forks.
+    timeout = timedelta(seconds=deadline)
+    store = torch.distributed.TCPStore(LOOPBACK, port, world, rank == 0, timeout)
     torch.distributed.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=deadline)
+        "gloo", store=store, rank=rank, world_size=world, timeout=timeout
     )
     groups = {world: None}
     if world > 2:
         groups[2] = torch.distributed.new_group([0, 1])
+    pipe.send(("joined",))
     try:
         while (plan := pipe.recv()) is not None:
             if rank >= plan.world:
