@@ -81,8 +81,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip = pytest.mark.skip(reason=f"soak tier: {SOAK_ONLY}")
     for item in items:
-        if item.get_closest_marker("soak"):
+        if item.get_closest_marker("soak") or on_processes_beyond_the_builtins(item):
             item.add_marker(skip)
+
+
+def on_processes_beyond_the_builtins(item: pytest.Item) -> bool:
+    """The sharded runtime of a cache other than the built-ins: its group of processes costs
+    some 0.7 s to start, so the default run starts it for the built-ins only."""
+    prop = item.get_closest_marker("kv_property")
+    return (
+        prop is not None
+        and prop.args[0] == "sharded runtime"
+        and item.path.name != ("test_builtins.py")
+    )
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

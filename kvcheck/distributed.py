@@ -3,8 +3,8 @@
 A ``Runtime`` forks ``world`` rank processes that join one gloo process group on a store
 rank 0 hosts at 127.0.0.1 (an unused port; gloo bound to the loopback interface), and a
 group of the first two ranks for plans of two. The store is not this process's: a thread
-serving it here could hold a lock at the moment of a fork, and a rank would hang on it. Each plan is sent to every rank over a
-pipe; each rank runs it through ``kvcheck.properties.sharded.run_sharded`` on caches from
+serving it here could hold a lock at the moment of a fork, and a rank would hang on it.
+Each plan is sent to every rank over a pipe; each rank runs it through ``kvcheck.properties.sharded.run_sharded`` on caches from
 the factory, gathering attention outputs with ``torch.distributed.all_gather``, and answers
 "ok" or the failure it raised. A rank reports each event before it runs it, so a plan that
 passes its deadline fails naming the ranks that did not answer and the event each had
@@ -112,7 +112,7 @@ class Runtime:
         late = sorted(set(range(self.world)) - set(joined))
         raise TimeoutError(
             f"sharded runtime: ranks {late} did not join the gloo group at {LOOPBACK}:{port} "
-            f"within {START_DEADLINE:.0f} s, twice"
+            f"within {START_DEADLINE:g} s, twice"
         )
 
     def _answers(self, kind: str, deadline: float) -> dict[int, tuple]:
@@ -166,7 +166,7 @@ class Runtime:
                 self.close(broken=True)
                 said = "; ".join(f"rank {rank} at {reached[rank]}" for rank in waiting)
                 raise TimeoutError(
-                    f"sharded runtime: ranks {waiting} did not answer within {self.deadline:.0f} "
+                    f"sharded runtime: ranks {waiting} did not answer within {self.deadline:g} "
                     f"s ({said}); every rank was killed\n  {plan.describe()}"
                 )
             for rank in waiting:

@@ -10,8 +10,9 @@ import pytest
 
 from kvcheck import distributed as kvdistributed
 from kvcheck import failures
-from kvcheck.properties.sharded import REPLICATED
+from kvcheck.properties.sharded import REPLICATED, check_sharded_runtime
 from kvimpl import ConcatCache
+from tests.mutants.shards import SHARD_MUTANTS
 
 pytestmark = pytest.mark.skipif(
     kvdistributed.unavailable() is not None, reason=f"{kvdistributed.unavailable()}"
@@ -38,12 +39,12 @@ class DiesOnRankTwo(ConcatCache):
 
 
 def test_a_hung_rank_fails_the_plan_naming_it_and_its_event():
-    with kvdistributed.Runtime(HangsOnRankOneAtTheDecode, deadline=4) as runtime:
+    with kvdistributed.Runtime(HangsOnRankOneAtTheDecode, deadline=2.5) as runtime:
         with pytest.raises(TimeoutError) as raised:
             runtime.run(REPLICATED)
         assert not runtime.ranks  # every rank killed
     message = str(raised.value)
-    assert "did not answer within 4 s" in message
+    assert "did not answer within 2.5 s" in message
     assert "rank 1 at event #1: feed 1 to request A" in message
 
 
@@ -57,9 +58,7 @@ def test_a_rank_that_dies_is_named():
 
 
 def test_a_failure_comes_back_with_its_severity_and_the_group_restarts():
-    from tests.mutants.shards import LastRankSkipsReset
-
-    with kvdistributed.Runtime(LastRankSkipsReset) as runtime:
+    with kvdistributed.Runtime(SHARD_MUTANTS[-1]) as runtime:
         with pytest.raises(failures.DataLoss, match="disagree on length"):
             runtime.run(REPLICATED)
         no_reset = dataclasses.replace(REPLICATED, events=REPLICATED.events[:-1])
@@ -72,3 +71,9 @@ def test_plans_of_two_ranks_run_on_a_world_of_four():
     with kvdistributed.Runtime(ConcatCache) as runtime:
         runtime.run(dataclasses.replace(REPLICATED, world=2, config=config))
         runtime.run(REPLICATED)
+
+
+@pytest.mark.parametrize("mutant", SHARD_MUTANTS, ids=lambda mutant: mutant.__name__)
+def test_the_runtime_catches_each_shard_mutant(mutant):
+    with pytest.raises(failures.PropertyFailure):
+        check_sharded_runtime(mutant, REPLICATED)

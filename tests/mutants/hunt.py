@@ -34,7 +34,14 @@ from tests.mutants import Mutant
 # The hunt's order: logits first (it catches anything that changes what the model computes),
 # then the capability properties (the core ones never call truncate or reorder, so a mutant
 # of those would otherwise pay for every core search first), then the rest in ALL's order.
-HUNT_ORDER = sorted(ALL, key=lambda prop: (prop is not LOGITS, not prop.requires))
+# A property whose examples share a context (the processes of ``sharded runtime``) is not
+# hunted: started afresh for every example it would cost a group start each, and ``sharded``
+# searches the same plans in one process (tests/test_sharded_runtime.py runs the runtime on
+# the shard mutants).
+HUNT_ORDER = sorted(
+    (prop for prop in ALL if prop.context is None),
+    key=lambda prop: (prop is not LOGITS, not prop.requires),
+)
 
 # The hunt of tests/test_mutants.py: a first pass of a few examples through every property
 # catches most mutants cheaply; only the rest pay for the full search of each in turn.
