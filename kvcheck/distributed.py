@@ -4,11 +4,13 @@ A ``Runtime`` forks ``world`` rank processes that join one gloo process group on
 rank 0 hosts at 127.0.0.1 (an unused port; gloo bound to the loopback interface), and a
 group of the first two ranks for plans of two. The store is not this process's: a thread
 serving it here could hold a lock at the moment of a fork, and a rank would hang on it.
-Each plan is sent to every rank over a pipe; each rank runs it through ``kvcheck.properties.sharded.run_sharded`` on caches from
-the factory, gathering attention outputs with ``torch.distributed.all_gather``, and answers
-"ok" or the failure it raised. A rank reports each event before it runs it, so a plan that
-passes its deadline fails naming the ranks that did not answer and the event each had
-reached; the runtime is then torn down (every rank killed) and the next plan starts another.
+
+Each plan is sent to every rank over a pipe; each rank runs it through
+``kvcheck.properties.sharded.run_sharded`` on caches from the factory, gathering attention
+outputs with ``torch.distributed.all_gather``, and answers "ok" or the failure it raised. A
+rank reports each event before it runs it, so a plan that passes its deadline fails naming
+the ranks that did not answer and the event each had reached; the runtime is then torn down
+(every rank killed) and the next plan starts another.
 
 The ranks are forked: they inherit the factory, the kit's settings and the declared domain
 as they are in this process (no pickling, no re-import). They run on the CPU: CUDA does not
