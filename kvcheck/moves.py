@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from kvref import CacheFactory, CacheRows, CacheSpec, check_append, check_import
-from kvref.protocol import keys_stored
+from kvref.protocol import keys_stored, no_rows
 
 REFERENCE = "the reference"
 THE_CACHE = "the cache"
@@ -43,7 +43,7 @@ class ReferenceRows:
         return self.keys, self.values
 
     def reset(self) -> None:
-        self.keys, self.values = _no_rows(self.spec)
+        self.keys, self.values = no_rows(self.spec)
         self._length = 0
 
     def export_rows(self) -> CacheRows:
@@ -53,13 +53,6 @@ class ReferenceRows:
         rows = check_import(self.spec, self._length, rows)
         self.keys, self.values = rows.keys.clone(), rows.values.clone()
         self._length = rows.length
-
-
-def _no_rows(spec: CacheSpec) -> tuple[Tensor, Tensor]:
-    shape = (spec.batch, spec.kv_heads, 0)
-    keys = torch.empty((*shape, spec.head_dim), dtype=spec.dtype, device=spec.device)
-    values = torch.empty((*shape, spec.value_width), dtype=spec.dtype, device=spec.device)
-    return keys, values
 
 
 def factory_of(factory: CacheFactory, layout) -> CacheFactory:

@@ -31,10 +31,9 @@ rows it was given (a move would be lossy), and the Hugging Face adapters (``kvim
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from kvref.protocol import CacheRows, CacheSpec, check_import
+from kvref.protocol import CacheRows, CacheSpec, check_import, no_rows
 
 
 class MovableMixin:
@@ -49,7 +48,7 @@ class MovableMixin:
         if self.length:
             keys, values = self._rows_to_move()
         else:
-            keys, values = self._no_rows(spec)
+            keys, values = no_rows(spec)
         block_size = self._layout_block_size()
         return CacheRows(keys.clone(), values.clone(), self.length, block_size)
 
@@ -93,15 +92,6 @@ class MovableMixin:
     def _append_imported(self, rows: CacheRows) -> None:
         """Write the rows checked, at the positions ``_start_run_at`` placed them."""
         self.append(rows.keys, rows.values)
-
-    @staticmethod
-    def _no_rows(spec: CacheSpec) -> tuple[Tensor, Tensor]:
-        """Zero rows of keys and values, for an empty cache's export."""
-        shape = (spec.batch, spec.kv_heads, 0)
-        return (
-            torch.empty((*shape, spec.head_dim), dtype=spec.dtype, device=spec.device),
-            torch.empty((*shape, spec.value_width), dtype=spec.dtype, device=spec.device),
-        )
 
 
 class RecentRunMixin(MovableMixin):

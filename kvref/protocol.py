@@ -691,6 +691,15 @@ class Movable(Protocol):
         ...
 
 
+def no_rows(spec: CacheSpec) -> tuple[Tensor, Tensor]:
+    """Zero rows of keys and values for ``spec``: an empty cache's, or its export."""
+    shape = (spec.batch, spec.kv_heads, 0)
+    return (
+        torch.empty((*shape, spec.head_dim), dtype=spec.dtype, device=spec.device),
+        torch.empty((*shape, spec.value_width), dtype=spec.dtype, device=spec.device),
+    )
+
+
 def check_import(
     spec: CacheSpec, length: int, rows: object, *, capacity: int | None = None
 ) -> CacheRows:
