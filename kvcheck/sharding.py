@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from kvcheck import asserts as kvassert
-from kvcheck import failures
+from kvcheck import failures, pool_books
 from kvcheck.harness import Recorder, build, offers_attend
 from kvref import (
     CacheContractError,
@@ -35,6 +35,8 @@ from kvref import (
     shard_heads,
 )
 from kvref.protocol import capabilities
+
+POOL_BLOCKS = 4096  # each rank's pool, where the factory is a kvref.BlockPool
 
 
 class Ranks(Protocol):
@@ -109,24 +111,6 @@ class ShardedCache:
         self.shards = tuple(shards)
         self.ranks = ranks
         self.recorders = recorders  # rank -> Recorder of that rank's cache
-
-    @classmethod
-    def build(
-        cls, factory, spec: CacheSpec, shards: Sequence[Shard], ranks: Ranks, path: str
-    ) -> ShardedCache:
-        """Each hosted rank's cache for its shard, from ``factory``, taking ``path``."""
-        recorders = {}
-        for rank in ranks.hosted:
-            shard = shards[rank]
-            local = build(factory, local_spec(spec, shard))
-            if path == "attend" and not offers_attend(local):
-                raise CacheContractError(f"rank {rank}'s cache has no attend()")
-            recorders[rank] = Recorder(local, spec.window, path, spec.sinks, spec.rope_base)
-        return cls(spec, shards, ranks, recorders)
-
-    @property
-    def offered(self) -> set[str]:
-        return capabilities(next(iter(self.recorders.values())).cache)
 
     # --- what the model reads -------------------------------------------------------------
     @property
@@ -308,12 +292,21 @@ class ShardedFactory:
     builds_through_kit = True
 
     def __init__(self, factory, shards: Sequence[Shard], ranks: Ranks, path: str) -> None:
-        self.factory = factory
+        # A pool of its own per rank, as each tensor-parallel rank of an engine has.
+        self.factories = {
+            rank: pool_books.fresh_pool(factory, POOL_BLOCKS) for rank in ranks.hosted
+        }
         self.shards = tuple(shards)
         self.ranks = ranks
         self.path = path
         self.__name__ = f"sharded {getattr(factory, '__name__', type(factory).__name__)}"
 
     def __call__(self, spec: CacheSpec) -> ShardedCache:
-        built = ShardedCache.build(self.factory, spec, self.shards, self.ranks, self.path)
-        return sharded_type(built.offered)(built.spec, built.shards, built.ranks, built.recorders)
+        recorders = {}
+        for rank, factory in self.factories.items():
+            local = build(factory, local_spec(spec, self.shards[rank]))
+            if self.path == "attend" and not offers_attend(local):
+                raise CacheContractError(f"rank {rank}'s cache has no attend()")
+            recorders[rank] = Recorder(local, spec.window, self.path, spec.sinks, spec.rope_base)
+        offered = capabilities(next(iter(recorders.values())).cache)
+        return sharded_type(offered)(spec, self.shards, self.ranks, recorders)
