@@ -17,6 +17,12 @@ It adds, wherever the package is installed:
 - ``--kv-device DEVICE`` (or ``KV_DEVICE``, or the ``kv_device`` ini option): where the kit
   builds every model, cache and row (default cpu); on a device this machine lacks, the kit's
   tests skip with the reason (``kvcheck.devices``);
+- ``--kv-database DIR|redis://host:port/db`` (or ``KV_DATABASE``): where every search of the
+  run keeps the examples that failed and replays them first, beside the local
+  ``.hypothesis`` directory; ``--kv-database-read-only`` replays without writing to it
+  (``kvcheck.database``, docs/search.md). Built, and a Redis server pinged, when pytest is
+  configured, in each pytest-xdist worker too; a database that cannot be used stops the
+  run there with a usage error that names it;
 - after collection, the lines naming the caches under test, the kit's profile, device,
   sizes and each cache's domain (under pytest-xdist, where only the workers collect, at the
   top of the verdict); and the verdict per cache at the end of the run (``--kv-report PATH``
@@ -57,6 +63,9 @@ class KitRun:
     sizes: dict[str, object]  # kvcheck.Sizes's fields; supports: kvcheck.Domain's
     device: str | None
     names: list[str]  # the caches for classes without a factory (kvcheck.selection)
+    database: str | None = None  # --kv-database / KV_DATABASE, as given
+    read_only: bool = False  # --kv-database-read-only
+    built: object = None  # the run's hypothesis ExampleDatabase, where one is named
     prepared: bool = False
     selected: dict[str, selection.Selected] | None = None  # resolved at the first such class
     error: str | None = None  # the first usage error met while collecting
@@ -139,6 +148,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "cuda:1, mps (default: KV_DEVICE, else the kv_device ini option, else cpu); on a "
         "device this machine lacks, the kit's tests skip with the reason",
     )
+    group.addoption(
+        "--kv-database",
+        metavar="DIR|redis://host:port/db",
+        default=None,
+        help="where every search keeps the examples that failed, replayed first on the next "
+        "run that reads it: a directory (on a shared filesystem) or a Redis server (extra "
+        "kvcache-verify[redis]); the local .hypothesis directory is kept beside it (default: "
+        "KV_DATABASE, else each profile's own)",
+    )
+    group.addoption(
+        "--kv-database-read-only",
+        action="store_true",
+        default=False,
+        help="replay what --kv-database holds without writing to it or deleting from it",
+    )
     parser.addini("kv_impl", type="linelist", default=[], help="caches to test, as --kv-impl")
     parser.addini("kv_device", default="", help="the kit's device, as --kv-device")
 
@@ -181,7 +205,21 @@ def read_options(config: pytest.Config) -> KitRun:
     device = (
         config.getoption("--kv-device") or os.environ.get("KV_DEVICE") or config.getini("kv_device")
     )
-    return KitRun(profile, threads, sizes, device or None, names)
+    run = KitRun(profile, threads, sizes, device or None, names)
+    run.database = config.getoption("--kv-database") or os.environ.get("KV_DATABASE") or None
+    run.read_only = config.getoption("--kv-database-read-only")
+    if run.read_only and run.database is None:
+        raise pytest.UsageError(
+            "--kv-database-read-only: no database named; name it with --kv-database or KV_DATABASE"
+        )
+    if run.database is not None:  # imports Hypothesis (and redis for a URL) only here
+        from kvcheck import database
+
+        try:
+            run.built = database.for_run(run.database, read_only=run.read_only)
+        except database.DatabaseError as error:
+            raise pytest.UsageError(str(error)) from None
+    return run
 
 
 def read_sizes(config: pytest.Config) -> dict[str, int | tuple[int, ...] | None]:
@@ -265,10 +303,17 @@ def prepare(config: pytest.Config) -> None:
     # The settings live in the kit's modules while the run lasts; the ones they replace come
     # back when it ends (pytest_unconfigure), for a host that runs pytest again in the same
     # process (pytester's in-process runs) and keeps its own.
-    held = (profiles._chosen, profiles._threads, sizes._from_options, devices._chosen)
+    held = (
+        profiles._chosen,
+        profiles._threads,
+        profiles._database,
+        sizes._from_options,
+        devices._chosen,
+    )
     run.before = [(setting, setting[:]) for setting in held]
     profiles.choose(run.profile)
     profiles.choose_threads(run.threads)
+    profiles.choose_database(run.built)
     try:
         sizes.choose_options(sizes.Sizes(**run.sizes))
     except ValueError as error:
@@ -407,6 +452,14 @@ def kit_lines(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
         f"kv caches under test: {', '.join(described)}; kit profile: {profiles.current_name()}; "
         f"kv device: {devices.describe()}"
     )
+    if run.database is not None:
+        from kvcheck import database
+
+        mode = "read-only" if run.read_only else "read and written"
+        run.lines.append(
+            f"kv example database: {database.describe(run.database)} ({mode}), beside the "
+            "local .hypothesis directory"
+        )
     if sizes.from_options().aimed:  # where the draws aim; each cache's domain below
         run.lines.append(f"kv sizes from the command line: {sizes.from_options().describe()}")
     aims = [
@@ -420,6 +473,23 @@ def kit_lines(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
         if (domain := sizes.declared_by(factory, cls).supports).declared:
             run.lines.append(f"kv domain of {label}: {domain.describe()}")
     return run.lines
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    # A search keeps its examples under the test that runs it (kvcheck.database.Keyed):
+    # every kit search runs through one function of the kit, which Hypothesis keys them by.
+    profiles = sys.modules.get("kvcheck.profiles")  # a run without kit tests: none
+    module = getattr(getattr(item, "module", None), "__name__", None)
+    if profiles is None or module is None or not item.get_closest_marker("kv_property"):
+        return (yield)
+    from kvcheck import database
+
+    profiles._test_key[:] = [database.key_of(module, item.nodeid)]
+    try:
+        return (yield)
+    finally:
+        profiles._test_key[:] = []
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

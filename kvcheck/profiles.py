@@ -4,6 +4,8 @@ The kit never loads a Hypothesis profile or sets torch's threads for the process
 it (a user's own tests keep theirs); each kit test takes these while it runs. Choose with
 ``--kv-profile``: by default ``ci`` where Hypothesis detects a CI service (and ``CI`` is not
 ``0``, ``false`` or ``no``), else ``dev``; and with ``--kv-torch-threads`` (default 1).
+``--kv-database`` names where the searches keep the examples that failed (``kvcheck.database``;
+with none named, each profile's own: Hypothesis's default, none in ``ci``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ _chosen: list[str] = []  # set once per run by the plugin
 # The suite's tensors are tiny: more threads only add synchronisation (measured: 5 ms vs
 # 480 ms per forward of the small model with 2 threads, each core already running a worker).
 _threads: list[int | None] = [1]  # None: leave torch's setting as it is
+# The run's example database (--kv-database), built by the plugin: none, each profile's own.
+_database: list = []
+# The key of the test running now (kvcheck.database.key_of), set by the plugin around each
+# kit test's call: its examples are kept apart from every other test's.
+_test_key: list[bytes] = []
 
 
 def default_name() -> str:
@@ -55,8 +62,23 @@ def current_name() -> str:
 
 
 def current() -> settings:
-    """The kit's settings for this run, with the verbosity Hypothesis was given."""
-    return settings(PROFILES[current_name()], verbosity=settings.default.verbosity)
+    """The kit's settings for this run, with the verbosity Hypothesis was given, and the
+    database named for the run (``--kv-database``; else the profile's own), keyed by the
+    test running now: every property searches through one function of the kit, and
+    Hypothesis keys examples by the function."""
+    chosen = settings(PROFILES[current_name()], verbosity=settings.default.verbosity)
+    database = _database[0] if _database else chosen.database
+    if _test_key and database is not None:
+        from kvcheck.database import Keyed
+
+        database = Keyed(database, _test_key[0])
+    return settings(chosen, database=database)
+
+
+def choose_database(database) -> None:
+    """The run's example database (a Hypothesis ``ExampleDatabase``), or None: each
+    profile's own."""
+    _database[:] = [] if database is None else [database]
 
 
 def choose_threads(value: str | None) -> None:
