@@ -15,6 +15,7 @@ from tests.independent.deque_window_cache import DequeWindowCache
 from tests.independent.fifo_paged_pool import FifoPagedPool
 from tests.independent.group_int4_cache import GroupInt4Cache
 from tests.independent.half_kernel_cache import HalfKernelCache
+from tests.independent.head_keyed_cache import HeadKeyedCache
 from tests.independent.left_padded_batch_cache import LeftPaddedBatchCache
 from tests.independent.list_cache import ListCache
 from tests.independent.paged_cache import PagedCache
@@ -72,6 +73,14 @@ class TestViewCache(Independent):
 @pytest.mark.soak
 class TestRingCache(Independent):
     factory = RingCache
+
+
+@pytest.mark.soak
+class TestHeadKeyedCache(Independent):
+    """A dict keyed by global kv head id (the shard's, in a tensor-parallel run), each head's
+    rows in token-major chunks of 5; truncate, reorder, export_rows and import_rows."""
+
+    factory = HeadKeyedCache
 
 
 @pytest.mark.soak
