@@ -19,9 +19,11 @@ survive a fork, and the simulated test (``sharded``) runs on the kit's device.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -33,11 +35,13 @@ from torch import Tensor
 
 from kvcheck import devices as kvdevices
 from kvcheck import failures
+from kvcheck import sizes as kvsizes
 
 WORLD = 4  # the most ranks a plan asks for; plans of 2 run on the first two
 DEADLINE = 60.0  # seconds a plan may take on every rank
 START_DEADLINE = 20.0  # seconds the ranks may take to join the group
 LOOPBACK = "127.0.0.1"
+STOP = b"stop"  # what a rank is sent to leave the group
 
 
 def unused_port() -> int:
@@ -75,9 +79,10 @@ class ProcessGroupRanks:
 
 
 class Runtime:
-    """``world`` forked ranks serving sharded plans on caches from ``factory``."""
+    """``world`` forked ranks serving sharded plans, each on caches from the factory sent
+    with it, or from ``factory``, which the ranks inherit (for one that does not pickle)."""
 
-    def __init__(self, factory, world: int = WORLD, deadline: float = DEADLINE) -> None:
+    def __init__(self, factory=None, world: int = WORLD, deadline: float = DEADLINE) -> None:
         self.factory = factory
         self.world = world
         self.deadline = deadline
@@ -140,7 +145,7 @@ class Runtime:
         once where the group is ``broken``: its ranks may wait in a collective for ever)."""
         for _, pipe in self.ranks if not broken else ():
             with contextlib.suppress(OSError):
-                pipe.send(None)
+                pipe.send_bytes(STOP)
         for process, pipe in self.ranks:
             process.join(timeout=0 if broken else 5)
             if process.is_alive():
@@ -149,13 +154,15 @@ class Runtime:
             pipe.close()
         self.ranks = []
 
-    def run(self, plan) -> None:
-        """Run ``plan`` on every rank; raise the first rank's failure, or a timeout naming
-        the ranks that did not answer."""
+    def run(self, plan, factory=None) -> None:
+        """Run ``plan`` on every rank on caches from ``factory`` (the runtime's own where
+        None), aiming at the sizes in force here; raise the first rank's failure, or a
+        timeout naming the ranks that did not answer."""
         if not self.ranks:
             self._start()
+        message = pickle.dumps((factory, plan, kvsizes.current()))
         for _, pipe in self.ranks:
-            pipe.send(plan)
+            pipe.send_bytes(message)
         answers: dict[int, tuple] = {}
         reached = dict.fromkeys(range(self.world), "starting")
         end = time.monotonic() + self.deadline
@@ -222,17 +229,19 @@ def _serve(rank: int, world: int, port: int, factory, pipe, deadline: float) -> 
         groups[2] = torch.distributed.new_group([0, 1])
     pipe.send(("joined",))
     try:
-        while (plan := pipe.recv()) is not None:
+        while (message := pipe.recv_bytes()) != STOP:
+            sent, plan, sizes = pickle.loads(message)
             if rank >= plan.world:
                 pipe.send(("ok",))
                 continue
             try:
-                run_sharded(
-                    factory,
-                    plan,
-                    lambda world: ProcessGroupRanks(groups[world]),
-                    progress=lambda said: pipe.send(("at", said)),
-                )
+                with kvsizes.aiming_at(sizes):
+                    run_sharded(
+                        factory if sent is None else sent,
+                        plan,
+                        lambda world: ProcessGroupRanks(groups[world]),
+                        progress=lambda said: pipe.send(("at", said)),
+                    )
                 pipe.send(("ok",))
             except BaseException as error:
                 said = "\n".join((str(error), *getattr(error, "__notes__", ())))
@@ -243,30 +252,31 @@ def _serve(rank: int, world: int, port: int, factory, pipe, deadline: float) -> 
         torch.distributed.destroy_process_group()
 
 
-_serving: list[Runtime] = []
+_shared: list[Runtime] = []  # this process's runtime, for every factory that pickles
 
 
 @contextlib.contextmanager
 def serving(factory) -> Iterator[None]:
-    """One runtime for every plan a test sends in this block (started at the first); the
-    test skips with the reason where processes cannot run plans here."""
+    """What a test of the sharded runtime needs: it skips with the reason where processes
+    cannot run plans here."""
     if why := unavailable():
         import pytest
 
         pytest.skip(f"sharded runtime: {why}")
-    with Runtime(factory) as runtime:
-        _serving.append(runtime)
-        try:
-            yield
-        finally:
-            _serving.remove(runtime)
+    yield
 
 
 def run_on_processes(factory, plan) -> None:
-    """``plan`` on the runtime a test opened for ``factory``, or on one of its own."""
-    for runtime in _serving:
-        if runtime.factory is factory:
+    """``plan`` on this process's runtime (started at its first plan, again after a plan
+    that failed), the factory sent with it; a factory that does not pickle (a lambda, a
+    class defined in a function) gets a runtime of its own, forked with it."""
+    try:
+        pickle.dumps(factory)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        with Runtime(factory) as runtime:
             runtime.run(plan)
-            return
-    with Runtime(factory) as runtime:
-        runtime.run(plan)
+        return
+    if not _shared:
+        _shared.append(Runtime())
+        atexit.register(_shared[0].close)
+    _shared[0].run(plan, factory)

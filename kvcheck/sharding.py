@@ -11,7 +11,8 @@ rank's output into the query heads the plan gave it. The ranks live either here
 ``kvcheck/properties/sharded.py`` run one engine.
 
 Every event the session engine sends (reset, truncate, reorder, fork) reaches every rank's
-cache, and ``length`` gathers every rank's: ranks that disagree are a failure naming them.
+cache. In one process ``length`` reads every rank's, and ranks that disagree are a failure
+naming them; across processes each rank reads its own, held to the history by the engine.
 """
 
 from __future__ import annotations
@@ -162,11 +163,10 @@ class ShardedCache:
 
     # --- for messages ---------------------------------------------------------------------
     def _every_rank(self, read) -> list[int]:
-        hosted = [read(recorder) for recorder in self.recorders.values()]
-        if len(self.ranks.hosted) == self.ranks.world:
-            return hosted
-        local = torch.tensor(hosted, dtype=torch.long)
-        return [int(n) for tensor in self.ranks.gather([local]) for n in tensor]
+        """``read`` of each hosted rank's cache: every rank's in one process; across
+        processes this rank's alone (a gather at every read of ``length`` would cost a
+        collective each, and the session engine holds each rank's to the history anyway)."""
+        return [read(recorder) for recorder in self.recorders.values()]
 
     def _who(self, rank: int) -> str:
         shard = self.shards[rank]

@@ -57,12 +57,13 @@ def test_a_rank_that_dies_is_named():
     assert "rank 2" in str(raised.value)
 
 
-def test_a_failure_comes_back_with_its_severity_and_the_group_restarts():
-    with kvdistributed.Runtime(SHARD_MUTANTS[-1]) as runtime:
-        with pytest.raises(failures.DataLoss, match="disagree on length"):
-            runtime.run(REPLICATED)
+def test_a_failure_comes_back_with_its_severity_and_the_group_restarts_for_any_factory():
+    with kvdistributed.Runtime() as runtime:  # factories sent with the plans
+        with pytest.raises(failures.DataLoss, match=r"on rank 3 .* length is 6, expected 0"):
+            runtime.run(REPLICATED, SHARD_MUTANTS[-1])
         no_reset = dataclasses.replace(REPLICATED, events=REPLICATED.events[:-1])
-        runtime.run(no_reset)  # a fresh group, and a plan the mutant survives
+        runtime.run(no_reset, SHARD_MUTANTS[-1])  # a fresh group, a plan the mutant survives
+        runtime.run(REPLICATED, ConcatCache)  # the same group, another factory
         assert len(runtime.ranks) == 4
 
 
