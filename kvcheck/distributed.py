@@ -195,7 +195,11 @@ class Runtime:
         failed = {rank: answer for rank, answer in answers.items() if answer[0] != "ok"}
         if failed:
             self.close(broken=True)  # a group with a failed rank cannot go on
-            rank, (kind, *detail) = min(failed.items())
+            # The most telling first: a rank's own rows or lengths before the wrong logits
+            # that rank 0 then sees, the lowest rank among equals.
+            rank, (kind, *detail) = min(
+                failed.items(), key=lambda item: (item[1][1:2] == ("WrongResults",), item[0])
+            )
             raise _as_raised(rank, kind, detail, plan)
 
 

@@ -156,6 +156,9 @@ def run_sharded(
         path="attend",
         describe=lambda: plan.describe() + said(),
     )
+    # Every rank computes the same logits from the gathered outputs: one rank compares them
+    # with the uncached model; each checks its own caches' rows and lengths.
+    engine.judges_logits = 0 in engine.factory.ranks.hosted
     scripts.play(engine, plan.events, plan.batch, plan.token_seed, move=move, progress=progress)
 
 
