@@ -441,12 +441,12 @@ def _moved(spec: CacheSpec, how: Callable[[Tensor], Tensor]) -> tuple:
 
 
 def _too_few(spec: CacheSpec) -> tuple:
-    """One row for a length whose next query needs more (all of them, or the window's)."""
+    """One row fewer than the next query needs, for a length past the window: all of them
+    without one, else the window's last W - 1."""
     length = 3 if spec.window is None else spec.window + 3
-    return (good_rows(spec, 1, length),)
+    return (good_rows(spec, spec.rows_needed(length) - 1, length),)
 
 
-IMPORT_WORDS = r"import|rows|length|shape|size"
 # make(spec) -> the argument of ``import_rows`` on a fresh cache for spec (the first case: on
 # a warm one); contract, section 11.2
 BAD_IMPORTS = [
@@ -459,7 +459,7 @@ BAD_IMPORTS = [
     BadInput(
         "rows of another number of kv heads",
         lambda s: _resized(s, 1),
-        r"kv_heads|heads|H_kv|" + IMPORT_WORDS,
+        r"kv_heads|heads|H_kv|shape|size",
     ),
     BadInput("keys of another head_dim", lambda s: _resized(s, 3, "keys"), r"head_dim|dim|width"),
     BadInput(
@@ -480,7 +480,12 @@ BAD_IMPORTS = [
         lambda s: (good_rows(s, 3, 2),),
         r"rows|length|more|exceed",
     ),
-    BadInput("fewer rows than the next query needs", _too_few, r"rows|length|needs|fewer|last"),
+    BadInput(
+        "fewer rows than the next query needs",
+        _too_few,
+        r"rows|length|needs|fewer|last",
+        applies=lambda s: s.window is None or s.window > 1,  # a window of 1 needs no row
+    ),
     BadInput(
         "a length that is not an int",
         lambda s: (dataclasses.replace(good_rows(s, 2), length=2.5),),

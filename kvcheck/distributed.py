@@ -40,6 +40,7 @@ from kvcheck import sizes as kvsizes
 WORLD = 4  # the most ranks a plan asks for; plans of 2 run on the first two
 DEADLINE = 60.0  # seconds a plan may take on every rank
 START_DEADLINE = 20.0  # seconds the ranks may take to join the group
+FAILED_GRACE = 1.0  # seconds the other ranks get to report, once one has failed
 LOOPBACK = "127.0.0.1"
 STOP = b"stop"  # what a rank is sent to leave the group
 
@@ -119,7 +120,7 @@ class Runtime:
         late = sorted(set(range(self.world)) - set(joined))
         raise TimeoutError(
             f"sharded runtime: ranks {late} did not join the gloo group at {LOOPBACK}:{port} "
-            f"within {START_DEADLINE:g} s, twice"
+            f"within {START_DEADLINE:g} s (or died: their processes' stderr says why), twice"
         )
 
     def _answers(self, kind: str, deadline: float) -> dict[int, tuple]:
@@ -157,9 +158,27 @@ class Runtime:
     def run(self, plan, factory=None) -> None:
         """Run ``plan`` on every rank on caches from ``factory`` (the runtime's own where
         None), aiming at the sizes in force here; raise the first rank's failure, or a
-        timeout naming the ranks that did not answer."""
+        timeout naming the ranks that did not answer. Whatever escapes mid-plan (a rank's
+        pipe broken, an interrupt) ends the group first: no answer of this plan may be read
+        as the next one's."""
         if not self.ranks:
             self._start()
+        try:
+            answers = self._run(plan, factory)
+        except BaseException:
+            self.close(broken=True)
+            raise
+        failed = {rank: answer for rank, answer in answers.items() if answer[0] != "ok"}
+        if failed:
+            self.close(broken=True)  # a group with a failed rank cannot go on
+            # The most telling first: a rank's own rows or lengths before the wrong logits
+            # that rank 0 then sees, the lowest rank among equals.
+            rank, (kind, *detail) = min(
+                failed.items(), key=lambda item: (item[1][1:2] == ("WrongResults",), item[0])
+            )
+            raise _as_raised(rank, kind, detail, plan)
+
+    def _run(self, plan, factory) -> dict[int, tuple]:
         message = pickle.dumps((factory, plan, kvsizes.current()))
         for _, pipe in self.ranks:
             pipe.send_bytes(message)
@@ -168,10 +187,11 @@ class Runtime:
         end = time.monotonic() + self.deadline
         while len(answers) < self.world:
             waiting = [rank for rank in range(self.world) if rank not in answers]
-            ready = multiprocessing.connection.wait(
-                [self.ranks[rank][1] for rank in waiting], timeout=max(0.0, end - time.monotonic())
-            )
+            left = max(0.0, end - time.monotonic())
+            ready = multiprocessing.connection.wait([self.ranks[r][1] for r in waiting], left)
             if not ready:
+                if any(answer[0] != "ok" for answer in answers.values()):
+                    break  # the others wait in a collective for the failed rank
                 self.close(broken=True)
                 said = "; ".join(f"rank {rank} at {reached[rank]}" for rank in waiting)
                 raise TimeoutError(
@@ -191,16 +211,10 @@ class Runtime:
                 else:
                     answers[rank] = message
             if any(answer[0] != "ok" for answer in answers.values()):
-                break  # the others may wait in a collective for the failed rank: no use
-        failed = {rank: answer for rank, answer in answers.items() if answer[0] != "ok"}
-        if failed:
-            self.close(broken=True)  # a group with a failed rank cannot go on
-            # The most telling first: a rank's own rows or lengths before the wrong logits
-            # that rank 0 then sees, the lowest rank among equals.
-            rank, (kind, *detail) = min(
-                failed.items(), key=lambda item: (item[1][1:2] == ("WrongResults",), item[0])
-            )
-            raise _as_raised(rank, kind, detail, plan)
+                # A moment for the others' own failures (a rank's rows, before the logits
+                # they spoil reach rank 0), then no longer: they may be stuck for good.
+                end = min(end, time.monotonic() + FAILED_GRACE)
+        return answers
 
 
 def _as_raised(rank: int, kind: str, detail: list, plan) -> BaseException:
@@ -234,11 +248,11 @@ def _serve(rank: int, world: int, port: int, factory, pipe, deadline: float) -> 
     pipe.send(("joined",))
     try:
         while (message := pipe.recv_bytes()) != STOP:
-            sent, plan, sizes = pickle.loads(message)
-            if rank >= plan.world:
-                pipe.send(("ok",))
-                continue
             try:
+                sent, plan, sizes = pickle.loads(message)
+                if rank >= plan.world:
+                    pipe.send(("ok",))
+                    continue
                 with kvsizes.aiming_at(sizes):
                     run_sharded(
                         factory if sent is None else sent,
@@ -273,7 +287,16 @@ def serving(factory) -> Iterator[None]:
 def run_on_processes(factory, plan) -> None:
     """``plan`` on this process's runtime (started at its first plan, again after a plan
     that failed), the factory sent with it; a factory that does not pickle (a lambda, a
-    class defined in a function) gets a runtime of its own, forked with it."""
+    class defined in a function) gets a runtime of its own, forked with it. A cache that
+    declares devices without the CPU, where the ranks run, skips the test, saying so."""
+    devices = kvsizes.domain().devices
+    if devices is not None and "cpu" not in devices:
+        import pytest
+
+        pytest.skip(
+            f"not offered: outside the declared domain: the sharded runtime's ranks run on "
+            f"the CPU; the cache supports devices {', '.join(devices)}"
+        )
     try:
         pickle.dumps(factory)
     except (pickle.PicklingError, AttributeError, TypeError):

@@ -40,13 +40,14 @@ def said(event: tuple) -> str:
 
 @st.composite
 def events(draw, kinds: tuple[str, ...], most_tokens: int, moves: int = 0) -> tuple[tuple, ...]:
-    """A script of up to 7 events of ``kinds`` (beside feeds) and ``moves`` moves, holding at
-    most ``most_tokens`` tokens per request, a decode after the first feed at least."""
-    script, held, left = [], [0], moves
-    chosen = (*kinds, "move") if moves else kinds
+    """A script of up to 7 events of ``kinds`` (beside feeds), holding at most
+    ``most_tokens`` tokens per request, a decode after the first feed at least, and then
+    exactly ``moves`` moves of request A (the only request of a plan that moves), each
+    after the first feed, to layouts 1, 2, ... in turn."""
+    script, held = [], [0]
     for _ in range(draw(st.integers(1, 7), label="events")):
         request = draw(st.integers(0, len(held) - 1), label="on request")
-        kind = draw(st.sampled_from(chosen), label="event") if held[request] else "feed"
+        kind = draw(st.sampled_from(kinds), label="event") if held[request] else "feed"
         if kind == "feed":
             room = most_tokens - held[request]
             if room < 1:
@@ -66,11 +67,11 @@ def events(draw, kinds: tuple[str, ...], most_tokens: int, moves: int = 0) -> tu
         elif kind == "reset":
             script.append(("reset", request))
             held[request] = 0
-        elif left:  # a move: of request A, the only request a move plan has
-            script.append(("move", 0, moves - left + 1))
-            left -= 1
     if not any(event[0] == "feed" for event in script[1:]):
         script.append(("feed", 0, 1))
+    at = sorted(draw(st.integers(1, len(script)), label="move at") for _ in range(moves))
+    for layout, index in reversed(list(enumerate(at, start=1))):
+        script.insert(index, ("move", 0, layout))
     return tuple(script)
 
 
@@ -95,7 +96,7 @@ def play(
         if progress is not None:
             progress(what)
         at = f" ({what})"
-        if kind == "feed":
+        if kind == "feed" and request.held + rest[0] <= engine.max_length:
             new = torch.randint(0, vocab, (batch, rest[0]), generator=generator)
             engine.feed(request, new.to(kvdevices.current()), at=at)
         elif kind == "truncate" and "truncate" in request.offered:
@@ -110,7 +111,7 @@ def play(
             engine.reset(request)
         elif kind == "move" and move is not None and "move" in request.offered:
             move(request, rest[0], at)
-        else:  # not offered: the rest of the script still runs
+        else:  # not offered, or a feed past max_length after a truncate a window refused
             continue
         engine.check(what)
     engine.finish(blocks_back=False)

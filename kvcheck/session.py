@@ -42,6 +42,7 @@ from kvref import (
     BlockPool,
     CacheContractError,
     CacheFactory,
+    CacheRows,
     PrefixCaching,
     ReferenceTransformer,
     capabilities,
@@ -633,11 +634,20 @@ class Engine:
             self.prefix.wrote(request, 0, request.held, count=False)
 
     # --- moves between layouts (contract, section 11.2) ----------------------------------
-    def move(self, request: Request, factory: CacheFactory, *, path: str, at: str = "") -> None:
+    def move(
+        self,
+        request: Request,
+        factory: CacheFactory,
+        *,
+        path: str,
+        carry: Callable[[CacheRows], CacheRows] = lambda rows: rows,
+        at: str = "",
+    ) -> None:
         """Every layer's rows out of ``request``'s caches (``export_rows``, held to the rows
         given) and into fresh caches from ``factory`` taking ``path`` (``import_rows``), where
         the request goes on; every later cache comes from ``factory`` too. The request must
-        be the only one alive: the blocks of a pool it leaves must all come back."""
+        be the only one alive: the blocks of a pool it leaves must all come back. ``carry``
+        takes each layer's rows on their way (through another device, say)."""
         if set(self.live) != {request.name}:
             raise TypeError(f"a move of {request.name} beside other requests: no plan does so")
         what = f"{request.name}, its move{at}"
@@ -650,7 +660,7 @@ class Engine:
         )
         caches = record(built, self.model.config, path)
         for recorder, rows, old in zip(caches, exported, request.caches, strict=True):
-            recorder.cache.import_rows(rows)
+            recorder.cache.import_rows(carry(rows))
             recorder.take_history(old)
             if callable(getattr(recorder.cache, "take_history", None)):  # the kit's shards
                 recorder.cache.take_history(old.cache)
@@ -678,7 +688,12 @@ class Engine:
         where = self.where(f"{request.name}, after {what}")
         for layer, cache in enumerate(request.caches):
             who = f"{request.name}'s layer {layer}"
-            kvassert.assert_length(cache, request.held, who=who, where=where)
+            try:
+                kvassert.assert_length(cache, request.held, who=who, where=where)
+            except failures.PropertyFailure as error:  # raised reading it (the kit's shards)
+                if where not in str(error):
+                    error.add_note(f"  at {where}")
+                raise
 
     def check(self, event: str) -> None:
         """After an event: every layer of every live request holds its history, the views

@@ -17,6 +17,7 @@ naming them; across processes each rank reads its own, held to the history by th
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -105,13 +106,21 @@ class ShardedCache:
     """One layer's caches on every rank this process hosts, presented to the model as one
     cache that attends over every query head (see the module docstring)."""
 
+    builds_through_kit = True  # the declared domain is its ranks' caches', not its own
+
     def __init__(
-        self, spec: CacheSpec, shards: Sequence[Shard], ranks: Ranks, recorders: dict
+        self,
+        spec: CacheSpec,
+        shards: Sequence[Shard],
+        ranks: Ranks,
+        recorders: dict,
+        layer: int | None = None,
     ) -> None:
         self.spec = spec
         self.shards = tuple(shards)
         self.ranks = ranks
         self.recorders = recorders  # rank -> Recorder of that rank's cache
+        self.layer = layer  # of the model, for messages
 
     # --- what the model reads -------------------------------------------------------------
     @property
@@ -119,8 +128,9 @@ class ShardedCache:
         lengths = self._every_rank(lambda recorder: recorder.length)
         if len(set(lengths)) > 1:
             said = ", ".join(f"rank {rank} {n}" for rank, n in enumerate(lengths))
+            layer = "one layer" if self.layer is None else f"layer {self.layer}"
             raise failures.DataLoss(
-                f"the ranks' caches of one layer disagree on length ({said}): every rank must "
+                f"the ranks' caches of {layer} disagree on length ({said}): every rank must "
                 f"see every event (a reset, truncate or append that one rank skipped)\n"
                 f"  shards: {self.describe()}"
             )
@@ -170,9 +180,10 @@ class ShardedCache:
 
     def _who(self, rank: int) -> str:
         shard = self.shards[rank]
+        layer = "" if self.layer is None else f"layer {self.layer}, "
         return (
-            f"rank {rank} of {shard.world} (kv heads {list(shard.kv_heads)}, query heads "
-            f"{list(shard.query_heads)})"
+            f"{layer}rank {rank} of {shard.world} (kv heads {list(shard.kv_heads)}, query "
+            f"heads {list(shard.query_heads)})"
         )
 
     def describe(self) -> str:
@@ -201,7 +212,7 @@ class _Reorders:
 class _Forks:
     def fork(self) -> ShardedCache:
         forks = {rank: recorder.fork() for rank, recorder in self.recorders.items()}
-        return type(self)(self.spec, self.shards, self.ranks, forks)
+        return type(self)(self.spec, self.shards, self.ranks, forks, self.layer)
 
 
 class _Moves:
@@ -210,28 +221,35 @@ class _Moves:
     together by global id; in, each rank's heads sliced from them."""
 
     def export_rows(self) -> CacheRows:
-        by_head: dict[int, tuple[int, CacheRows]] = {}
-        for rank in self._all_here("export_rows"):
-            rows = self.recorders[rank].cache.export_rows()
+        exported = {
+            rank: self.recorders[rank].cache.export_rows() for rank in self._all_here("export_rows")
+        }
+        first = exported[0]
+        for rank, rows in exported.items():  # every rank the same tokens, however many heads
+            if (rows.length, rows.rows) != (first.length, first.rows):
+                raise failures.DataLoss(
+                    f"{self._who(rank)}: export_rows() gave {rows.rows} rows for a length of "
+                    f"{rows.length}; {self._who(0)} gave {first.rows} for {first.length}"
+                    f"\n  shards: {self.describe()}"
+                )
+        by_head: dict[int, tuple[int, Tensor, Tensor]] = {}
+        for rank, rows in exported.items():
             for local, head in enumerate(self.shards[rank].kv_heads):
                 mine = (rows.keys[:, local : local + 1], rows.values[:, local : local + 1])
                 if head not in by_head:
-                    by_head[head] = (rank, rows.length, *mine)
+                    by_head[head] = (rank, *mine)
                     continue
-                first, length, *theirs = by_head[head]
-                if length != rows.length or any(
-                    a.shape != b.shape or kvassert.differing_rows(a, b)
-                    for a, b in zip(mine, theirs, strict=True)
-                ):
+                holder, *theirs = by_head[head]
+                if any(kvassert.differing_rows(a, b) for a, b in zip(mine, theirs, strict=True)):
                     raise failures.DataLoss(
-                        f"kv head {head}'s replicas differ: rank {rank}'s export_rows() is not "
-                        f"rank {first}'s (every rank holding a kv head must hold the same rows)"
-                        f"\n  shards: {self.describe()}"
+                        f"kv head {head}'s replicas differ: {self._who(rank)}'s export_rows() "
+                        f"is not rank {holder}'s (every rank holding a kv head must hold the "
+                        f"same rows)\n  shards: {self.describe()}"
                     )
         heads = [by_head[head] for head in sorted(by_head)]
-        keys = torch.cat([keys for _, _, keys, _ in heads], dim=1)
-        values = torch.cat([values for _, _, _, values in heads], dim=1)
-        return CacheRows(keys, values, heads[0][1])
+        keys = torch.cat([keys for _, keys, _ in heads], dim=1)
+        values = torch.cat([values for _, _, values in heads], dim=1)
+        return CacheRows(keys, values, first.length)
 
     def import_rows(self, rows: CacheRows) -> None:
         for rank in self._all_here("import_rows"):
@@ -244,23 +262,21 @@ class _Moves:
         given = other.given_by_head()
         for rank in self._all_here("take_history"):
             heads = list(self.shards[rank].kv_heads)
-            self.recorders[rank].given = tuple(rows[:, heads] for rows in given)
+            mine = None if given is None else tuple(rows[:, heads] for rows in given)
+            self.recorders[rank].given = mine
 
-    def given_by_head(self) -> tuple[Tensor, Tensor]:
+    def given_by_head(self) -> tuple[Tensor, Tensor] | None:
         """The rows every kv head was given since the reset, by global id (from the first
-        rank that holds it)."""
+        rank that holds it); None when nothing was."""
         holder = {}
         for rank in reversed(self._all_here("given_by_head")):
             for local, head in enumerate(self.shards[rank].kv_heads):
                 holder[head] = (self.recorders[rank].given, local)
+        held = [holder[head] for head in sorted(holder)]
+        if any(given is None for given, _ in held):
+            return None
         return tuple(
-            torch.cat(
-                [
-                    given[which][:, local : local + 1]
-                    for given, local in map(holder.get, sorted(holder))
-                ],
-                dim=1,
-            )
+            torch.cat([given[which][:, local : local + 1] for given, local in held], dim=1)
             for which in (0, 1)
         )
 
@@ -291,7 +307,9 @@ class ShardedFactory:
 
     builds_through_kit = True
 
-    def __init__(self, factory, shards: Sequence[Shard], ranks: Ranks, path: str) -> None:
+    def __init__(
+        self, factory, shards: Sequence[Shard], ranks: Ranks, path: str, layers: Sequence[int]
+    ) -> None:
         # A pool of its own per rank, as each tensor-parallel rank of an engine has.
         self.factories = {
             rank: pool_books.fresh_pool(factory, POOL_BLOCKS) for rank in ranks.hosted
@@ -299,6 +317,8 @@ class ShardedFactory:
         self.shards = tuple(shards)
         self.ranks = ranks
         self.path = path
+        # The model builds its layers' caches in layer order, every layer at every start.
+        self.layers = itertools.cycle(layers)
         self.__name__ = f"sharded {getattr(factory, '__name__', type(factory).__name__)}"
 
     def __call__(self, spec: CacheSpec) -> ShardedCache:
@@ -309,4 +329,5 @@ class ShardedFactory:
                 raise CacheContractError(f"rank {rank}'s cache has no attend()")
             recorders[rank] = Recorder(local, spec.window, self.path, spec.sinks, spec.rope_base)
         offered = capabilities(next(iter(recorders.values())).cache)
-        return sharded_type(offered)(spec, self.shards, self.ranks, recorders)
+        cache = sharded_type(offered)
+        return cache(spec, self.shards, self.ranks, recorders, next(self.layers))

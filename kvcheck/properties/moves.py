@@ -28,11 +28,11 @@ from kvcheck import failures, scripts
 from kvcheck import moves as kvmoves
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
-from kvcheck.harness import warm
+from kvcheck.harness import build, warm
 from kvcheck.kit import KitTests, Property, path_for, property_test
 from kvcheck.properties.rejection import check_refused
 from kvcheck.session import Engine
-from kvref import BlockPool, CacheFactory, ModelConfig
+from kvref import BlockPool, CacheFactory, CacheRows, ModelConfig
 
 MOST_TOKENS = 2 * kvst.EDGE + 4
 EVENTS = ("feed", "truncate", "reorder", "reset")  # forks only after the last move
@@ -51,6 +51,9 @@ class MovePlan:
     paths: tuple[str, ...]
     events: tuple[tuple, ...]
     token_seed: int
+    # Whether the rows of each move go through the CPU on their way, where the kit's device
+    # is another (on the CPU they stay where they are).
+    through_cpu: tuple[bool, ...] = ()
 
     def describe(self) -> str:
         layouts = "; ".join(
@@ -88,11 +91,8 @@ def layouts(draw, count: int) -> tuple:
 
 @st.composite
 def move_plans(draw) -> MovePlan:
-    moves = draw(st.integers(1, 3), label="moves")
-    script = list(draw(scripts.events(EVENTS, MOST_TOKENS, moves=moves), label="events"))
-    if not any(event[0] == "move" for event in script):  # a move after the prefill at least
-        script.insert(1, ("move", 0, 1))
-    moved = sum(event[0] == "move" for event in script)
+    moved = draw(st.integers(1, 3), label="moves")
+    script = list(draw(scripts.events(EVENTS, MOST_TOKENS, moves=moved), label="events"))
     if draw(st.booleans(), label="fork after the last move"):
         script.extend((("fork", 0), ("feed", 1, 1), ("feed", 0, 1)))
     return MovePlan(
@@ -105,6 +105,7 @@ def move_plans(draw) -> MovePlan:
         ),
         events=tuple(script),
         token_seed=draw(st.integers(0, 2**16), label="token seed"),
+        through_cpu=tuple(draw(st.booleans(), label="through the CPU") for _ in range(moved)),
     )
 
 
@@ -113,7 +114,7 @@ def resolved(factory: CacheFactory, plan: MovePlan) -> list[tuple[CacheFactory, 
     pool with ``with_block_size``) is the cache itself, the reference where the cache keeps
     keys unrotated (the reference keeps them rotated) is too; a path it lacks is append."""
     pool = isinstance(factory, BlockPool) and callable(getattr(factory, "with_block_size", None))
-    probe = factory(kvst.build_model(plan.config, plan.dtype).cache_spec(1, 8))
+    probe = build(factory, kvst.build_model(plan.config, plan.dtype).cache_spec(1, 8))
     out = []
     for layout, path in zip(plan.layouts, plan.paths, strict=True):
         if (isinstance(layout, tuple) and not pool) or (
@@ -123,6 +124,14 @@ def resolved(factory: CacheFactory, plan: MovePlan) -> list[tuple[CacheFactory, 
         made = kvmoves.factory_of(factory, layout)
         out.append((made, path_for(path, made) if made is not kvmoves.ReferenceRows else "append"))
     return out
+
+
+def through_the_cpu(rows: CacheRows) -> CacheRows:
+    """``rows`` copied to the CPU and back to the kit's device (disaggregated serving's
+    transfer through host memory)."""
+    device = kvdevices.current()
+    moved = (rows.keys.cpu().to(device), rows.values.cpu().to(device))
+    return dataclasses.replace(rows, keys=moved[0], values=moved[1])
 
 
 def check_moves(factory: CacheFactory, plan: MovePlan) -> None:
@@ -135,7 +144,10 @@ def check_moves(factory: CacheFactory, plan: MovePlan) -> None:
 
     def move(request, layout: int, at: str) -> None:
         made, path = ends[layout]
-        engine.move(request, made, path=path, at=at)
+        if plan.through_cpu[layout - 1 : layout] == (True,):
+            engine.move(request, made, path=path, carry=through_the_cpu, at=f"{at}, via the CPU")
+        else:
+            engine.move(request, made, path=path, at=at)
 
     scripts.play(engine, plan.events, plan.batch, plan.token_seed, move=move)
 
@@ -145,6 +157,8 @@ def check_bad_import(factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.Ba
     into a cache that holds tokens), are refused as the contract says and change nothing."""
     if case is kvbad.BAD_IMPORTS[0]:
         check_refused(factory, plan, case, "import_rows", lambda cache: case.make(plan.spec))
+        return
+    if not case.applies(plan.spec):  # no such input for this spec; others draw it
         return
     empty = dataclasses.replace(plan, chunks=())
     if case.may_be_accepted:  # an import past max_length: refused, or held whole

@@ -30,7 +30,7 @@ from kvcheck import strategies as kvst
 from kvcheck.kit import KitTests, Property, path_for, property_test
 from kvcheck.session import Engine
 from kvcheck.sharding import Ranks, ShardedFactory, SimulatedRanks, plan_for
-from kvref import CacheFactory, ModelConfig
+from kvref import CacheFactory, ModelConfig, shard_heads
 
 MOST_TOKENS = 2 * kvst.EDGE + 4
 EVENTS = ("feed", "truncate", "reorder", "fork", "reset")  # of kvcheck.scripts
@@ -51,14 +51,15 @@ class ShardedPlan:
     # The world each move goes to (contract, section 11.2): move i to ``moves_to[i - 1]``.
     moves_to: tuple[int, ...] = ()
 
-    def describe(self) -> str:
+    def describe(self, path: str | None = None) -> str:
+        """The plan; ``path`` the one its ranks' caches took (``path``, where they have it)."""
         model = kvst.describe_config(self.config)
         said = ", ".join(scripts.said(event) for event in self.events)
         if self.moves_to:
             said += f" (the moves to {', '.join(f'{n} ranks' for n in self.moves_to)})"
         return (
-            f"sharded plan: {self.world} ranks, each rank's caches on the {self.path} path, "
-            f"batch {self.batch}, {kvdevices.dtype_name(self.dtype)}\n  model: {model}\n"
+            f"sharded plan: {self.world} ranks, each rank's caches on the {path or self.path} "
+            f"path, batch {self.batch}, {kvdevices.dtype_name(self.dtype)}\n  model: {model}\n"
             f"  events: {said}"
         )
 
@@ -97,6 +98,19 @@ def sharded_configs(draw, world: int) -> ModelConfig:
     )
 
 
+def fits_the_domain(config: ModelConfig, world: int) -> bool:
+    """Whether every rank's caches of ``config`` over ``world`` ranks are inside the domain
+    the cache declares: its kv heads and its query heads per kv head."""
+    domain = kvsizes.domain()
+    for shard in shard_heads(config.num_heads, config.num_kv_heads, world):
+        local = len(shard.kv_heads)
+        if domain.kv_heads is not None and local not in domain.kv_heads:
+            return False
+        if domain.refuses_group(len(shard.query_heads) // local):
+            return False
+    return True
+
+
 @st.composite
 def sharded_plans(draw, dtypes: tuple = kvst.WITH_HALF, moves: bool = True) -> ShardedPlan:
     """A plan; with ``moves``, a third of them move their request to another shard count
@@ -104,6 +118,10 @@ def sharded_plans(draw, dtypes: tuple = kvst.WITH_HALF, moves: bool = True) -> S
     moved = draw(st.sampled_from((0, 0, 1, 2)), label="moves") if moves else 0
     world = draw(st.sampled_from((2, 4)), label="world")
     config = draw(sharded_configs(4 if moved else world), label="config")
+    if moved and not all(fits_the_domain(config, n) for n in (2, 4)):
+        # A move to the other world would build ranks' caches the cache lacks: none, on
+        # the 4 ranks the model was drawn for.
+        moved, world = 0, 4
     kinds = tuple(kind for kind in EVENTS if kind != "fork") if moved else EVENTS
     events = draw(scripts.events(kinds, MOST_TOKENS, moves=moved), label="events")
     worlds = [world]
@@ -134,7 +152,7 @@ def run_sharded(
 
     def sharded(world: int) -> ShardedFactory:
         shards[world] = plan_for(factory, config.num_heads, config.num_kv_heads, world)
-        return ShardedFactory(factory, shards[world], ranks(world), path)
+        return ShardedFactory(factory, shards[world], ranks(world), path, config.cache_layers)
 
     def said() -> str:
         return "".join(
@@ -154,7 +172,7 @@ def run_sharded(
         kvst.build_model(config, plan.dtype),
         max_length=MOST_TOKENS + 1,
         path="attend",
-        describe=lambda: plan.describe() + said(),
+        describe=lambda: plan.describe(path) + said(),
     )
     # Every rank computes the same logits from the gathered outputs: one rank compares them
     # with the uncached model; each checks its own caches' rows and lengths.
@@ -186,6 +204,15 @@ REPLICATED = ShardedPlan(
     token_seed=3,
 )
 
+# And where the caches move: the same model's request moved from 4 ranks to 2 and back,
+# each move between its decodes (disaggregated prefill on one shard count, decode on another).
+RESHARDED = dataclasses.replace(
+    REPLICATED,
+    path="append",
+    events=(("feed", 0, 5), ("move", 0, 1), ("feed", 0, 1), ("move", 0, 2), ("feed", 0, 2)),
+    moves_to=(2, 4),
+)
+
 SHARDED = Property(
     "sharded",
     "kv heads sharded over tensor-parallel ranks (replicated where fewer) give, together, "
@@ -193,7 +220,7 @@ SHARDED = Property(
     check_sharded,
     sharded_plans(),
     failures.WRONG_RESULTS,
-    pinned=(REPLICATED,),
+    pinned=(REPLICATED, RESHARDED),
 )
 
 
