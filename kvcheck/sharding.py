@@ -154,6 +154,33 @@ class ShardedCache:
             mixed[:, list(shard.query_heads)] = output.to(query.device)
         return mixed
 
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """Each rank appends its kv heads; the rows they return, gathered, by global head
+        (a model path that reads rows: none of the kit's sharded plans, a patched model's)."""
+        start = self.length
+        returned = []
+        for rank, recorder in self.recorders.items():
+            heads = torch.tensor(self.shards[rank].kv_heads, device=key.device)
+            keys, values = recorder.append(key[:, heads], value[:, heads])
+            where = f"step at positions {start}..{start + key.shape[2] - 1}"
+            kvassert.assert_returned_rows(recorder, who=self._who(rank), where=where)
+            returned.append(torch.cat((keys, values), dim=-1))
+        rows = returned[0].shape[2]
+        if any(part.shape[2] != rows for part in returned):
+            raise failures.DataLoss(
+                f"the ranks' caches returned {[part.shape[2] for part in returned]} rows: every "
+                f"rank holds the same tokens\n  shards: {self.describe()}"
+            )
+        gathered = self.ranks.gather(returned)
+        held = torch.empty(
+            (key.shape[0], self.spec.kv_heads, rows, key.shape[3] + value.shape[3]),
+            dtype=key.dtype,
+            device=key.device,
+        )
+        for shard, part in zip(self.shards, gathered, strict=True):
+            held[:, list(shard.kv_heads)] = part.to(key.device)
+        return held.split((key.shape[3], value.shape[3]), dim=-1)
+
     def _attend_rank(self, rank, recorder, query, key, value, start: int) -> Tensor:
         if recorder.path == "attend":
             return recorder.attend(query, key, value)

@@ -43,10 +43,12 @@ from tests.mutants.hunt import HUNT_ORDER as PROPERTIES
 from tests.mutants.interplay import INTERPLAY_MUTANTS
 from tests.mutants.latent import LATENT_MODEL_MUTANTS, LATENT_MUTANTS
 from tests.mutants.model import MODEL_MUTANTS
+from tests.mutants.moves import MOVE_MUTANTS
 from tests.mutants.paged import PAGED_MUTANTS
 from tests.mutants.quantized import QUANTIZED_MUTANTS
 from tests.mutants.rows import ROWS_MODEL_MUTANTS, ROWS_MUTANTS
 from tests.mutants.serving import SERVING_MUTANTS
+from tests.mutants.shards import SHARD_MUTANTS
 from tests.mutants.shift import SHIFT_MUTANTS
 from tests.mutants.sinks import SINKS_MUTANTS
 from tests.mutants.sizes import SIZE_MUTANTS, SIZE_VARIANTS
@@ -119,7 +121,10 @@ context shift (`tests/mutants/shift.py`); {sinks} break attention sinks
 `ChunkedCache`); {quantized} break quantized storage (`tests/mutants/quantized.py`: the
 built-in int8 cache under its declared bound); {latent} break a latent (MLA) cache or the
 model's absorbed path (`tests/mutants/latent.py`: the built-in `LatentCache` with one bug,
-and one patch of the model run on it); {model} patch a function or class attribute of
+and one patch of the model run on it); {shards} break tensor-parallel shards
+(`tests/mutants/shards.py`: two plans an engine declares, two caches that read their
+shard); {moves} break a move between layouts (`tests/mutants/moves.py`: broken paged pools);
+{model} patch a function or class attribute of
 `kvref.model` and run on `ConcatCache` (`tests/mutants/model.py`, one of them a layer that
 reads another's cache; undone when the test ends). Each docstring's first paragraph names
 the bug: it is the table's second column.
@@ -183,6 +188,8 @@ def preamble(today: datetime.date) -> str:
         tree=len(TREE_MUTANTS) + len(TREE_MODEL_MUTANTS),
         quantized=len(QUANTIZED_MUTANTS),
         latent=len(LATENT_MUTANTS) + len(LATENT_MODEL_MUTANTS),
+        shards=len(SHARD_MUTANTS),
+        moves=len(MOVE_MUTANTS),
         model=len(MODEL_MUTANTS),
         examples=EXAMPLES_PER_PROPERTY,
     )
