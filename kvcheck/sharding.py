@@ -140,6 +140,11 @@ class ShardedCache:
     def nbytes(self) -> int:
         return sum(recorder.nbytes for recorder in self.recorders.values())
 
+    @property
+    def kv_storage(self):
+        """The storage its ranks' caches declare (contract, section 10.1): one factory's."""
+        return getattr(next(iter(self.recorders.values())).cache, "kv_storage", None)
+
     def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         start = self.length
         outputs = []

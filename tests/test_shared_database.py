@@ -100,7 +100,10 @@ def tried_up_to_the_first_failure(output: str) -> tuple[int, int]:
     failure = output.find("Traceback (most recent call last)", start)
     assert 0 <= start < failure, f"no verbose report of the failing test:\n{output}"
     before = output[start:failure]
-    return before.count("Trying explicit example"), before.count("Trying example:")
+    # Hypothesis says "Trying example:" of a drawn or replayed example, and "Test case:" of
+    # one it replays to report it: either is an example tried.
+    tried = before.count("Trying example:") + before.count("Test case:")
+    return before.count("Trying explicit example"), tried
 
 
 def failed_in_logits(result: subprocess.CompletedProcess) -> None:
