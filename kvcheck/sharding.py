@@ -125,7 +125,9 @@ class ShardedCache:
     # --- what the model reads -------------------------------------------------------------
     @property
     def length(self) -> int:
-        lengths = self._every_rank(lambda recorder: recorder.length)
+        # Every rank's in one process; across processes this rank's alone (a gather at every
+        # read would cost a collective each, and the engine holds each to the history).
+        lengths = [recorder.length for recorder in self.recorders.values()]
         if len(set(lengths)) > 1:
             said = ", ".join(f"rank {rank} {n}" for rank, n in enumerate(lengths))
             layer = "one layer" if self.layer is None else f"layer {self.layer}"
@@ -164,11 +166,9 @@ class ShardedCache:
         (a model path that reads rows: none of the kit's sharded plans, a patched model's)."""
         start = self.length
         returned = []
-        for rank, recorder in self.recorders.items():
+        for rank in self.recorders:
             heads = torch.tensor(self.shards[rank].kv_heads, device=key.device)
-            keys, values = recorder.append(key[:, heads], value[:, heads])
-            where = f"step at positions {start}..{start + key.shape[2] - 1}"
-            kvassert.assert_returned_rows(recorder, who=self._who(rank), where=where)
+            keys, values = self._append_rank(rank, key[:, heads], value[:, heads], start)
             returned.append(torch.cat((keys, values), dim=-1))
         rows = returned[0].shape[2]
         if any(part.shape[2] != rows for part in returned):
@@ -186,12 +186,18 @@ class ShardedCache:
             held[:, list(shard.kv_heads)] = part.to(key.device)
         return held.split((key.shape[3], value.shape[3]), dim=-1)
 
-    def _attend_rank(self, rank, recorder, query, key, value, start: int) -> Tensor:
-        if recorder.path == "attend":
-            return recorder.attend(query, key, value)
+    def _append_rank(self, rank: int, key: Tensor, value: Tensor, start: int):
+        """``rank``'s append of its heads' rows, held to the rows it was given."""
+        recorder = self.recorders[rank]
         keys, values = recorder.append(key, value)
         where = f"step at positions {start}..{start + key.shape[2] - 1}"
         kvassert.assert_returned_rows(recorder, who=self._who(rank), where=where)
+        return keys, values
+
+    def _attend_rank(self, rank, recorder, query, key, value, start: int) -> Tensor:
+        if recorder.path == "attend":
+            return recorder.attend(query, key, value)
+        keys, values = self._append_rank(rank, key, value, start)
         end = start + key.shape[2]
         positions = torch.arange(end - keys.shape[2], end, device=query.device)
         return attention(
@@ -204,12 +210,6 @@ class ShardedCache:
             recorder.reset()
 
     # --- for messages ---------------------------------------------------------------------
-    def _every_rank(self, read) -> list[int]:
-        """``read`` of each hosted rank's cache: every rank's in one process; across
-        processes this rank's alone (a gather at every read of ``length`` would cost a
-        collective each, and the session engine holds each rank's to the history anyway)."""
-        return [read(recorder) for recorder in self.recorders.values()]
-
     def _who(self, rank: int) -> str:
         shard = self.shards[rank]
         layer = "" if self.layer is None else f"layer {self.layer}, "
