@@ -596,12 +596,13 @@ def model_plans(draw) -> ModelPlan:
 # the core properties: small, and each at an edge where a real cache broke.
 _tiny = ModelConfig(vocab_size=11, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, seed=3)
 PINNED = (
-    # ResetKeepsChunks: a reset after a full chunk, then one token.
+    # ResetKeepsChunks: a reset after a full chunk, then a prompt; AttendPositionsSurviveReset:
+    # of two tokens, so that a query placed late after the reset sees the token after it.
     Scenario(
         _tiny,
         1,
         torch.float64,
-        (Session((1, EDGE), 1, "fresh"), Session((1,), 2, "reset")),
+        (Session((1, EDGE), 1, "fresh"), Session((2,), 2, "reset")),
     ),
     # DropsFullLastChunk: a prompt of exactly one chunk.
     Scenario(_tiny, 1, torch.float64, (Session((EDGE,), 3, "fresh"),)),

@@ -70,17 +70,21 @@ class SdpaCache(PreallocatedCache):
 
 def mask(start: int, end: int, first: int, window: int | None, device: torch.device):
     """Which keys (positions ``first`` to ``end`` - 1) each query (``start`` to ``end`` - 1)
-    sees: all of them for one query without a window (no mask: the flash kernel takes it),
-    the causal edge of a warm cache for a chunk (``causal_lower_right``, which flash takes
-    too), and with a window a boolean mask (the memory-efficient kernel takes it)."""
-    if window is None:
-        if end - start == 1:
-            return None
-        # Imported here: torch.nn.attention.bias imports torch._dynamo, some 1.5 s that every
-        # process importing kvimpl would pay, a run that never builds this cache included.
+    sees: all of them for one query without a window (no mask: the flash kernel takes it);
+    on CUDA without a window, the causal edge of a warm cache for a chunk
+    (``causal_lower_right``, which flash takes too); else a boolean mask (the math backend
+    takes any, the memory-efficient kernel takes it with a window)."""
+    if window is None and end - start == 1:
+        return None
+    if window is None and device.type == "cuda":
+        # Imported here, and on CUDA only: torch.nn.attention.bias imports torch._dynamo,
+        # some 2 s that every process importing kvimpl, or building this cache on the CPU
+        # (where the math backend takes the boolean mask below), would pay.
         from torch.nn.attention.bias import causal_lower_right
 
         return causal_lower_right(end - start, end - first)
     asking = torch.arange(start, end, device=device)[:, None]
     seen = torch.arange(first, end, device=device)[None, :]
+    if window is None:
+        return seen <= asking
     return (seen <= asking) & (seen > asking - window)

@@ -15,3 +15,12 @@ def pick(default: float, *, soak: float) -> float:
     """A class's share of the profile's examples (or a test's count of them): ``default``
     in the default run, ``soak`` under --soak."""
     return soak if SOAK else default
+
+
+def written_for(*areas: type) -> tuple[type, ...]:
+    """The kit classes a correct cache's test class inherits: in the default run the areas
+    (``kvcheck.base``) the cache was written to exercise, under --soak every property
+    (``CacheTests``). Chosen at import, which follows the root conftest's setting of SOAK."""
+    from kvcheck import CacheTests
+
+    return (CacheTests,) if SOAK else areas

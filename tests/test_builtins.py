@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvimpl
-from kvcheck import CacheTests, Sizes
+from kvcheck import CacheTests, CoreTests, ForkTests, PoolTests, Sizes
 from kvcheck import strategies as kvst
 from kvcheck.properties import core
 from kvimpl import ChunkedCache, sdpa
@@ -88,9 +88,9 @@ class TestSdpaInATightDomain(CacheTests):
     examples_scale = depth.pick(0.05, soak=0.25)
 
 
-class TestPagedInATightDomain(CacheTests):
+class TestPagedInATightDomain(*depth.written_for(CoreTests, PoolTests, ForkTests)):
     """The tight domain for a pool (fork, copy-on-write, an exhausted pool), of its own page
-    size."""
+    size: those areas in the default run, every property under --soak."""
 
     factory = kvimpl.CACHES["paged"]
     cache_name = "paged_tight_domain"

@@ -114,16 +114,13 @@ def test_every_draw_stays_inside_the_domain(data):
     assert config.window is None
 
 
-@pytest.mark.long  # hundreds of draws
 def test_the_edges_of_the_domain_are_hit():
     with kvsizes.aiming_at(EDGES):
         for head_dim in (64, 128):
             find(kvst.cache_specs(), lambda s, d=head_dim: s.head_dim == d, settings=SEARCH)
         for dtype in (torch.float16, torch.bfloat16):
-            find(kvst.scenarios(), lambda s, t=dtype: s.dtype == t, settings=SEARCH)
+            find(kvst.cache_specs(), lambda s, t=dtype: s.dtype == t, settings=SEARCH)
         find(kvst.cache_specs(), lambda spec: spec.batch == 4, settings=SEARCH)
-        find(kvst.scenarios(), lambda s: s.batch == 4, settings=SEARCH)
-        find(kvst.scenarios(), lambda s: s.max_length == 512, settings=SEARCH)
         # Lengths at the boundaries of a supported page (no page aimed at).
     with kvsizes.aiming_at(Sizes.of({"supports": {"pages": (100,)}})):
         for near in (-1, 0, 1):  # k x 100 - 1, k x 100, k x 100 + 1, as no usual page has
@@ -142,6 +139,15 @@ def test_the_edges_of_the_domain_are_hit():
             lambda plan: plan.spec.max_length == 512 and plan.warm_length == 511,
             settings=SEARCH,
         )
+
+
+@pytest.mark.soak  # hundreds of whole scenarios drawn
+def test_whole_scenarios_reach_the_edges_of_the_domain():
+    with kvsizes.aiming_at(EDGES):
+        for dtype in (torch.float16, torch.bfloat16):
+            find(kvst.scenarios(), lambda s, t=dtype: s.dtype == t, settings=SEARCH)
+        find(kvst.scenarios(), lambda s: s.batch == 4, settings=SEARCH)
+        find(kvst.scenarios(), lambda s: s.max_length == 512, settings=SEARCH)
 
 
 def test_a_property_with_no_draw_inside_the_domain_is_not_offered():

@@ -5,9 +5,18 @@ here is a bug of the suite, not of the cache."""
 import pytest
 import torch
 
-from kvcheck import CacheTests
+from kvcheck import (
+    AttendTests,
+    CacheTests,
+    CoreTests,
+    ForkTests,
+    MemoryTests,
+    PoolTests,
+    RowsTests,
+    ServingTests,
+    SharedLayersTests,
+)
 from kvcheck import badinput as kvbad
-from kvcheck.properties.serving import ServingTests
 from kvcheck.properties.shift import ShiftTests
 from kvcheck.properties.sinks import SinksTests
 from tests import depth
@@ -33,16 +42,20 @@ from tests.independent.view_cache import ViewCache
 pytestmark = pytest.mark.kv_device
 
 
-# The default run holds four of these caches to every property (a fused-kernel domain, a
-# paged pool, attend by torch's fused kernel, rows of their own) and two to the property they
-# were written for (context shift, sinks); --soak every one to every property: each runs some
-# 70 tests, whatever its examples.
+# The default run holds each of the caches below without a soak mark to the areas it was
+# written to exercise (``depth.written_for``: a fused-kernel domain, a paged pool, attend by
+# torch's fused kernel, rows of their own, 4-bit codes, latent pages, context shift, sinks,
+# prefix caching); --soak holds every one to every property: each runs some 80 tests,
+# whatever its examples.
+#
+# One drawn example a property in the default run, a quarter of the profile's under --soak:
+# these caches guard against false alarms and have held over 20 dev seeds and searches of 100
+# to 150 extra examples; the thorough profile still gives them 500 per property.
+EXAMPLES_SCALE = depth.pick(0.05, soak=0.25)
+
+
 class Independent(CacheTests):
-    # One drawn example a property in the default run, a quarter of the profile's under
-    # --soak: these caches guard against false alarms and have held over 20 dev seeds and
-    # searches of 100 to 150 extra examples; the thorough profile still gives them 500 per
-    # property.
-    examples_scale = depth.pick(0.05, soak=0.25)
+    examples_scale = EXAMPLES_SCALE
 
 
 @pytest.mark.soak
@@ -90,20 +103,22 @@ class TestDequeWindowCache(Independent):
     factory = DequeWindowCache
 
 
-class TestFifoPagedPool(Independent):
+class TestFifoPagedPool(*depth.written_for(PoolTests, ForkTests, AttendTests)):
     """A paged pool (fork, attend, truncate, block tables) in another style than the
     built-in: a FIFO free list, a tensor pair per block, copy-on-write at fork time."""
 
     factory = FifoPagedPool()
     cache_name = "FifoPagedPool"
+    examples_scale = EXAMPLES_SCALE
 
 
-class TestSdpaCache(Independent):
+class TestSdpaCache(*depth.written_for(CoreTests, AttendTests)):
     """attend by torch's fused scaled_dot_product_attention in the storage dtype (no float32
     upcast of its own), with an explicit mask; a list of the pieces each call brought, forked
     by copying the list; truncate and reorder."""
 
     factory = SdpaCache
+    examples_scale = EXAMPLES_SCALE
 
 
 class TestShiftingListCacheShift(ShiftTests):
@@ -135,30 +150,33 @@ class TestSinkListCache(Independent):
     factory = SinkListCache
 
 
-class TestLeftPaddedBatchCache(Independent):
+class TestLeftPaddedBatchCache(*depth.written_for(CoreTests, RowsTests)):
     """Rows of their own in one dense, left-padded tensor pair, as batch generation keeps
     them (contract, section 8.1), written from the contract alone."""
 
     factory = LeftPaddedBatchCache
+    examples_scale = EXAMPLES_SCALE
 
 
-class TestGroupInt4Cache(Independent):
+class TestGroupInt4Cache(*depth.written_for(CoreTests, MemoryTests)):
     """Symmetric 4-bit codes packed two to a byte, a scale per group of 32 channels, the last
     8 rows as given, in lists of per-token chunks (contract, section 10.1): held to the bound
     it declares, every row check and the logits budget without a false alarm."""
 
     factory = GroupInt4Cache
+    examples_scale = EXAMPLES_SCALE
 
 
-class TestPagedLatentCache(Independent):
+class TestPagedLatentCache(*depth.written_for(CoreTests, SharedLayersTests)):
     """A latent (MLA) cache in pages of 8 tokens allocated on demand, rope keys and latents
     in lists of their own, gathered by torch.cat (contract, section 10.2): held to every
     property on MLA models and latent specs."""
 
     factory = PagedLatentCache
+    examples_scale = EXAMPLES_SCALE
 
 
-class TestHalfKernelCache(Independent):
+class TestHalfKernelCache(*depth.written_for(CoreTests)):
     """Built for float16 and bfloat16 and head widths 64 and 128 only, as a fused kernel is,
     refusing every other spec and declaring that domain: the kit draws inside it."""
 
