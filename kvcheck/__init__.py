@@ -36,6 +36,8 @@ to run only that area. The contract a cache must keep is in ``kvref.protocol`` a
 ``docs/contract.md``.
 """
 
+from typing import TYPE_CHECKING
+
 __all__ = [
     "AttendTests",
     "CacheTests",
@@ -61,6 +63,32 @@ __all__ = [
     "TreeTests",
     "TruncateTests",
 ]
+
+if TYPE_CHECKING:  # what __getattr__ below serves, for type checkers and the API reference
+    from kvcheck.base import (
+        AttendTests,
+        CacheTests,
+        CoreTests,
+        ForkTests,
+        IsolationTests,
+        MemoryTests,
+        MoveTests,
+        PoolTests,
+        RejectionTests,
+        ReorderTests,
+        RequestsTests,
+        ResetTests,
+        RowsTests,
+        ServingTests,
+        ShardedTests,
+        SharedLayersTests,
+        ShiftTests,
+        SinksTests,
+        StatefulTests,
+        TreeTests,
+        TruncateTests,
+    )
+    from kvcheck.sizes import Domain, Sizes
 
 
 def __getattr__(name: str):

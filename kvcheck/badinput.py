@@ -50,6 +50,7 @@ class BadInput:
     may_be_accepted: bool = False
     # Whether the input is bad at all in a given state (a model call may need two layers).
     applies: Callable[[Any], bool] = field(default=_always)
+    since: str = "1.0"  # the contract version the case arrived in (kvcheck.contract)
 
     def __str__(self) -> str:
         return self.name
@@ -59,6 +60,11 @@ class BadInput:
         if re.search(self.words, message, re.IGNORECASE):
             return True
         return any(re.search(pattern, message) for pattern in self.shows(bad))
+
+
+def arrived_in(version: str, cases: list[BadInput]) -> list[BadInput]:
+    """A table of cases that arrived together in contract ``version``."""
+    return [dataclasses.replace(case, since=version) for case in cases]
 
 
 def shape_pattern(shape: Iterable[int]) -> str:
@@ -190,6 +196,7 @@ BAD_APPENDS = [
         lambda k, v: (k, grow(v, 3)),
         rf"differ|mismatch|match|!=|same|equal|width|head.?dim|\bdim\b|value.?dim|{cased('D')}",
         shapes_of(1),
+        since="1.4",
     ),
     BadInput(
         "zero new tokens",
@@ -449,59 +456,64 @@ def _too_few(spec: CacheSpec) -> tuple:
 
 # make(spec) -> the argument of ``import_rows`` on a fresh cache for spec (the first case: on
 # a warm one); contract, section 11.2
-BAD_IMPORTS = [
-    BadInput(
-        "into a cache that holds tokens",
-        lambda s: (good_rows(s, 1),),
-        r"empty|holds|held|already|reset|fresh|length|tokens",
-    ),
-    BadInput("rows of another batch", lambda s: _resized(s, 0), BATCH, shapes_of(0)),
-    BadInput(
-        "rows of another number of kv heads",
-        lambda s: _resized(s, 1),
-        r"kv_heads|heads|H_kv|shape|size",
-    ),
-    BadInput("keys of another head_dim", lambda s: _resized(s, 3, "keys"), r"head_dim|dim|width"),
-    BadInput(
-        "values of another width", lambda s: _resized(s, 3, "values"), r"value|dim|width|shape"
-    ),
-    BadInput(
-        "rows of another dtype",
-        lambda s: _moved(s, lambda t: t.to(other_dtype(t.dtype))),
-        r"dtype|float|type",
-    ),
-    BadInput(
-        "rows on another device",
-        lambda s: _moved(s, lambda t: t.to(other_device(t.device))),
-        r"device|meta|cpu|cuda",
-    ),
-    BadInput(
-        "more rows than its length",
-        lambda s: (good_rows(s, 3, 2),),
-        r"rows|length|more|exceed",
-    ),
-    BadInput(
-        "fewer rows than the next query needs",
-        _too_few,
-        r"rows|length|needs|fewer|last",
-        applies=lambda s: s.window is None or s.window > 1,  # a window of 1 needs no row
-    ),
-    BadInput(
-        "a length that is not an int",
-        lambda s: (dataclasses.replace(good_rows(s, 2), length=2.5),),
-        r"int|length|type",
-        errors=NOT_A_TENSOR_ERRORS,
-    ),
-    BadInput(
-        "not a CacheRows",
-        lambda s: ((good_rows(s, 2).keys, good_rows(s, 2).values),),
-        r"CacheRows|type|tuple|rows",
-        errors=NOT_A_TENSOR_ERRORS,
-    ),
-    BadInput(
-        "a length past max_length",
-        lambda s: (good_rows(s, s.max_length + 2),),
-        r"max_length|capacity|overflow|exceed|length|room",
-        may_be_accepted=True,  # a cache that grows takes it (rule 4)
-    ),
-]
+BAD_IMPORTS = arrived_in(
+    "1.5",
+    [
+        BadInput(
+            "into a cache that holds tokens",
+            lambda s: (good_rows(s, 1),),
+            r"empty|holds|held|already|reset|fresh|length|tokens",
+        ),
+        BadInput("rows of another batch", lambda s: _resized(s, 0), BATCH, shapes_of(0)),
+        BadInput(
+            "rows of another number of kv heads",
+            lambda s: _resized(s, 1),
+            r"kv_heads|heads|H_kv|shape|size",
+        ),
+        BadInput(
+            "keys of another head_dim", lambda s: _resized(s, 3, "keys"), r"head_dim|dim|width"
+        ),
+        BadInput(
+            "values of another width", lambda s: _resized(s, 3, "values"), r"value|dim|width|shape"
+        ),
+        BadInput(
+            "rows of another dtype",
+            lambda s: _moved(s, lambda t: t.to(other_dtype(t.dtype))),
+            r"dtype|float|type",
+        ),
+        BadInput(
+            "rows on another device",
+            lambda s: _moved(s, lambda t: t.to(other_device(t.device))),
+            r"device|meta|cpu|cuda",
+        ),
+        BadInput(
+            "more rows than its length",
+            lambda s: (good_rows(s, 3, 2),),
+            r"rows|length|more|exceed",
+        ),
+        BadInput(
+            "fewer rows than the next query needs",
+            _too_few,
+            r"rows|length|needs|fewer|last",
+            applies=lambda s: s.window is None or s.window > 1,  # a window of 1 needs no row
+        ),
+        BadInput(
+            "a length that is not an int",
+            lambda s: (dataclasses.replace(good_rows(s, 2), length=2.5),),
+            r"int|length|type",
+            errors=NOT_A_TENSOR_ERRORS,
+        ),
+        BadInput(
+            "not a CacheRows",
+            lambda s: ((good_rows(s, 2).keys, good_rows(s, 2).values),),
+            r"CacheRows|type|tuple|rows",
+            errors=NOT_A_TENSOR_ERRORS,
+        ),
+        BadInput(
+            "a length past max_length",
+            lambda s: (good_rows(s, s.max_length + 2),),
+            r"max_length|capacity|overflow|exceed|length|room",
+            may_be_accepted=True,  # a cache that grows takes it (rule 4)
+        ),
+    ],
+)

@@ -145,6 +145,7 @@ class Property:
     # (the processes of a torch.distributed group, started once per test).
     context: Callable[[CacheFactory], AbstractContextManager] | None = None
     shrinks: bool = True  # False where a retry costs a restart: the failure is reported as drawn
+    since: str = "1.0"  # the contract version it arrived in (kvcheck.contract)
 
     def not_offered(self, factory: CacheFactory, path: str = "append") -> str | None:
         """Why ``factory`` cannot be tested for this property on ``path``: the capabilities
@@ -261,7 +262,7 @@ def property_test(prop: Property):
     if prop.cases:
         test = pytest.mark.parametrize("case", prop.cases, ids=str)(test)
     test.__doc__ = prop.title
-    return pytest.mark.kv_property(prop.name)(test)
+    return pytest.mark.kv_property(prop.name, prop.since)(test)
 
 
 def skip_unless_offered(prop: Property, factory, path: str = "append") -> None:
@@ -318,7 +319,7 @@ def edge_test(prop: Property):
                     pytest.skip(f"{NOT_OFFERED}: {OUTSIDE}: {error.what}")
 
     test.__doc__ = f"{prop.title} (hand-picked edges)"
-    return pytest.mark.kv_property(prop.name)(test)
+    return pytest.mark.kv_property(prop.name, prop.since)(test)
 
 
 class KitTests:

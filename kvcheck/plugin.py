@@ -23,19 +23,23 @@ It adds, wherever the package is installed:
   (``kvcheck.database``, docs/search.md). Built, and a Redis server pinged, when pytest is
   configured, in each pytest-xdist worker too; a database that cannot be used stops the
   run there with a usage error that names it;
+- ``--kv-contract VERSION`` (or ``KV_CONTRACT``, or the ``kv_contract`` ini option): the
+  version of the contract the caches are held to (``kvcheck.contract``, docs/contract.md
+  section 12; default the kit's own): properties and bad-input cases that arrived after it
+  run and are reported, as expected failures where they fail, and are not counted;
 - after collection, the lines naming the caches under test, the kit's profile, device,
-  sizes and each cache's domain (under pytest-xdist, where only the workers collect, at the
-  top of the verdict); and the verdict per cache at the end of the run (``--kv-report PATH``
-  writes it as JSON).
+  contract version, sizes and each cache's domain (under pytest-xdist, where only the
+  workers collect, at the top of the verdict); and the verdict per cache at the end of the
+  run (``--kv-report PATH`` writes it as JSON).
 
-A run that collects no kit test pays for importing this module, ``kvcheck.selection`` and
-``kvcheck.verdict`` (none of them imports torch, Hypothesis or a cache), and the plugin
-prints nothing. The options are checked when pytest is configured as far as that needs no
-torch; the rest (the device, the sizes as a whole, the caches named) when the first kit
-class (a subclass of ``kvcheck.base.KitTests``) is collected, where a wrong one stops the
-run with a usage error (under pytest-xdist, where the workers collect: a collection error of
-one line). It changes nothing else in the process that hosts it, and puts the settings it
-applied back as they were when the run ends.
+A run that collects no kit test pays for importing this module, ``kvcheck.selection``,
+``kvcheck.contract`` and ``kvcheck.verdict`` (none of them imports torch, Hypothesis or a
+cache), and the plugin prints nothing. The options are checked when pytest is configured as
+far as that needs no torch; the rest (the device, the sizes as a whole, the caches named)
+when the first kit class (a subclass of ``kvcheck.base.KitTests``) is collected, where a
+wrong one stops the run with a usage error (under pytest-xdist, where the workers collect: a
+collection error of one line). It changes nothing else in the process that hosts it, and puts
+the settings it applied back as they were when the run ends.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvcheck import selection, verdict
+from kvcheck import contract, selection, verdict
 
 # The names of kvcheck.profiles.PROFILES, to check --kv-profile without importing torch (a
 # test checks they agree).
@@ -70,6 +74,7 @@ class KitRun:
     selected: dict[str, selection.Selected] | None = None  # resolved at the first such class
     error: str | None = None  # the first usage error met while collecting
     lines: list[str] | None = None  # the kit's lines after collection (none: no kit test)
+    contract: str = contract.VERSION  # the contract version the run is held to
     before: list[tuple[list, list]] | None = None  # the settings prepare() replaced
 
 
@@ -163,7 +168,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="replay what --kv-database holds without writing to it or deleting from it",
     )
+    group.addoption(
+        "--kv-contract",
+        metavar="VERSION",
+        default=None,
+        help=f"hold the caches to this version of the contract (default: KV_CONTRACT, else the "
+        f"kv_contract ini option, else the kit's own, {contract.VERSION}); what arrived after it "
+        "runs and is reported, not counted (docs/contract.md, section 12)",
+    )
     parser.addini("kv_impl", type="linelist", default=[], help="caches to test, as --kv-impl")
+    parser.addini("kv_contract", default="", help="the contract version, as --kv-contract")
     parser.addini("kv_device", default="", help="the kit's device, as --kv-device")
 
 
@@ -174,6 +188,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "kv_path(path, offered): the model's path through the cache, of those offered"
     )
     config.addinivalue_line("markers", "kv_paths: a kit test run once per path of the model")
+    config.addinivalue_line(
+        "markers", "kv_not_counted(since): arrived after the contract version the run holds to"
+    )
     config.stash[RUN] = read_options(config)
     verdict.configure(config)
 
@@ -208,6 +225,12 @@ def read_options(config: pytest.Config) -> KitRun:
     run = KitRun(profile, threads, sizes, device or None, names)
     run.database = config.getoption("--kv-database") or os.environ.get("KV_DATABASE") or None
     run.read_only = config.getoption("--kv-database-read-only")
+    try:
+        run.contract = contract.held_to(
+            config.getoption("--kv-contract"), config.getini("kv_contract")
+        )
+    except ValueError as error:
+        raise pytest.UsageError(str(error)) from None
     if run.read_only and run.database is None:
         raise pytest.UsageError(
             "--kv-database-read-only: no database named; name it with --kv-database or KV_DATABASE"
@@ -416,11 +439,33 @@ def pytest_make_collect_report(collector: pytest.Collector):
     return report
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark what arrived after the contract version the run is held to: it runs, and a
+    failure there is an expected one (not strict, whatever the ini says), not counted."""
+    held = config.stash[RUN].contract
+    if held == contract.VERSION:
+        return
+    for item in items:
+        if (since := arrived_in(item)) and (why := contract.not_counted(since, held)):
+            item.add_marker(pytest.mark.kv_not_counted(since))
+            item.add_marker(pytest.mark.xfail(reason=why, strict=False))
+
+
+def arrived_in(item: pytest.Item) -> str | None:
+    """The contract version a kit test's property, or its case, arrived in (the later)."""
+    mark = item.get_closest_marker("kv_property")
+    if mark is None:
+        return None
+    since = mark.args[1] if len(mark.args) > 1 else "1.0"
+    case = item.callspec.params.get("case") if hasattr(item, "callspec") else None
+    return max(since, getattr(case, "since", since), key=contract.key)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     if hasattr(session.config, "workerinput"):  # for the controller's verdict (xdist)
         session.config.workeroutput[verdict.KEY] = kit_lines(session.config, session.items)
         if properties := sys.modules.get("kvcheck.properties"):  # kit tests were collected
-            session.config.workeroutput[verdict.PROPERTIES_KEY] = properties.NAMES
+            session.config.workeroutput[verdict.PROPERTIES_KEY] = properties.SINCE
 
 
 def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
@@ -452,6 +497,13 @@ def kit_lines(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
         f"kv caches under test: {', '.join(described)}; kit profile: {profiles.current_name()}; "
         f"kv device: {devices.describe()}"
     )
+    if run.contract != contract.VERSION:
+        run.lines.append(
+            f"kv contract: held to {run.contract} (the kit checks {contract.VERSION}: what "
+            f"arrived after {run.contract} runs and is reported, not counted)"
+        )
+    else:
+        run.lines.append(f"kv contract: {contract.VERSION}")
     if run.database is not None:
         from kvcheck import database
 

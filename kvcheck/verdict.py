@@ -13,7 +13,11 @@ Compare two reports, e.g. before and after a refactor::
 
     python -m kvcheck.verdict OLD.json NEW.json
 
-prints what changed and exits 1 if a property that held in OLD fails in NEW.
+prints what changed and exits 1 if a property that held in OLD fails in NEW. Each report
+names the contract version its run was held to (``kvcheck.contract``); a change that comes
+from a property the OLD run was not held to is marked "new in contract X" and is not a
+regression. What a run held to an earlier version ran beyond it is listed under "not
+counted" and changes none of the counts.
 """
 
 from __future__ import annotations
@@ -54,11 +58,13 @@ def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestRepor
     if (domain := sizes.declared_by(factory, getattr(item, "cls", None)).supports).declared:
         entry["domain"] = domain.as_json()
 
+    if newer := item.get_closest_marker("kv_not_counted"):  # after the pinned version
+        entry.update(since=newer.args[0], counted=False)
     if report.passed:
         return {**entry, "outcome": PASS}
-    if hasattr(report, "wasxfail"):  # marked xfail by the user: their call, not a verdict
+    if hasattr(report, "wasxfail") and newer is None:  # the user's xfail: their call
         return {**entry, "outcome": SKIPPED, "reason": f"xfail: {report.wasxfail}".strip()}
-    if report.skipped:
+    if report.skipped and not hasattr(report, "wasxfail"):  # not counted: failed, below
         reason = _skip_reason(report)
         outcome = NOT_OFFERED if reason.startswith(NOT_OFFERED) else SKIPPED
         return {**entry, "outcome": outcome, "reason": reason}
@@ -112,32 +118,48 @@ class Verdict:
         if not self.entries:
             return
         terminalreporter.section("kv cache verdict")
-        for line in [*self.workers_lines, *render(tabulate(self.entries, self.kit_properties))]:
+        for line in [*self.workers_lines, *render(self.caches())]:
             terminalreporter.write_line(line)
         path = self.config.getoption("--kv-report")
         if path:
             terminalreporter.write_line(f"(written as JSON to {path})")
 
+    def held_to(self) -> str:
+        """The contract version the run holds the caches to (``--kv-contract``)."""
+        from kvcheck import plugin
+
+        return self.config.stash[plugin.RUN].contract
+
+    def caches(self) -> dict[str, dict]:
+        return tabulate(self.entries, self.kit_properties, self.held_to())
+
     def pytest_sessionfinish(self) -> None:
         path = self.config.getoption("--kv-report")
         if path and self.entries:
-            from kvcheck import profiles
+            from kvcheck import contract, profiles
 
             report = {
                 "kvcache-verify": _version(),
+                "contract": {"version": contract.VERSION, "held to": self.held_to()},
                 "kit_profile": self.config.getoption("--kv-profile") or profiles.default_name(),
-                "caches": tabulate(self.entries, self.kit_properties),
+                "caches": self.caches(),
             }
             Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
 
-def tabulate(entries: list[dict], kit_properties: Sequence[str] | None = None) -> dict[str, dict]:
+def tabulate(
+    entries: list[dict], kit_properties: dict[str, str] | None = None, held_to: str | None = None
+) -> dict[str, dict]:
     """Per cache label: its name and, per property in the kit's order (``kit_properties``,
-    else ``kvcheck.properties.NAMES``), the outcome; how many properties hold, failed and are
-    not offered; how many ran (passed or failed: not skipped, not offered, nor left out by a
-    -k or a deselect) of the kit's."""
+    name to the contract version it arrived in, else ``kvcheck.properties.SINCE``), the
+    outcome; how many properties hold, failed and are not offered; how many ran (passed or
+    failed: not skipped, not offered, nor left out by a -k or a deselect) of the kit's at
+    contract ``held_to`` (default the kit's own). Tests that a run held to an earlier version
+    does not count go to ``not counted``, by property, and change no count."""
+    from kvcheck import contract
+
     if kit_properties is None:
-        from kvcheck.properties import NAMES as kit_properties
+        from kvcheck.properties import SINCE as kit_properties
 
     order = {name: index for index, name in enumerate(kit_properties)}
     caches: dict[str, dict] = {}
@@ -146,43 +168,54 @@ def tabulate(entries: list[dict], kit_properties: Sequence[str] | None = None) -
         cache = caches.setdefault(entry["cache"], {"name": entry["name"], "properties": {}})
         if "domain" in entry:  # what the cache declares it supports: all that was drawn
             cache["domain"] = entry["domain"]
-        row = cache["properties"].setdefault(
-            entry["property"], {"result": PASS, "tests": 0, "failed": 0}
-        )
-        row["tests"] += 1
-        if "path" in entry:
-            paths = row.setdefault("paths", dict.fromkeys(entry["paths"], "not run"))
-            if paths[entry["path"]] != FAIL:
-                paths[entry["path"]] = entry["outcome"]
-        if entry["outcome"] == FAIL:
-            row["failed"] += 1
-            if row["result"] != FAIL or _worse(entry["severity"], row["severity"]):
-                row.update(
-                    result=FAIL,
-                    severity=entry["severity"],
-                    reason=entry["reason"],
-                    test=entry["test"],
-                )
-        elif entry["outcome"] in (SKIPPED, NOT_OFFERED) and row["tests"] == 1:
-            row.update(result=entry["outcome"], reason=entry["reason"])
-        elif entry["outcome"] == PASS and row["result"] in (SKIPPED, NOT_OFFERED):
-            row.update(result=PASS)
-            row.pop("reason")
+        counted = entry.get("counted", True)
+        rows = cache["properties"] if counted else cache.setdefault("not counted", {})
+        row = rows.setdefault(entry["property"], {"result": PASS, "tests": 0, "failed": 0})
+        if not counted:
+            row["since"] = max(row.get("since", "0"), entry["since"])
+        _add(row, entry)
     for cache in caches.values():
         rows = cache["properties"]
-        for row in rows.values():
+        for row in [*rows.values(), *cache.get("not counted", {}).values()]:
             # A path outside the cache's declared domain is not offered, as a capability is.
             if row["result"] == PASS and any(
                 outcome not in (PASS, NOT_OFFERED) for outcome in row.get("paths", {}).values()
             ):
                 row["result"] = PARTLY
+        for name, row in rows.items():
+            row["since"] = kit_properties.get(name, contract.VERSION)
         cache["properties"] = dict(sorted(rows.items(), key=lambda kv: order.get(kv[0], 99)))
         cache["holds"] = sum(row["result"] == PASS for row in rows.values())
         cache["failed"] = sum(row["result"] == FAIL for row in rows.values())
         cache["not offered"] = sum(row["result"] == NOT_OFFERED for row in rows.values())
         cache["run"] = sum(row["result"] in (PASS, FAIL) for row in rows.values())
-        cache["kit properties"] = len(order)
+        # The kit's properties the run holds the cache to: those it counts.
+        cache["kit properties"] = sum(
+            not contract.newer(since, held_to or contract.VERSION)
+            for since in kit_properties.values()
+        )
     return caches
+
+
+def _add(row: dict, entry: dict) -> None:
+    """One test's outcome into its property's row: a failure wins, the worst severity first;
+    a pass wins over a skip."""
+    row["tests"] += 1
+    if "path" in entry:
+        paths = row.setdefault("paths", dict.fromkeys(entry["paths"], "not run"))
+        if paths[entry["path"]] != FAIL:
+            paths[entry["path"]] = entry["outcome"]
+    if entry["outcome"] == FAIL:
+        row["failed"] += 1
+        if row["result"] != FAIL or _worse(entry["severity"], row["severity"]):
+            row.update(
+                result=FAIL, severity=entry["severity"], reason=entry["reason"], test=entry["test"]
+            )
+    elif entry["outcome"] in (SKIPPED, NOT_OFFERED) and row["tests"] == 1:
+        row.update(result=entry["outcome"], reason=entry["reason"])
+    elif entry["outcome"] == PASS and row["result"] in (SKIPPED, NOT_OFFERED):
+        row.update(result=PASS)
+        row.pop("reason")
 
 
 def _worse(severity: str, than: str) -> bool:
@@ -234,6 +267,10 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
             elif row["result"] == PARTLY:
                 paths = "; ".join(f"{path} {outcome}" for path, outcome in row["paths"].items())
                 lines.append(f"  partly run   {name}: {paths}")
+        for name, row in cache.get("not counted", {}).items():
+            result = _state(row) + (f": {row['reason']}" if row["result"] == FAIL else "")
+            line = f"  not counted  {name} (new in contract {row['since']}): {result}"
+            lines.append(line if len(line) <= width else line[: width - 3] + "...")
     return lines
 
 
@@ -263,22 +300,48 @@ def _version() -> str:
 
 def compare(old: dict, new: dict) -> tuple[list[str], bool]:
     """What changed from report ``old`` to ``new``; True if something got worse: a property
-    that held and now fails or is gone, or a failure of a worse severity."""
+    that held and now fails or is gone, or a failure of a worse severity. A change in a
+    property that arrived after the contract version ``old`` was held to is marked so, and
+    is no regression: the rules changed, not the cache."""
     lines, regressed = [], False
+    was_held, now_held = (_held_to(report) for report in (old, new))
+    if was_held != now_held:
+        lines.append(f"contract: held to {was_held or 'an unnamed version'} -> {now_held}")
     for label in sorted(set(old["caches"]) | set(new["caches"])):
         was_in, now_in = (_domain(report["caches"].get(label, {})) for report in (old, new))
         if was_in != now_in:  # what was drawn changed: say so before the results it explains
             lines.append(f"{label}: domain: {was_in} -> {now_in}")
-        before = old["caches"].get(label, {}).get("properties", {})
-        after = new["caches"].get(label, {}).get("properties", {})
-        for name in [*before, *(name for name in after if name not in before)]:
-            was, now = before.get(name), after.get(name)
-            if _state(was) == _state(now):
-                continue
-            why = f": {now['reason']}" if now and now["result"] == FAIL else ""
-            lines.append(f"{label}: {name}: {_state(was)} -> {_state(now)}{why}")
-            regressed |= _got_worse(was, now)
+        for counted in ("properties", "not counted"):
+            before = old["caches"].get(label, {}).get(counted, {})
+            after = new["caches"].get(label, {}).get(counted, {})
+            for name in [*before, *(name for name in after if name not in before)]:
+                was, now = before.get(name), after.get(name)
+                if _state(was) == _state(now):
+                    continue
+                why = f": {now['reason']}" if now and now["result"] == FAIL else ""
+                where = f"{name} (not counted)" if counted == "not counted" else name
+                line = f"{label}: {where}: {_state(was)} -> {_state(now)}{why}"
+                since = (now or {}).get("since")
+                if counted == "not counted" or _new_rule(since, was_held):
+                    if counted == "properties":
+                        line += f" (new in contract {since}; the old run was held to {was_held})"
+                    lines.append(line)
+                    continue
+                lines.append(line)
+                regressed |= _got_worse(was, now)
     return lines, regressed
+
+
+def _held_to(report: dict) -> str | None:
+    """The contract version a report's run was held to; None for a report from before the
+    contract had versions."""
+    return report.get("contract", {}).get("held to")
+
+
+def _new_rule(since: str | None, held: str | None) -> bool:
+    from kvcheck import contract
+
+    return since is not None and held is not None and contract.newer(since, held)
 
 
 def _domain(cache: dict) -> str:

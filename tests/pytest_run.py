@@ -16,11 +16,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 # A run of this repository's tests may name caches from outside, and runs under xdist; a
 # user's run started here sees neither.
 DROPPED = ("KV_IMPL", "PYTEST_XDIST_WORKER")
+
+# Imported before any run in this process, as a run's first failure would import it:
+# pytester puts sys.modules back after each run, and torch's assert_close imports
+# torch.distributed.tensor, whose operators a second import registers again, a crash ("Only
+# a single TORCH_LIBRARY"). Once here, every run finds it imported.
+torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
 
 
 def run_pytest(*args: str, cwd: Path = ROOT, extra_path: Path | None = None):

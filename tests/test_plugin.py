@@ -145,7 +145,9 @@ def test_x():
     heavy = {"torch", "kvimpl", "kvref"} & set(sys.modules)
     assert not heavy, heavy
     kit = {name for name in sys.modules if name.startswith("kvcheck")}
-    assert kit == {"kvcheck", "kvcheck.plugin", "kvcheck.selection", "kvcheck.verdict"}, kit
+    assert kit == {
+        "kvcheck", "kvcheck.contract", "kvcheck.plugin", "kvcheck.selection", "kvcheck.verdict"
+    }, kit  # fmt: skip
 """
 
 

@@ -60,6 +60,7 @@ def _declared(module) -> list[Property]:
 ALL: tuple[Property, ...] = tuple(prop for module in AREAS for prop in _declared(module))
 BY_NAME = {prop.name: prop for prop in ALL}
 NAMES = [prop.name for prop in ALL]  # the verdict's rows, in order (plain data for xdist)
+SINCE = {prop.name: prop.since for prop in ALL}  # and the contract version each arrived in
 if len(BY_NAME) != len(ALL):
     raise RuntimeError("two kit properties share a name")
 

@@ -213,6 +213,7 @@ MOVE = Property(
     failures.WRONG_RESULTS,
     requires=("move",),
     pinned=(ACROSS_BLOCK_SIZES,),
+    since="1.5",
 )
 BAD_IMPORT = Property(
     "bad import",
@@ -224,6 +225,7 @@ BAD_IMPORT = Property(
     cases=tuple(kvbad.BAD_IMPORTS),
     requires=("move",),
     examples_share=0.25,
+    since="1.5",
 )
 
 

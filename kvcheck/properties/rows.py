@@ -243,6 +243,7 @@ MIXED_LENGTHS = Property(
     requires=("append_rows",),
     min_batch=2,
     pinned=PINNED,
+    since="1.2",
 )
 
 

@@ -653,6 +653,7 @@ PREFIX_CACHING = Property(
     # On the append path, where every hit row is read back bit for bit; the search draws
     # the attend path too.
     pinned=PINNED,
+    since="1.3",
 )
 OFFLOAD = Property(
     "offload",
@@ -662,6 +663,7 @@ OFFLOAD = Property(
     serving_plans(swaps=4),
     failures.DATA_LOSS,
     requires=("offload",),
+    since="1.3",
 )
 
 

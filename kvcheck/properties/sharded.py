@@ -221,6 +221,7 @@ SHARDED = Property(
     sharded_plans(),
     failures.WRONG_RESULTS,
     pinned=(REPLICATED, RESHARDED),
+    since="1.5",
 )
 
 
@@ -237,6 +238,7 @@ SHARDED_RUNTIME = Property(
     attend_dtypes=kvst.DTYPES,
     context=kvdistributed.serving,
     shrinks=False,
+    since="1.5",
 )
 
 

@@ -189,6 +189,7 @@ SHARED_LAYERS = Property(
     shared_plans(),
     failures.WRONG_RESULTS,
     pinned=(LAST_TWO_READ_ONE,),
+    since="1.4",
 )
 
 

@@ -197,6 +197,7 @@ CONTEXT_SHIFT = Property(
     failures.WRONG_RESULTS,
     requires=("shift",),
     pinned=on_both_paths(PINNED),
+    since="1.2",
 )
 
 

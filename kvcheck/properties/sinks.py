@@ -120,6 +120,7 @@ ATTENTION_SINKS = Property(
     failures.WRONG_RESULTS,
     requires=("sinks",),
     pinned=on_both_paths((SinkPlan(WRAPS),)),
+    since="1.2",
 )
 
 

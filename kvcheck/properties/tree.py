@@ -548,6 +548,7 @@ TREE = Property(
     # Drafted through append_tree on either path; the search draws the path of the steps
     # around the trees.
     pinned=PINNED,
+    since="1.3",
 )
 
 

@@ -1,0 +1,68 @@
+"""The contract's versions (docs/contract.md, section 12), and a run held to one of them.
+
+Every property (``Property.since``) and bad-input case (``BadInput.since``) says the version
+it arrived in. A run is held to the kit's own ``VERSION`` unless the user pins an earlier one
+(``--kv-contract``, the ini option ``kv_contract``, ``KV_CONTRACT``): then what arrived after
+the pin runs and is reported, but is not counted against the cache.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Each version and what arrived in it, oldest first; the last is the kit's own.
+VERSIONS: dict[str, str] = {
+    "1.0": "the protocol, the rules, bad input, optional capabilities, block pools, sizes",
+    "1.1": "a declared domain (kv_sizes supports)",
+    "1.2": "rows of their own: mixed lengths, context shift, attention sinks",
+    "1.3": "serving pools: prefix caching, tree drafts, offload",
+    "1.4": "compressed caches: lossy storage, latent caches, layers that share one cache",
+    "1.5": "distributed inference: shards, moves between layouts; the contract's versions",
+}
+VERSION = list(VERSIONS)[-1]
+ENV = "KV_CONTRACT"
+
+
+def key(version: str) -> tuple[int, ...]:
+    """``version`` as a tuple that sorts as versions do ("1.10" after "1.9")."""
+    return tuple(int(part) for part in version.split("."))
+
+
+def newer(since: str, held_to: str) -> bool:
+    """Whether something that arrived in ``since`` is beyond a run held to ``held_to``."""
+    return key(since) > key(held_to)
+
+
+def check(version: str, origin: str) -> str:
+    """``version`` if the kit knows it, else a ValueError naming the versions it knows."""
+    text = str(version).strip()
+    if text in VERSIONS:
+        return text
+    known = ", ".join(VERSIONS)
+    well_formed = text.count(".") == 1 and all(part.isdigit() for part in text.split("."))
+    if well_formed and newer(text, VERSION):
+        raise ValueError(
+            f"{origin} {text!r}: this kit checks contract {VERSION} at most (it knows "
+            f"{known}); upgrade kvcache-verify to be held to {text}"
+        )
+    raise ValueError(f"{origin} {text!r} is not a version of the contract; it has {known}")
+
+
+def held_to(option: str | None, ini: str | None) -> str:
+    """The version a run is held to: the option, else ``KV_CONTRACT``, else the ini option,
+    else the kit's own; a value the kit does not know raises ValueError."""
+    for value, origin in (
+        (option, "--kv-contract"),
+        (os.environ.get(ENV), ENV),
+        (ini, "the ini option kv_contract"),
+    ):
+        if value:
+            return check(value, origin)
+    return VERSION
+
+
+def not_counted(since: str, held: str) -> str | None:
+    """Why a result is not counted in a run held to ``held``: it arrived later; else None."""
+    if newer(since, held):
+        return f"new in contract {since}, after the {held} this run is held to: not counted"
+    return None
