@@ -196,7 +196,6 @@ BAD_APPENDS = [
         lambda k, v: (k, grow(v, 3)),
         rf"differ|mismatch|match|!=|same|equal|width|head.?dim|\bdim\b|value.?dim|{cased('D')}",
         shapes_of(1),
-        since="1.4",
     ),
     BadInput(
         "zero new tokens",

@@ -9,6 +9,7 @@ the pin runs and is reported, but is not counted against the cache.
 from __future__ import annotations
 
 import os
+import re
 
 # Each version and what arrived in it, oldest first; the last is the kit's own.
 VERSIONS: dict[str, str] = {
@@ -39,24 +40,26 @@ def check(version: str, origin: str) -> str:
     if text in VERSIONS:
         return text
     known = ", ".join(VERSIONS)
-    well_formed = text.count(".") == 1 and all(part.isdigit() for part in text.split("."))
+    well_formed = re.fullmatch(r"[1-9]\d*\.(0|[1-9]\d*)", text) is not None
     if well_formed and newer(text, VERSION):
         raise ValueError(
-            f"{origin} {text!r}: this kit checks contract {VERSION} at most (it knows "
+            f"{origin} {version!r}: this kit checks contract {VERSION} at most (it knows "
             f"{known}); upgrade kvcache-verify to be held to {text}"
         )
-    raise ValueError(f"{origin} {text!r} is not a version of the contract; it has {known}")
+    form = "" if well_formed else " (MAJOR.MINOR, e.g. 1.4)"
+    raise ValueError(f"{origin} {version!r} is not a version of the contract{form}; it has {known}")
 
 
 def held_to(option: str | None, ini: str | None) -> str:
     """The version a run is held to: the option, else ``KV_CONTRACT``, else the ini option,
-    else the kit's own; a value the kit does not know raises ValueError."""
+    else the kit's own. A value the kit does not know raises ValueError, an empty one too
+    where it was given (``--kv-contract=``, ``KV_CONTRACT=``: a pin is never ignored)."""
     for value, origin in (
         (option, "--kv-contract"),
         (os.environ.get(ENV), ENV),
-        (ini, "the ini option kv_contract"),
+        (ini or None, "the ini option kv_contract"),
     ):
-        if value:
+        if value is not None:
             return check(value, origin)
     return VERSION
 

@@ -182,7 +182,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "kv_property(name): the kit property a test checks")
+    config.addinivalue_line(
+        "markers", "kv_property(name, since): the kit property a test checks, its contract version"
+    )
     config.addinivalue_line("markers", "kv_cache(label, name): the cache a test runs on")
     config.addinivalue_line(
         "markers", "kv_path(path, offered): the model's path through the cache, of those offered"

@@ -5,19 +5,20 @@ and for a failure its severity and first line) in ``report.user_properties``, wh
 pytest-xdist carries from the workers to the controller. The controller gathers them and,
 at the end of the run, prints a short table per cache and writes ``--kv-report PATH``.
 A cache "holds every property" only where each property of the kit (``kvcheck.properties``)
-ran and passed or is not offered; where some did not run (a ``-k``, a deselect, a skip) its
-line says how many of the kit's ran instead, and so does the JSON (``run`` of
-``kit properties``; ``holds`` counts those that passed).
+of the contract version the run is held to ran and passed or is not offered; where some did
+not run (a ``-k``, a deselect, a skip) its line says how many of the kit's ran instead, and
+so does the JSON (``run`` of ``kit properties``; ``holds`` counts those that passed).
 
 Compare two reports, e.g. before and after a refactor::
 
     python -m kvcheck.verdict OLD.json NEW.json
 
 prints what changed and exits 1 if a property that held in OLD fails in NEW. Each report
-names the contract version its run was held to (``kvcheck.contract``); a change that comes
-from a property the OLD run was not held to is marked "new in contract X" and is not a
-regression. What a run held to an earlier version ran beyond it is listed under "not
-counted" and changes none of the counts.
+names the contract version its run was held to (``kvcheck.contract``); what a run held to
+an earlier version ran beyond it is listed under "not counted" and changes none of its
+counts. The comparison judges each property by every test of it that ran, counted or not (a
+pin changes what counts, not what the cache did), and marks a property the OLD run did not
+run that arrived after the version it was held to as "new in contract X".
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestRepor
     if (domain := sizes.declared_by(factory, getattr(item, "cls", None)).supports).declared:
         entry["domain"] = domain.as_json()
 
+    # The version the property arrived in; for a test not counted, its own (its case's).
+    entry["since"] = prop.args[1] if len(prop.args) > 1 else "1.0"
     if newer := item.get_closest_marker("kv_not_counted"):  # after the pinned version
         entry.update(since=newer.args[0], counted=False)
     if report.passed:
@@ -100,7 +103,8 @@ class Verdict:
         self.config = config
         self.entries: list[dict] = []
         self.workers_lines: list[str] = []  # the kit's lines after collection, from a worker
-        self.kit_properties: list[str] | None = None  # kvcheck.properties.NAMES, from a worker
+        # kvcheck.properties.SINCE (each property's contract version, in order), from a worker
+        self.kit_properties: dict[str, str] | None = None
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.entries.extend(value for key, value in report.user_properties if key == KEY)
@@ -148,7 +152,9 @@ class Verdict:
 
 
 def tabulate(
-    entries: list[dict], kit_properties: dict[str, str] | None = None, held_to: str | None = None
+    entries: list[dict],
+    kit_properties: dict[str, str] | Sequence[str] | None = None,
+    held_to: str | None = None,
 ) -> dict[str, dict]:
     """Per cache label: its name and, per property in the kit's order (``kit_properties``,
     name to the contract version it arrived in, else ``kvcheck.properties.SINCE``), the
@@ -160,6 +166,8 @@ def tabulate(
 
     if kit_properties is None:
         from kvcheck.properties import SINCE as kit_properties
+    if not isinstance(kit_properties, dict):  # names alone: all of them counted
+        kit_properties = dict.fromkeys(kit_properties, "1.0")
 
     order = {name: index for index, name in enumerate(kit_properties)}
     caches: dict[str, dict] = {}
@@ -171,8 +179,7 @@ def tabulate(
         counted = entry.get("counted", True)
         rows = cache["properties"] if counted else cache.setdefault("not counted", {})
         row = rows.setdefault(entry["property"], {"result": PASS, "tests": 0, "failed": 0})
-        if not counted:
-            row["since"] = max(row.get("since", "0"), entry["since"])
+        row["since"] = max(row.get("since", "1.0"), entry.get("since", "1.0"), key=contract.key)
         _add(row, entry)
     for cache in caches.values():
         rows = cache["properties"]
@@ -182,8 +189,6 @@ def tabulate(
                 outcome not in (PASS, NOT_OFFERED) for outcome in row.get("paths", {}).values()
             ):
                 row["result"] = PARTLY
-        for name, row in rows.items():
-            row["since"] = kit_properties.get(name, contract.VERSION)
         cache["properties"] = dict(sorted(rows.items(), key=lambda kv: order.get(kv[0], 99)))
         cache["holds"] = sum(row["result"] == PASS for row in rows.values())
         cache["failed"] = sum(row["result"] == FAIL for row in rows.values())
@@ -269,7 +274,8 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
                 lines.append(f"  partly run   {name}: {paths}")
         for name, row in cache.get("not counted", {}).items():
             result = _state(row) + (f": {row['reason']}" if row["result"] == FAIL else "")
-            line = f"  not counted  {name} (new in contract {row['since']}): {result}"
+            what = f"{name}'s cases" if name in rows else name  # a counted property's new cases
+            line = f"  not counted  {what} (new in contract {row['since']}): {result}"
             lines.append(line if len(line) <= width else line[: width - 3] + "...")
     return lines
 
@@ -300,9 +306,10 @@ def _version() -> str:
 
 def compare(old: dict, new: dict) -> tuple[list[str], bool]:
     """What changed from report ``old`` to ``new``; True if something got worse: a property
-    that held and now fails or is gone, or a failure of a worse severity. A change in a
-    property that arrived after the contract version ``old`` was held to is marked so, and
-    is no regression: the rules changed, not the cache."""
+    that held and now fails or is gone, or a failure of a worse severity. Each property is
+    judged by all its tests that ran, counted or not (a pin changes what counts, not what
+    the cache did); a line says where a property is not counted, and where one the old run
+    did not run arrived after the contract version it was held to ("new in contract X")."""
     lines, regressed = [], False
     was_held, now_held = (_held_to(report) for report in (old, new))
     if was_held != now_held:
@@ -311,25 +318,43 @@ def compare(old: dict, new: dict) -> tuple[list[str], bool]:
         was_in, now_in = (_domain(report["caches"].get(label, {})) for report in (old, new))
         if was_in != now_in:  # what was drawn changed: say so before the results it explains
             lines.append(f"{label}: domain: {was_in} -> {now_in}")
-        for counted in ("properties", "not counted"):
-            before = old["caches"].get(label, {}).get(counted, {})
-            after = new["caches"].get(label, {}).get(counted, {})
-            for name in [*before, *(name for name in after if name not in before)]:
-                was, now = before.get(name), after.get(name)
-                if _state(was) == _state(now):
-                    continue
-                why = f": {now['reason']}" if now and now["result"] == FAIL else ""
-                where = f"{name} (not counted)" if counted == "not counted" else name
-                line = f"{label}: {where}: {_state(was)} -> {_state(now)}{why}"
-                since = (now or {}).get("since")
-                if counted == "not counted" or _new_rule(since, was_held):
-                    if counted == "properties":
-                        line += f" (new in contract {since}; the old run was held to {was_held})"
-                    lines.append(line)
-                    continue
-                lines.append(line)
-                regressed |= _got_worse(was, now)
+        before, after = (_ran(report["caches"].get(label, {})) for report in (old, new))
+        for name in [*before, *(name for name in after if name not in before)]:
+            (was, was_counted), (now, now_counted) = (
+                rows.get(name, (None, True)) for rows in (before, after)
+            )
+            if _state(was) == _state(now) and was_counted == now_counted:
+                continue
+            why = f": {now['reason']}" if now and now["result"] == FAIL else ""
+            line = f"{label}: {name}: {_state(was)} -> {_state(now)}{why}"
+            if was_counted != now_counted:
+                line += " (not counted in the new run)" if was_counted else " (counted now)"
+            if was is None and now is not None and _new_rule(now.get("since"), was_held):
+                line += f" (new in contract {now['since']}; the old run was held to {was_held})"
+            lines.append(line)
+            regressed |= _state(was) != _state(now) and _got_worse(was, now)
     return lines, regressed
+
+
+def _ran(cache: dict) -> dict[str, tuple[dict, bool]]:
+    """Each property of a report's cache as all its tests ran, counted or not (the worse of
+    its two rows), and whether the run counted it."""
+    counted = cache.get("properties", {})
+    rows = {name: (row, True) for name, row in counted.items()}
+    for name, row in cache.get("not counted", {}).items():
+        if name not in counted:
+            rows[name] = (row, False)
+        elif _ranks_below(counted[name], row):  # a counted property's new cases fared worse
+            rows[name] = (row, True)
+    return rows
+
+
+def _ranks_below(row: dict, other: dict) -> bool:
+    """Whether ``other`` says worse than ``row``: a failure over anything else, a worse
+    severity over a milder one, a run over one that did not run."""
+    if other["result"] == FAIL:
+        return row["result"] != FAIL or _worse(other["severity"], row["severity"])
+    return row["result"] not in (PASS, FAIL) and other["result"] == PASS
 
 
 def _held_to(report: dict) -> str | None:

@@ -85,7 +85,12 @@ def test_a_pin_is_read_from_the_option_the_environment_or_the_ini(monkeypatch):
 
 @pytest.mark.parametrize(
     ("pin", "says"),
-    [("9.0", r"checks contract 1\.\d+ at most"), ("one", "not a version"), ("1.", "not a version")],
+    [
+        ("9.0", r"checks contract 1\.\d+ at most"),
+        ("one", "not a version"),
+        ("1.", "not a version"),
+        ("", "not a version"),  # --kv-contract=$PIN with PIN unset: never ignored
+    ],
 )
 def test_a_pin_the_kit_does_not_know_stops_the_run_naming_the_versions(pytester, pin, says):
     result = run_in_process(
@@ -132,29 +137,94 @@ def test_a_run_pinned_before_a_property_reports_its_failure_without_counting_it(
     ), out
     assert cache["kit properties"] == sum(not contract.newer(v, "1.4") for v in SINCE.values())
 
-    # Unpinned, the same run is red, and the comparison calls the failure a new rule.
+    # Unpinned, the same run is red; the comparison sees the same failure, counted now.
     status, out, unpinned = run_on_the_shard_bug(pytester)
     assert status == pytest.ExitCode.TESTS_FAILED, out
     assert "not counted" not in out
     lines, regressed = kvverdict.compare(report, unpinned)
     assert not regressed, lines
-    assert any(re.search(r"sharded: absent -> FAIL.*new in contract 1\.5", line) for line in lines)
+    changed = r"sharded: FAIL \[wrong results\] -> FAIL \[wrong results\].*\(counted now\)$"
+    assert any(re.search(changed, line) for line in lines), lines
     assert lines[0] == f"contract: held to 1.4 -> {contract.VERSION}"
 
 
-def test_a_change_in_a_property_the_old_run_was_held_to_is_still_a_regression():
-    def report(held: str, logits: str) -> dict:
-        row = {"result": logits, "since": "1.0", "severity": "wrong results", "reason": "x"}
-        return {"contract": {"version": held, "held to": held}, "caches": {"c": {
-            "name": "c", "properties": {"logits": row}}}}  # fmt: skip
+def row(result: str, since: str = "1.0", severity: str = "wrong results", test: str = "t"):
+    failed = {"severity": severity, "reason": "x", "test": test} if result == "FAIL" else {}
+    return {"result": result, "tests": 1, "failed": int(bool(failed)), "since": since, **failed}
 
-    lines, regressed = kvverdict.compare(report("1.4", "pass"), report("1.5", "FAIL"))
+
+def report(held: str | None, counted: dict, not_counted: dict | None = None) -> dict:
+    cache = {"name": "c", "properties": counted, "not counted": not_counted or {}}
+    versioned = {"contract": {"version": contract.VERSION, "held to": held}} if held else {}
+    return {**versioned, "caches": {"c": cache}}
+
+
+def test_a_change_in_a_property_the_old_run_was_held_to_is_still_a_regression():
+    lines, regressed = kvverdict.compare(
+        report("1.4", {"logits": row("pass")}), report("1.5", {"logits": row("FAIL")})
+    )
     assert regressed, lines
     assert "new in contract" not in lines[-1], lines
     # A report from before versions (no "contract"): nothing is called new.
-    old = report("1.4", "pass")
-    del old["contract"]
-    assert kvverdict.compare(old, report("1.5", "FAIL"))[1]
+    old = report(None, {"logits": row("pass")})
+    assert kvverdict.compare(old, report("1.5", {"logits": row("FAIL")}))[1]
+
+
+def test_what_passed_uncounted_and_now_fails_is_a_regression():
+    # The old run held to 1.4 ran sharded without counting it, and it passed.
+    old = report("1.4", {}, {"sharded": row("pass", "1.5")})
+    lines, regressed = kvverdict.compare(old, report("1.5", {"sharded": row("FAIL", "1.5")}))
+    assert regressed, lines
+    assert lines[-1].startswith("c: sharded: pass -> FAIL"), lines
+    assert "counted now" in lines[-1], lines
+
+
+def test_a_failure_the_same_in_both_runs_is_no_change_whichever_counted_it():
+    case = row("FAIL", "1.4", severity="accepts bad input", test="case")
+    old = report("1.3", {"bad append": row("pass")}, {"bad append": case})
+    new = report("1.5", {"bad append": row("FAIL", severity="accepts bad input", test="case")})
+    assert kvverdict.compare(old, new) == (["contract: held to 1.3 -> 1.5"], False)
+
+
+def test_a_pin_lowered_over_a_passing_property_is_no_regression():
+    old = report("1.5", {"sharded": row("pass", "1.5")})
+    lines, regressed = kvverdict.compare(old, report("1.4", {}, {"sharded": row("pass", "1.5")}))
+    assert not regressed, lines
+    assert lines[-1] == "c: sharded: pass -> pass (not counted in the new run)", lines
+
+
+def test_an_entry_list_of_property_names_counts_them_all():
+    entry = {"cache": "c", "name": "c", "property": "logits", "test": "t", "outcome": "pass"}
+    cache = kvverdict.tabulate([entry], ["logits", "lengths"])["c"]
+    assert (cache["kit properties"], cache["holds"]) == (2, 1)
+
+
+def test_the_versions_on_record_change_only_on_purpose():
+    # A new property or case takes the default since ("1.0", counted under every pin) unless
+    # it says otherwise: this record makes its author choose.
+    assert {
+        **dict.fromkeys(
+            [
+                *("logits", "lengths", "contents", "reset", "stale rows", "isolation"),
+                *("bad append", "overflow", "bad model call", "memory", "stateful", "requests"),
+                *("fork", "attend", "pool", "exhausted pool", "truncate", "bad truncate"),
+                *("reorder", "bad reorder", "truncate and reorder"),
+            ],
+            "1.0",
+        ),
+        **dict.fromkeys(["mixed lengths", "context shift", "attention sinks"], "1.2"),
+        **dict.fromkeys(["prefix caching", "offload", "tree drafts"], "1.3"),
+        "shared layers": "1.4",
+        **dict.fromkeys(["move", "bad import", "sharded", "sharded runtime"], "1.5"),
+    } == SINCE
+    cases = {prop: (len(table), {c.since for c in table}) for prop, table in TABLES.items()}
+    assert cases == {
+        "bad append": (13, {"1.0"}),
+        "bad model call": (14, {"1.0"}),  # the stateful property samples these under any pin
+        "bad truncate": (3, {"1.0"}),
+        "bad reorder": (8, {"1.0"}),
+        "bad import": (12, {"1.5"}),
+    }
 
 
 def test_the_newest_release_in_the_changelog_is_this_one_and_names_its_contract():
