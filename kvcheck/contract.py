@@ -64,6 +64,11 @@ def held_to(option: str | None, ini: str | None) -> str:
     return VERSION
 
 
+def of_property(mark) -> str:
+    """The version a ``kv_property(name, since)`` marker names ("1.0" where it names none)."""
+    return mark.args[1] if len(mark.args) > 1 else "1.0"
+
+
 def not_counted(since: str, held: str) -> str | None:
     """Why a result is not counted in a run held to ``held``: it arrived later; else None."""
     if newer(since, held):

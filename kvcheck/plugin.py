@@ -458,7 +458,7 @@ def arrived_in(item: pytest.Item) -> str | None:
     mark = item.get_closest_marker("kv_property")
     if mark is None:
         return None
-    since = mark.args[1] if len(mark.args) > 1 else "1.0"
+    since = contract.of_property(mark)
     case = item.callspec.params.get("case") if hasattr(item, "callspec") else None
     return max(since, getattr(case, "since", since), key=contract.key)
 

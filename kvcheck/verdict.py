@@ -59,15 +59,18 @@ def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestRepor
     if (domain := sizes.declared_by(factory, getattr(item, "cls", None)).supports).declared:
         entry["domain"] = domain.as_json()
 
+    from kvcheck import contract
+
     # The version the property arrived in; for a test not counted, its own (its case's).
-    entry["since"] = prop.args[1] if len(prop.args) > 1 else "1.0"
+    entry["since"] = contract.of_property(prop)
     if newer := item.get_closest_marker("kv_not_counted"):  # after the pinned version
         entry.update(since=newer.args[0], counted=False)
     if report.passed:
         return {**entry, "outcome": PASS}
-    if hasattr(report, "wasxfail") and newer is None:  # the user's xfail: their call
+    expected = hasattr(report, "wasxfail")  # an xfail: the user's, or ours (not counted)
+    if expected and newer is None:  # the user's: their call, not a verdict
         return {**entry, "outcome": SKIPPED, "reason": f"xfail: {report.wasxfail}".strip()}
-    if report.skipped and not hasattr(report, "wasxfail"):  # not counted: failed, below
+    if report.skipped and not expected:  # ours failed: a failure, below
         reason = _skip_reason(report)
         outcome = NOT_OFFERED if reason.startswith(NOT_OFFERED) else SKIPPED
         return {**entry, "outcome": outcome, "reason": reason}
@@ -170,6 +173,9 @@ def tabulate(
         kit_properties = dict.fromkeys(kit_properties, "1.0")
 
     order = {name: index for index, name in enumerate(kit_properties)}
+    # The kit's properties the run holds the caches to: those it counts.
+    held = held_to or contract.VERSION
+    counted_properties = sum(not contract.newer(v, held) for v in kit_properties.values())
     caches: dict[str, dict] = {}
     # Sorted by test id, so that the first failure named is the same under any -n.
     for entry in sorted(entries, key=lambda e: e["test"]):
@@ -194,33 +200,31 @@ def tabulate(
         cache["failed"] = sum(row["result"] == FAIL for row in rows.values())
         cache["not offered"] = sum(row["result"] == NOT_OFFERED for row in rows.values())
         cache["run"] = sum(row["result"] in (PASS, FAIL) for row in rows.values())
-        # The kit's properties the run holds the cache to: those it counts.
-        cache["kit properties"] = sum(
-            not contract.newer(since, held_to or contract.VERSION)
-            for since in kit_properties.values()
-        )
+        cache["kit properties"] = counted_properties
     return caches
 
 
 def _add(row: dict, entry: dict) -> None:
-    """One test's outcome into its property's row: a failure wins, the worst severity first;
-    a pass wins over a skip."""
+    """One test's outcome into its property's row: the first sets it, a later one replaces it
+    where it ranks below (``_ranks_below``: a failure, the worst severity first; a pass over
+    a skip)."""
     row["tests"] += 1
     if "path" in entry:
         paths = row.setdefault("paths", dict.fromkeys(entry["paths"], "not run"))
         if paths[entry["path"]] != FAIL:
             paths[entry["path"]] = entry["outcome"]
-    if entry["outcome"] == FAIL:
+    outcome = entry["outcome"]
+    if outcome == FAIL:
         row["failed"] += 1
-        if row["result"] != FAIL or _worse(entry["severity"], row["severity"]):
-            row.update(
-                result=FAIL, severity=entry["severity"], reason=entry["reason"], test=entry["test"]
-            )
-    elif entry["outcome"] in (SKIPPED, NOT_OFFERED) and row["tests"] == 1:
-        row.update(result=entry["outcome"], reason=entry["reason"])
-    elif entry["outcome"] == PASS and row["result"] in (SKIPPED, NOT_OFFERED):
-        row.update(result=PASS)
-        row.pop("reason")
+    if row["tests"] > 1 and not _ranks_below(row, {**entry, "result": outcome}):
+        return
+    row["result"] = outcome
+    if outcome == FAIL:
+        row.update(severity=entry["severity"], reason=entry["reason"], test=entry["test"])
+    elif outcome == PASS:
+        row.pop("reason", None)
+    else:
+        row["reason"] = entry["reason"]
 
 
 def _worse(severity: str, than: str) -> bool:

@@ -85,6 +85,5 @@ def mask(start: int, end: int, first: int, window: int | None, device: torch.dev
         return causal_lower_right(end - start, end - first)
     asking = torch.arange(start, end, device=device)[:, None]
     seen = torch.arange(first, end, device=device)[None, :]
-    if window is None:
-        return seen <= asking
-    return (seen <= asking) & (seen > asking - window)
+    causal = seen <= asking
+    return causal if window is None else causal & (seen > asking - window)
