@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import sys
 from collections.abc import Sequence
 from importlib import metadata
@@ -149,6 +150,7 @@ class Verdict:
                 "kvcache-verify": _version(),
                 "contract": {"version": contract.VERSION, "held to": self.held_to()},
                 "kit_profile": self.config.getoption("--kv-profile") or profiles.default_name(),
+                "environment": environment(self.config.getoption("--kv-device") or "cpu"),
                 "caches": self.caches(),
             }
             Path(path).write_text(json.dumps(report, indent=2) + "\n")
@@ -301,11 +303,19 @@ def _with_paths(name: str, row: dict) -> str:
     return f"{name} ({', '.join([*ran, *absent])})"
 
 
-def _version() -> str:
+def _version(package: str = "kvcache-verify") -> str:
     try:
-        return metadata.version("kvcache-verify")
+        return metadata.version(package)
     except metadata.PackageNotFoundError:
         return "unknown"
+
+
+def environment(device: str) -> dict[str, str]:
+    """What a run's results depend on beside the cache: the versions of what computes and
+    searches (read from the installed metadata: the controller imports no torch) and the
+    device, so that a comparison can tell an upgrade's change from the cache's."""
+    versions = {package: _version(package) for package in ("torch", "hypothesis", "pytest")}
+    return {"python": platform.python_version(), **versions, "kv device": device}
 
 
 def compare(old: dict, new: dict) -> tuple[list[str], bool]:
@@ -314,7 +324,7 @@ def compare(old: dict, new: dict) -> tuple[list[str], bool]:
     judged by all its tests that ran, counted or not (a pin changes what counts, not what
     the cache did); a line says where a property is not counted, and where one the old run
     did not run arrived after the contract version it was held to ("new in contract X")."""
-    lines, regressed = [], False
+    lines, regressed = _setting_changes(old, new), False
     was_held, now_held = (_held_to(report) for report in (old, new))
     if was_held != now_held:
         lines.append(f"contract: held to {was_held or 'an unnamed version'} -> {now_held}")
@@ -338,6 +348,24 @@ def compare(old: dict, new: dict) -> tuple[list[str], bool]:
             lines.append(line)
             regressed |= _state(was) != _state(now) and _got_worse(was, now)
     return lines, regressed
+
+
+def _setting_changes(old: dict, new: dict) -> list[str]:
+    """A line for each setting of the run that differs between two reports (the kit's
+    version, its profile, each item of the environment): said first, since it may explain
+    what follows; none is a regression by itself. A setting one report does not record (one
+    from an older kit) is not compared."""
+
+    def settings(report: dict) -> dict[str, str]:
+        named = {"kit": report.get("kvcache-verify"), "kit profile": report.get("kit_profile")}
+        return {**named, **report.get("environment", {})}
+
+    was, now = settings(old), settings(new)
+    return [
+        f"{name}: {was[name]} -> {now[name]}"
+        for name in was
+        if was[name] is not None and now.get(name) is not None and was[name] != now[name]
+    ]
 
 
 def _ran(cache: dict) -> dict[str, tuple[dict, bool]]:

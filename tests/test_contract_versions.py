@@ -127,6 +127,7 @@ def test_a_run_pinned_before_a_property_reports_its_failure_without_counting_it(
     assert status == 0, out  # green: what failed arrived after the pin
     assert "kv contract: held to 1.4" in out
     assert report["contract"] == {"version": contract.VERSION, "held to": "1.4"}
+    assert report["environment"] == kvverdict.environment("cpu")
     cache = next(iter(report["caches"].values()))
     assert cache["failed"] == 0
     assert "sharded" not in cache["properties"]

@@ -4,7 +4,9 @@ ids, --kv-profile, and the verdict: its lines, its JSON and their comparison."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import platform
 from types import SimpleNamespace
 
 import pytest
@@ -328,6 +330,28 @@ def test_comparing_two_reports_names_what_changed_and_fails_on_a_regression(tmp_
     assert not kvverdict.compare(worse, milder)[1], "a milder failure is no regression"
     gone = report({})
     assert kvverdict.compare(new, gone)[1], "a property that held and is gone is a regression"
+
+
+def test_a_comparison_says_first_which_settings_of_the_run_changed():
+    rows = {"A": {"name": "m:A", "properties": {"logits": row("pass")}}}
+    setting = {"python": "3.11.9", "torch": "2.13.0", "hypothesis": "6.155.2", "kv device": "cpu"}
+    old = report(rows) | {"environment": setting}
+    new = report(rows) | {"kvcache-verify": "1", "kit_profile": "thorough"}
+    new["environment"] = setting | {"torch": "2.14.0"}
+    assert kvverdict.compare(old, new) == (
+        ["kit: 0 -> 1", "kit profile: ci -> thorough", "torch: 2.13.0 -> 2.14.0"],
+        False,
+    ), "a changed setting is said, and is no regression by itself"
+    # A report from before the environment was recorded: nothing to compare it with.
+    assert kvverdict.compare(report(rows), new)[0] == ["kit: 0 -> 1", "kit profile: ci -> thorough"]
+
+
+def test_a_report_records_the_versions_that_computed_it_and_the_device():
+    environment = kvverdict.environment("cuda:1")
+    assert environment["kv device"] == "cuda:1"
+    assert environment["torch"] == importlib.metadata.version("torch")
+    assert environment["python"] == platform.python_version()
+    assert environment["hypothesis"] == importlib.metadata.version("hypothesis")
 
 
 def verdict_of(outcomes: list[str]) -> tuple[list[str], dict]:
