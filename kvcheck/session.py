@@ -838,10 +838,15 @@ def first_wrong_layer(model: ReferenceTransformer, request: Request, first: int 
                     f"  diagnosis: layer {layer}'s cache returned {name} shaped "
                     f"{tuple(got.shape)}, not {tuple(want.shape)}"
                 )
-            if not torch.isclose(got, want, **_loose(want)).all():
+            far = ~torch.isclose(got, want, **_loose(want))
+            if far.any():
+                # The absolute positions of the rows that differ: where to look first.
+                rows = far.movedim(2, 0).flatten(1).any(1).nonzero().flatten().tolist()
+                positions = [first + held[row] for row in rows]
                 return (
                     f"  diagnosis: layer {layer} is the first whose cache returned {name} "
-                    f"unlike the uncached pass's"
+                    f"unlike the uncached pass's, at absolute positions {positions[:8]}"
+                    f"{' ...' if len(rows) > 8 else ''} ({len(rows)} of {len(held)} rows)"
                 )
     if request.path == "attend":
         return (

@@ -1,6 +1,5 @@
 """Measure the half-precision error budget (``kvcheck.asserts.BUDGETS``) on correct caches
-and on a cache that stores float16 as bfloat16: the numbers behind the README's "Half
-precision" section.
+and on a cache that stores float16 as bfloat16: the numbers behind docs/half-precision.md.
 
     python -m tests.measure_budget [--seeds 10] [--examples 20] [--device cpu] [--path attend]
 

@@ -1,4 +1,4 @@
-"""The README's "Use it in your own repository", kept true: the worked example passes the
+"""The README's "Test your cache", kept true: the worked example passes the
 whole kit through a class of its own, and a user's broken cache, in a directory outside this
 repository, fails by either route with a message that points at the bug and a verdict."""
 

@@ -2,7 +2,7 @@
 
 Each test runs a check of the suite on an adapter with a small fixed input and asserts that
 the check FAILS with the message the suite printed: it passes while the defect is there.
-Found with transformers 5.24.0; the README's "Found in the wild" has the details. The last
+Found with transformers 5.24.0; docs/found-in-the-wild.md has the details. The last
 two tests are defects found by hand that the suite cannot draw yet; they call transformers directly.
 """
 
@@ -63,7 +63,7 @@ def test_static_layer_gives_wrong_logits_after_a_refused_call():
     """After a refused call (a batch the cache was not built for), the next valid call on a
     StaticLayer runs at the wrong position next to an unwritten all-zero row: cached logits
     differ from uncached ones, with no error. transformers' own StaticCache does the same
-    with a real model (the README's "Found in the wild"). One layer, so our model's guard
+    with a real model (docs/found-in-the-wild.md). One layer, so our model's guard
     against layers of different lengths cannot stop it (transformers 5.24.0)."""
     config = ModelConfig(vocab_size=11, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
     model = kvst.build_model(config, torch.float64)

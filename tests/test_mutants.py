@@ -13,12 +13,14 @@ import pytest
 import torch
 
 import kvimpl
+from kvcheck import failures
 from kvcheck import strategies as kvst
-from kvcheck.properties.core import LOGITS
+from kvcheck.properties.core import LOGITS, check_logits_match_uncached
+from kvref import ModelConfig
 from tests import depth
 from tests import mutants as kvmut
 from tests.mutants import sizes as kvsizes_mutants
-from tests.mutants.caches import StoresFloat16AsBfloat16
+from tests.mutants.caches import StoresFloat16AsBfloat16, WrapsPast48
 from tests.mutants.hunt import (
     EXAMPLES_PER_PROPERTY,
     FIRST_CATCHES,
@@ -99,3 +101,16 @@ def test_the_logits_budget_alone_sees_float16_stored_as_bfloat16():
         f"{EXAMPLES_PER_PROPERTY} examples: the error budget (kvcheck.asserts.BUDGETS) is too loose"
     )
     print(f"caught by {catch.describe()}")
+
+
+def test_the_diagnosis_names_the_first_wrong_layer_and_the_positions_of_its_rows():
+    # 50 tokens into a cache that wraps past 48: the decode of positions 48 and 49 lands on
+    # rows 0 and 1, and rows 48 and 49 are never written. Layer 0 goes wrong first.
+    config = ModelConfig(vocab_size=7, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4)
+    session = kvst.Session(chunks=(40, 10), token_seed=0, start="fresh")
+    scenario = kvst.Scenario(config, batch=1, dtype=torch.float64, sessions=(session,))
+    with pytest.raises(failures.WrongResults) as caught:
+        check_logits_match_uncached(WrapsPast48, scenario)
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "layer 0 is the first whose cache returned keys" in notes, notes
+    assert "at absolute positions [0, 1, 48, 49] (4 of 50 rows)" in notes, notes
