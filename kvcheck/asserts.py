@@ -87,6 +87,9 @@ def needs_reference(dtype: torch.dtype) -> bool:
     return dtype in BUDGETS
 
 
+TORCH_HEADING = "Tensor-likes are not close!"
+
+
 def assert_close_at(
     actual: Tensor,
     expected: Tensor,
@@ -128,7 +131,10 @@ def assert_close_at(
 
     def message(default: str) -> str:
         located = first_divergence(actual, expected, position_axis, first_position)
-        return f"{what} differ\n  at {where}\n  {located}\n{default}"
+        # assert_close's own report (elements mismatched, the greatest differences), indented
+        # under ours; its heading says again what the first line says.
+        report = [line for line in default.splitlines() if line and line != TORCH_HEADING]
+        return "\n  ".join([f"{what} differ", f"at {where}", located, *report])
 
     try:
         torch.testing.assert_close(actual, expected, **tolerance, msg=message)
