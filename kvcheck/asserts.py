@@ -22,6 +22,7 @@ from kvcheck.failures import (
     RefusalChangedState,
     UnclearError,
     WrongResults,
+    set_root,
 )
 from kvcheck.strategies import as_values, random_rows
 from kvref.protocol import Quantized, _same_device, rows_needed
@@ -63,6 +64,12 @@ BUDGETS = {
     torch.bfloat16: Budget(factor=2.0, floor=1.0),
     torch.float16: Budget(factor=2.0, floor=1.0),
 }
+# After a context shift (contract 8.4) the oracle's keys are re-rotated in float64 and
+# rounded once, while a cache may re-rotate in its storage dtype, rounding each moved key up
+# to 4 times (shift_rounding): its logits may stray as far again for each further rounding.
+# Measured on the independent list cache that rotates in its dtype: up to 1.08 x the plain
+# budget (head_dim 2, bfloat16), a false alarm; within this one over 10 seeds of the search.
+SHIFTED_BUDGETS = {dtype: Budget(factor=4.0, floor=4.0) for dtype in BUDGETS}
 
 
 # Lossy storage (contract, section 10.1): a number held in codes is off by up to half a step
@@ -101,10 +108,11 @@ def assert_close_at(
     failure: type[PropertyFailure] = WrongResults,
     reference: Tensor | None = None,
     lossy: Quantized | None = None,
+    budgets: dict = BUDGETS,
 ) -> None:
     """``torch.testing.assert_close`` at the dtype's tolerance, naming the first bad position;
-    in half precision, the dtype's error budget against ``reference``, the float64 model's
-    values at the same positions; with ``lossy`` storage, its budget on top."""
+    in half precision, the dtype's error budget (of ``budgets``) against ``reference``, the
+    float64 model's values at the same positions; with ``lossy`` storage, its budget on top."""
     __tracebackhide__ = True
     if lossy is not None or needs_reference(expected.dtype):
         if reference is None and needs_reference(expected.dtype):
@@ -119,6 +127,7 @@ def assert_close_at(
             first_position=first_position,
             failure=failure,
             lossy=lossy,
+            budgets=budgets,
         )
         return
     tolerance = TOLERANCES[expected.dtype]
@@ -174,6 +183,7 @@ def allowed_errors(
     reference: Tensor | None,
     axis: int,
     lossy: Quantized | None = None,
+    budgets: dict = BUDGETS,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per position along ``axis``: how far ``actual`` is from the truth (the float64
     ``reference`` in half precision, else ``expected``, the uncached run in the same dtype),
@@ -184,7 +194,7 @@ def allowed_errors(
     scale = truth.double().abs().movedim(axis, 0).flatten(1).amax(dim=1)
     if truth is reference:
         uncached = position_errors(expected, truth, axis)
-        allowed = BUDGETS[expected.dtype].allowed(uncached, scale, expected.dtype)
+        allowed = budgets[expected.dtype].allowed(uncached, scale, expected.dtype)
     else:
         tolerance = TOLERANCES[expected.dtype]
         allowed = tolerance["atol"] + tolerance["rtol"] * scale
@@ -199,10 +209,11 @@ def over_budget(
     reference: Tensor | None,
     position_axis: int,
     lossy: Quantized | None = None,
+    budgets: dict = BUDGETS,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per position: whether ``actual`` is over the budget, its error and the budget
     (``allowed_errors``)."""
-    error, allowed, _ = allowed_errors(actual, expected, reference, position_axis, lossy)
+    error, allowed, _ = allowed_errors(actual, expected, reference, position_axis, lossy, budgets)
     return ~(error <= allowed), error, allowed  # a nan is over any budget
 
 
@@ -230,6 +241,7 @@ def assert_within_budget(
     first_position: int = 0,
     failure: type[PropertyFailure] = WrongResults,
     lossy: Quantized | None = None,
+    budgets: dict = BUDGETS,
 ) -> None:
     """At every position, ``actual`` within its budget (``allowed_errors``): in half
     precision, no further from the float64 ``reference`` than the dtype allows, given how far
@@ -241,7 +253,7 @@ def assert_within_budget(
             f"{what} differ\n  at {where}\n  got {tuple(actual.shape)} {actual.dtype}, expected "
             f"{tuple(expected.shape)} {expected.dtype}"
         )
-    bad, error, allowed = over_budget(actual, expected, reference, position_axis, lossy)
+    bad, error, allowed = over_budget(actual, expected, reference, position_axis, lossy, budgets)
     positions = bad.nonzero().flatten().tolist()
     if not positions:
         return
@@ -260,12 +272,13 @@ def assert_within_budget(
         )
     uncached = position_errors(expected, reference, position_axis)[first].item()
     name = dtype_name(expected.dtype)
+    table = "BUDGETS" if budgets is BUDGETS else "SHIFTED_BUDGETS"
     raise failure(
         f"{what} differ beyond the {name} error budget\n  at {where}\n{located}"
         f"|cached - float64| is {error[first].item():.3g} against a budget of "
         f"{allowed[first].item():.3g}, the uncached {name} run being {uncached:.3g} from "
-        f"float64\n  budget (kvcheck.asserts.BUDGETS): "
-        f"{BUDGETS[expected.dtype].describe(expected.dtype)}"
+        f"float64\n  budget (kvcheck.asserts.{table}): "
+        f"{budgets[expected.dtype].describe(expected.dtype)}"
     )
 
 
@@ -318,11 +331,13 @@ def assert_returned_rows(cache, *, who: str, where: str) -> None:
                     f", moved down by context shifts of {list(counts)} positions and re-rotated "
                     f"beyond {budget:.2g} of its largest magnitude from the float64 re-rotation"
                 )
-            raise DataLoss(
+            error = DataLoss(
                 f"{who}: {name} row {kept[bad[0]]} returned by append is not the row appended "
                 f"there{moved}{beyond} ({len(bad)} of {rows} rows returned differ: "
                 f"{[kept[row] for row in bad[:8]]})\n  at {where}"
             )
+            set_root(error, kept[bad[0]])
+            raise error
 
 
 def assert_exported(cache, rows, *, who: str, where: str) -> None:
@@ -760,4 +775,6 @@ def assert_unchanged(
     try:
         assert_returned_rows(cache, who=who, where=f"reading back {changed}, {where}")
     except DataLoss as error:
-        raise RefusalChangedState(str(error)) from None
+        changed = RefusalChangedState(str(error))
+        changed.kv_root = getattr(error, "kv_root", None)  # the row it found wrong
+        raise changed from None

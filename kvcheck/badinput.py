@@ -516,3 +516,179 @@ BAD_IMPORTS = arrived_in(
         ),
     ],
 )
+
+
+# --- tree drafts (contract, section 9.2) --------------------------------------------------
+@dataclass(frozen=True)
+class BadTreeCall(BadInput):
+    """A bad ``append_tree`` or ``commit_tree``, sent at one moment of a tree's round (``when``:
+    "before" the tree is drafted, while it is "waiting" for its commit, or "after" it);
+    ``make(call)`` gives (method, arguments) from a ``TreeCall``."""
+
+    when: str = "waiting"
+
+
+@dataclass(frozen=True)
+class TreeCall:
+    """What a bad tree call is made from: the round's tree, the batch, whether the cache has
+    rows of their own, a layer's node rows (B, H_kv, T, D each) and the paths accepted."""
+
+    parents: tuple[int, ...]
+    batch: int
+    own_lengths: bool
+    keys: Tensor
+    values: Tensor
+    accepted: tuple[tuple[int, ...], ...]
+
+    @property
+    def nodes(self) -> int:
+        return len(self.parents)
+
+    def path_to(self, node: int) -> tuple[int, ...]:
+        path = [node]
+        while self.parents[path[-1]] >= 0:
+            path.append(self.parents[path[-1]])
+        return tuple(reversed(path))
+
+    def every_row(self, path: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        return (path,) * self.batch
+
+    def deepest(self) -> tuple[int, ...]:
+        return max((self.path_to(node) for node in range(self.nodes)), key=len)
+
+    def roots(self) -> list[int]:
+        return [node for node, parent in enumerate(self.parents) if parent < 0]
+
+    def with_parent(self, node: int, parent: int) -> tuple[int, ...]:
+        parents = list(self.parents)
+        parents[node] = parent
+        return tuple(parents)
+
+    def draft(self, parents) -> tuple[str, tuple]:
+        return "append_tree", (self.keys, self.values, parents)
+
+    def commit(self, accepted) -> tuple[str, tuple]:
+        return "commit_tree", (accepted,)
+
+
+PATH_WORDS = r"path|accept|node|root|parent|child|row|batch|length|sequence|tree|index|range"
+PARENT_WORDS = r"parent|node|tree|entr|length|sequence|range|int"
+# The moment each case is sent at, and what it sends (contract 9.2: check_tree, check_accepted,
+# a second tree before the commit, paths of different lengths on a cache without rows of their
+# own; each refused with ValueError, changing nothing). A tree of T nodes is in the round.
+BAD_TREE_CALLS = arrived_in(
+    "1.3",
+    [
+        BadTreeCall(
+            "commit_tree with no tree drafted",
+            lambda c: c.commit(c.every_row(())),
+            r"no .*tree|append_tree|waiting|pending|nothing|draft|commit",
+            when="before",
+        ),
+        BadTreeCall(
+            "a node its own parent",
+            lambda c: c.draft(c.with_parent(c.nodes - 1, c.nodes - 1)),
+            PARENT_WORDS,
+            when="before",
+        ),
+        BadTreeCall(
+            "a parent after its node",
+            lambda c: c.draft(c.with_parent(0, c.nodes - 1)),
+            PARENT_WORDS,
+            applies=lambda c: c.nodes >= 2,
+            when="before",
+        ),
+        BadTreeCall(
+            "a parent below -1",
+            lambda c: c.draft(c.with_parent(0, -2)),
+            PARENT_WORDS,
+            when="before",
+        ),
+        BadTreeCall(
+            "one parent too few",
+            lambda c: c.draft(c.parents[:-1]),
+            PARENT_WORDS,
+            when="before",
+        ),
+        BadTreeCall(
+            "parents not a sequence",
+            lambda c: c.draft(7),
+            PARENT_WORDS + "|type",
+            errors=NOT_A_TENSOR_ERRORS,
+            when="before",
+        ),
+        BadTreeCall(
+            "a second append_tree before the commit",
+            lambda c: c.draft(c.parents),
+            r"commit|wait|already|pending|tree|draft|second|another",
+        ),
+        BadTreeCall(
+            "paths of different lengths on a cache without rows of their own",
+            lambda c: c.commit((c.deepest(), *c.every_row(())[1:])),
+            r"length|same|differ|one|equal|ragged|row",
+            applies=lambda c: c.batch >= 2 and not c.own_lengths,
+        ),
+        BadTreeCall(
+            "accepted paths for one row too few",
+            lambda c: c.commit(c.every_row(())[1:]),
+            PATH_WORDS,
+        ),
+        BadTreeCall(
+            "accepted paths for one row too many",
+            lambda c: c.commit(((), *c.every_row(()))),
+            PATH_WORDS,
+        ),
+        BadTreeCall(
+            "a path that starts below a root",
+            lambda c: c.commit(c.every_row(c.deepest()[1:])),
+            PATH_WORDS,
+            applies=lambda c: len(c.deepest()) >= 2,
+        ),
+        BadTreeCall(
+            "a path that skips a node",
+            lambda c: c.commit(c.every_row(c.deepest()[:1] + c.deepest()[2:])),
+            PATH_WORDS,
+            applies=lambda c: len(c.deepest()) >= 3,
+        ),
+        BadTreeCall(
+            "a path from one root to another",
+            lambda c: c.commit(c.every_row(tuple(c.roots()[:2]))),
+            PATH_WORDS,
+            applies=lambda c: len(c.roots()) >= 2,
+        ),
+        BadTreeCall(
+            "a node twice",
+            lambda c: c.commit(c.every_row((c.roots()[0],) * 2)),
+            PATH_WORDS,
+        ),
+        BadTreeCall(
+            "a node past the tree",
+            lambda c: c.commit(c.every_row((*c.path_to(c.nodes - 1)[:-1], c.nodes))),
+            PATH_WORDS,
+        ),
+        BadTreeCall(
+            # The last node as -1: a path still, read from the end as Python indexes.
+            "a negative node",
+            lambda c: c.commit(c.every_row((*c.path_to(c.nodes - 1)[:-1], -1))),
+            PATH_WORDS,
+        ),
+        BadTreeCall(
+            "accepted not a sequence",
+            lambda c: c.commit(3),
+            PATH_WORDS + "|type",
+            errors=NOT_A_TENSOR_ERRORS,
+        ),
+        BadTreeCall(
+            "a row's path not a sequence",
+            lambda c: c.commit((0,) * c.batch),
+            PATH_WORDS + "|type",
+            errors=NOT_A_TENSOR_ERRORS,
+        ),
+        BadTreeCall(
+            "a second commit_tree of the same tree",
+            lambda c: c.commit(c.accepted),
+            r"no .*tree|append_tree|waiting|pending|nothing|draft|commit|again|already",
+            when="after",
+        ),
+    ],
+)

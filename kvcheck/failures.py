@@ -79,6 +79,22 @@ class OutsideDomain(Exception):
         )
 
 
+def set_root(error: BaseException, row: int) -> None:
+    """Say that ``error`` follows from the first row a cache got wrong: the row at index
+    ``row`` since its reset. The verdict groups a cache's failures of one root: one bug, seen
+    by several properties."""
+    error.kv_root = f"row {row} since a reset came back wrong"
+
+
+def root_of(error: BaseException) -> str | None:
+    """The root ``set_root`` gave ``error`` (or the exception it was raised from), or None."""
+    while error is not None:
+        if root := getattr(error, "kv_root", None):
+            return root
+        error = error.__cause__
+    return None
+
+
 def worst(error: BaseException, default: str) -> tuple[str, BaseException]:
     """The severity of ``error`` escaping a property whose plain assertions mean ``default``,
     and the exception it comes from (the worst one, when Hypothesis found several)."""

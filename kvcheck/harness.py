@@ -365,11 +365,17 @@ def recorded(factory: CacheFactory, spec: CacheSpec, path: str = "append") -> Re
 
 
 def warm(factory: CacheFactory, plan: CachePlan) -> Recorder:
-    """A recorded cache from ``factory`` after the plan's appends of random rows."""
+    """A recorded cache from ``factory`` after the plan's appends of random rows, each
+    append's rows checked: a cache that goes wrong while warming up is reported as that,
+    before any call the property is about."""
+    from kvcheck.asserts import assert_returned_rows
+
     cache = recorded(factory, plan.spec)
+    where = f"while warming the cache up, before any call under test: {plan.describe()}"
     for step, rows in enumerate(plan.chunks):
         keys = random_rows(plan.spec, rows, seed=step)
         cache.append(keys, random_rows(plan.spec, rows, seed=100 + step, values=True))
+        assert_returned_rows(cache, who=f"warm-up append #{step}", where=where)
     return cache
 
 

@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import pytest
-from hypothesis import Phase, example, given, settings
+from hypothesis import HealthCheck, Phase, event, example, given, reject, settings
 from hypothesis import strategies as st
 
 from kvcheck import devices as kvdevices
 from kvcheck import profiles as kvprofiles
+from kvcheck import reach
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.harness import PATHS, offers_attend
@@ -75,6 +76,17 @@ def offered(factory: CacheFactory) -> set[str]:
     if kvsizes.domain().offers_sinks:
         names.add("sinks")
     return names
+
+
+def methods(factory: CacheFactory) -> set[str]:
+    """The public methods of ``factory``'s caches (``join``, ``reset_at``, ...): what an
+    ``Edge``'s needs may name beside the capabilities ``offered`` counts."""
+    cache = factory(probe_spec())
+    return {
+        name
+        for name in dir(cache)
+        if not name.startswith("_") and callable(getattr(cache, name, None))
+    }
 
 
 def outside_domain(factory: CacheFactory) -> str | None:
@@ -146,6 +158,8 @@ class Property:
     context: Callable[[CacheFactory], AbstractContextManager] | None = None
     shrinks: bool = True  # False where a retry costs a restart: the failure is reported as drawn
     since: str = "1.0"  # the contract version it arrived in (kvcheck.contract)
+    # The edges its plans must reach (kvcheck.reach): each noted where a plan runs it.
+    reaches: tuple[reach.Edge, ...] = ()
 
     def not_offered(self, factory: CacheFactory, path: str = "append") -> str | None:
         """Why ``factory`` cannot be tested for this property on ``path``: the capabilities
@@ -284,14 +298,24 @@ def search(
     ``examples_scale`` times the profile's examples (and the property's share)."""
 
     explicit = (*prop.pinned, *(pinned or {}).get(prop.name, ()))
+    # The plans that held already, by their repr (plans are frozen dataclasses of plain
+    # values): different draws often build one plan, and an example spent on it again is
+    # an example not spent on a new one. Rejected, Hypothesis draws another instead.
+    held: set[str] = set()
 
     def falsify(drawn):
+        plan = repr(drawn)
+        pinned_here = any(drawn is given for given in explicit)
+        if plan in held and not pinned_here:
+            event("a plan that held already, drawn again: not run twice")
+            reject()
         try:
             check(drawn)
         except kvsizes.OutsideDomain:
-            if not any(drawn is given for given in explicit):
+            if not pinned_here:
                 raise
             # A pinned input outside the cache's declared domain: left out, not run.
+        held.add(plan)
 
     falsify.__name__ = falsify.__qualname__ = prop.name.replace(" ", "_")
     test = falsify
@@ -300,8 +324,11 @@ def search(
     kit = kvprofiles.current()
     examples = max(1, math.ceil(kit.max_examples * prop.examples_share * examples_scale))
     phases = kit.phases if prop.shrinks else tuple(p for p in kit.phases if p != Phase.shrink)
+    # Plans rejected as already run are filtered draws, by design.
+    quiet = (*kit.suppress_health_check, HealthCheck.filter_too_much)
+    chosen = settings(kit, max_examples=examples, phases=phases, suppress_health_check=quiet)
     with kvprofiles.torch_threads(), kvsizes.aiming_at(sizes):
-        given(drawn=prop.strategy)(settings(kit, max_examples=examples, phases=phases)(test))()
+        given(drawn=prop.strategy)(chosen(test))()
 
 
 def edge_test(prop: Property):

@@ -79,6 +79,8 @@ class KitRun:
 
 
 RUN = pytest.StashKey[KitRun]()
+# The edges a kit test's plans reached (kvcheck.reach), read by its verdict entry.
+REACHED = pytest.StashKey[set]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -104,6 +106,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="PATH",
         default=None,
         help="write the verdict per cache as JSON to PATH",
+    )
+    group.addoption(
+        "--kv-require-reach",
+        action="store_true",
+        default=False,
+        help="fail the run where an edge a property names (kvcheck.reach) was reached by no "
+        "test of the run that passed: a draw that stopped reaching a case",
     )
     group.addoption(
         "--kv-torch-threads",
@@ -510,6 +519,9 @@ def kit_lines(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
         from kvcheck import database
 
         mode = "read-only" if run.read_only else "read and written"
+        if (seed := sys.modules["hypothesis.core"].global_force_seed) is not None:
+            # Hypothesis reads and writes no database in a search whose seed is forced.
+            mode = f"unused: --hypothesis-seed {seed} turns every example database off"
         run.lines.append(
             f"kv example database: {database.describe(run.database)} ({mode}), beside the "
             "local .hypothesis directory"
@@ -537,13 +549,15 @@ def pytest_runtest_call(item: pytest.Item):
     module = getattr(getattr(item, "module", None), "__name__", None)
     if profiles is None or module is None or not item.get_closest_marker("kv_property"):
         return (yield)
-    from kvcheck import database
+    from kvcheck import database, reach
 
     profiles._test_key[:] = [database.key_of(module, item.nodeid)]
-    try:
-        return (yield)
-    finally:
-        profiles._test_key[:] = []
+    # The edges its plans ran (kvcheck.reach), for its verdict entry.
+    with reach.collecting() as item.stash[REACHED]:
+        try:
+            return (yield)
+        finally:
+            profiles._test_key[:] = []
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvcheck import failures
+from kvcheck import failures, reach
 from kvref import BlockTables, CacheContractError
 
 
@@ -46,10 +46,14 @@ class PrefixBooks:
         self.block_size = block_size
         self.blocks: dict[int, Written] = {}
         self.full_writes: Counter[tuple] = Counter()
+        # Full prefixes whose block another request took and wrote over (an eviction).
+        self.evicted: set[tuple] = set()
 
     def wrote(self, request, start: int, end: int, *, count: bool = True) -> None:
         """``request``'s caches were given its positions ``start`` to ``end`` - 1 (or, without
-        ``count``, had them restored: no new write of their prefixes)."""
+        ``count``, had them restored: no new write of their prefixes, but where another block
+        holds the same prefix, a twin: the pool may keep that one published instead, and
+        evict it later)."""
         size = self.block_size
         for layer, recorder in enumerate(request.caches):
             keys, values = recorder.given
@@ -69,9 +73,48 @@ class PrefixBooks:
                         keys[row, :, rows].clone(),
                         values[row, :, rows].clone(),
                     )
-                    self.blocks[table[index]] = written
-                    if count and held - index * size == size:
+                    full = held - index * size == size
+                    if full and (count or self._twin_of(table[index], written)):
                         self.full_writes[written.identity()] += 1
+                    self._overwrite(table[index], written)
+
+    def _twin_of(self, block: int, written: Written) -> bool:
+        """Whether a block other than ``block`` holds ``written``'s prefix, as last written."""
+        identity = written.identity()
+        return any(
+            other != block and seen.identity() == identity for other, seen in self.blocks.items()
+        )
+
+    def _overwrite(self, block: int, written: Written) -> None:
+        old = self.blocks.get(block)
+        full = old is not None and old.keys.shape[1] == self.block_size
+        if full and old.request != written.request and old.identity() != written.identity():
+            self.evicted.add(old.identity())
+            reach.note("a cached block evicted and reused for other rows")
+        self.blocks[block] = written
+
+    def other_tenant_wrote(self, salt: object, tokens: Tensor) -> bool:
+        """Whether a request of another salt wrote a full block of a prefix of ``tokens``."""
+        rows = [tuple(row) for row in tokens.tolist()]
+        return any(
+            seen.salt != salt
+            and seen.keys.shape[1] == self.block_size
+            and any(row[: len(seen.tokens)] == seen.tokens for row in rows)
+            for seen in self.blocks.values()
+        )
+
+    def lost_prefix(self, salt: object, tokens: Tensor) -> bool:
+        """Whether a full block of a prefix of ``tokens`` (this salt) was evicted and reused,
+        and no block holds that prefix now."""
+        rows = [tuple(row) for row in tokens.tolist()]
+        now = {seen.identity() for seen in self.blocks.values()}
+        return any(
+            held_salt == salt
+            and identity not in now
+            and any(row[: len(held)] == held for row in rows)
+            for identity in self.evicted
+            for _, held_salt, held in (identity,)
+        )
 
     def check_hit(self, request, tokens: Tensor, hit: int, where: str) -> None:
         """The blocks ``request``'s caches hold after a lookup that found ``hit`` tokens of

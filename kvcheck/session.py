@@ -202,6 +202,7 @@ class Engine:
                     path=request.path,
                     what="cached logits and the model's over the rows the shifts left",
                     lossy=kvassert.coarsest(request.caches),
+                    budgets=kvassert.SHIFTED_BUDGETS,
                 )
             return logits
         if compare:
@@ -239,6 +240,12 @@ class Engine:
         try:
             logits = self.model.forward_rows(laid, counts, request.caches, pad=poison)
         except Exception as error:
+            fits = all(n + c <= self.max_length for n, c in zip(lengths, counts, strict=True))
+            if type(error) is ValueError and fits:  # capacity is per row (section 8.1)
+                raise failures.RefusesValidInput(
+                    f"{request.name}: append_rows refused rows that each fit in max_length "
+                    f"{self.max_length}, with ValueError: {error}\n  at {where}"
+                ) from error
             error.add_note(f"  at {where}")
             raise
         request.rows = [torch.cat((row, tokens)) for row, tokens in zip(rows, new, strict=True)]
@@ -415,7 +422,7 @@ class Engine:
                 lossy=kvassert.coarsest(request.caches),
             )  # fmt: skip
         except failures.WrongResults as error:
-            error.add_note(first_wrong_layer(self.model, request, first))
+            diagnose(error, self.model, request, first)
             raise
 
     def _first(self, request: Request) -> int:
@@ -755,6 +762,7 @@ def assert_logits(
     path: str,
     what: str = "cached and uncached logits",
     lossy: Quantized | None = None,
+    budgets: dict = kvassert.BUDGETS,
 ) -> None:
     """Cached ``logits`` against the uncached model's ``expected``: at the dtype's tolerance
     (in half precision, its error budget against the float64 model's logits, ``reference()``);
@@ -773,6 +781,7 @@ def assert_logits(
             first_position=start,
             reference=reference() if half else None,
             lossy=lossy,
+            budgets=budgets,
         )
     except failures.WrongResults as error:
         if half or path != "attend" or logits.shape != expected.shape:
@@ -807,11 +816,22 @@ def young_objects_only() -> Iterator[None]:
         gc.unfreeze()
 
 
-def first_wrong_layer(model: ReferenceTransformer, request: Request, first: int = 0) -> str:
+def diagnose(error: BaseException, model: ReferenceTransformer, request: Request, first=0):
+    """Add to ``error`` which layer's cache went wrong first (``first_wrong_layer``), and its
+    root where that is a row (``failures.set_root``)."""
+    rows: list[int] = []
+    error.add_note(first_wrong_layer(model, request, first, rows))
+    if rows:
+        failures.set_root(error, rows[0])
+
+
+def first_wrong_layer(
+    model: ReferenceTransformer, request: Request, first: int = 0, found: list | None = None
+) -> str:
     """Which layer's cache went wrong first (later layers inherit its error): the first whose
     returned rows differ from the uncached pass's keys and values (from position ``first``),
     or, on the attend path, whose attention differs from the reference attention over the
-    rows it was given."""
+    rows it was given. The indices since the reset of the rows that differ go to ``found``."""
     stored = keys_stored(request.caches[0])
     _, uncached = model.forward_with_kv(request.history, start_position=first, keys=stored)
     for layer, cache in enumerate(request.caches):
@@ -843,6 +863,8 @@ def first_wrong_layer(model: ReferenceTransformer, request: Request, first: int 
                 # The absolute positions of the rows that differ: where to look first.
                 rows = far.movedim(2, 0).flatten(1).any(1).nonzero().flatten().tolist()
                 positions = [first + held[row] for row in rows]
+                if found is not None:
+                    found.extend(held[row] for row in rows)
                 return (
                     f"  diagnosis: layer {layer} is the first whose cache returned {name} "
                     f"unlike the uncached pass's, at absolute positions {positions[:8]}"

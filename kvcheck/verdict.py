@@ -67,7 +67,7 @@ def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestRepor
     if newer := item.get_closest_marker("kv_not_counted"):  # after the pinned version
         entry.update(since=newer.args[0], counted=False)
     if report.passed:
-        return {**entry, "outcome": PASS}
+        return {**entry, **_reach(item, entry["property"], factory), "outcome": PASS}
     expected = hasattr(report, "wasxfail")  # an xfail: the user's, or ours (not counted)
     if expected and newer is None:  # the user's: their call, not a verdict
         return {**entry, "outcome": SKIPPED, "reason": f"xfail: {report.wasxfail}".strip()}
@@ -86,7 +86,27 @@ def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestRepor
     reason = failures.first_line(culprit)
     if report.when == "setup":  # a fixture failed (the factory, or one of the user's own)
         reason = f"in setup, before the property ran: {reason}"
+    if root := failures.root_of(culprit):  # the first row the cache got wrong
+        entry["root"] = root
     return {**entry, "outcome": FAIL, "severity": severity, "reason": reason}
+
+
+def _reach(item: pytest.Item, name: str, factory) -> dict:
+    """The edges the property names that its passed test reached, and those it never did
+    that the cache could reach (``kvcheck.reach``); nothing for a property naming none."""
+    from kvcheck import kit, plugin, reach, sizes
+    from kvcheck.properties import BY_NAME
+
+    declared = BY_NAME[name].reaches if name in BY_NAME else ()
+    if not declared or factory is None:
+        return {}
+    offered: set[str] = set()
+    if any(edge.needs for edge in declared):
+        with sizes.aiming_at(sizes.declared_by(factory, getattr(item, "cls", None))):
+            offered = kit.offered(factory) | kit.methods(factory)
+    hit, missed = reach.split(declared, item.stash.get(plugin.REACHED, set()), offered)
+    # "edges": every one it names, for --kv-require-reach, which judges the run as a whole.
+    return {"reached": hit, "not reached": missed, "edges": [edge.name for edge in declared]}
 
 
 def _skip_reason(report: pytest.TestReport) -> str:
@@ -109,6 +129,7 @@ class Verdict:
         self.workers_lines: list[str] = []  # the kit's lines after collection, from a worker
         # kvcheck.properties.SINCE (each property's contract version, in order), from a worker
         self.kit_properties: dict[str, str] | None = None
+        self.unreached_lines: list[str] = []  # --kv-require-reach's finding
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.entries.extend(value for key, value in report.user_properties if key == KEY)
@@ -126,7 +147,7 @@ class Verdict:
         if not self.entries:
             return
         terminalreporter.section("kv cache verdict")
-        for line in [*self.workers_lines, *render(self.caches())]:
+        for line in [*self.workers_lines, *render(self.caches()), *self.unreached_lines]:
             terminalreporter.write_line(line)
         path = self.config.getoption("--kv-report")
         if path:
@@ -141,7 +162,30 @@ class Verdict:
     def caches(self) -> dict[str, dict]:
         return tabulate(self.entries, self.kit_properties, self.held_to())
 
-    def pytest_sessionfinish(self) -> None:
+    def never_reached(self) -> dict[str, list[str]]:
+        """Per property that passed somewhere in the run, the edges it names that no passing
+        test of it reached (``--kv-require-reach``)."""
+        named: dict[str, dict[str, bool]] = {}
+        for entry in self.entries:
+            if "edges" in entry:
+                edges = named.setdefault(entry["property"], {})
+                for edge in entry["edges"]:
+                    edges[edge] = edges.get(edge, False) or edge in entry["reached"]
+        return {
+            name: missed
+            for name, edges in named.items()
+            if (missed := [edge for edge, reached in edges.items() if not reached])
+        }
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.config.getoption("--kv-require-reach") and (missed := self.never_reached()):
+            lines = [f"  {name}: {'; '.join(edges)}" for name, edges in missed.items()]
+            self.unreached_lines = [
+                "--kv-require-reach: edges the properties name that no passing test reached "
+                "(their draws never got there; see kvcheck.reach):",
+                *lines,
+            ]
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
         path = self.config.getoption("--kv-report")
         if path and self.entries:
             from kvcheck import contract, profiles
@@ -215,6 +259,11 @@ def _add(row: dict, entry: dict) -> None:
         paths = row.setdefault("paths", dict.fromkeys(entry["paths"], "not run"))
         if paths[entry["path"]] != FAIL:
             paths[entry["path"]] = entry["outcome"]
+    if "reached" in entry:  # a pass: what every test of the property ran, together
+        reached = dict.fromkeys([*row.get("reached", []), *entry["reached"]])
+        missed = [*row.get("not reached", []), *entry["not reached"]]
+        row["reached"] = list(reached)
+        row["not reached"] = [name for name in dict.fromkeys(missed) if name not in reached]
     outcome = entry["outcome"]
     if outcome == FAIL:
         row["failed"] += 1
@@ -223,6 +272,9 @@ def _add(row: dict, entry: dict) -> None:
     row["result"] = outcome
     if outcome == FAIL:
         row.update(severity=entry["severity"], reason=entry["reason"], test=entry["test"])
+        row.pop("root", None)
+        if "root" in entry:
+            row["root"] = entry["root"]
     elif outcome == PASS:
         row.pop("reason", None)
     else:
@@ -263,6 +315,18 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
         passed = [_with_paths(name, row) for name, row in rows.items() if row["result"] == PASS]
         if passed:
             lines.append(f"  pass         {', '.join(passed)}")
+        named = [row for row in rows.values() if row["result"] == PASS and "reached" in row]
+        if named:
+            hit = sum(len(row["reached"]) for row in named)
+            missed = [
+                f"{name}: {edge}"
+                for name, row in rows.items()
+                if row["result"] == PASS
+                for edge in row.get("not reached", [])
+            ]
+            line = f"  reached      {hit} of {hit + len(missed)} edges the passing properties name"
+            line += f"; never: {'; '.join(missed)}" if missed else ""
+            lines.append(line if len(line) <= width else line[: width - 3] + "...")
         absent = [
             _with_domain(name, row) for name, row in rows.items() if row["result"] == NOT_OFFERED
         ]
@@ -278,10 +342,26 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
             elif row["result"] == PARTLY:
                 paths = "; ".join(f"{path} {outcome}" for path, outcome in row["paths"].items())
                 lines.append(f"  partly run   {name}: {paths}")
+        lines += _roots(rows, width)
         for name, row in cache.get("not counted", {}).items():
             result = _state(row) + (f": {row['reason']}" if row["result"] == FAIL else "")
             what = f"{name}'s cases" if name in rows else name  # a counted property's new cases
             line = f"  not counted  {what} (new in contract {row['since']}): {result}"
+            lines.append(line if len(line) <= width else line[: width - 3] + "...")
+    return lines
+
+
+def _roots(rows: dict[str, dict], width: int) -> list[str]:
+    """A line for each root (``failures.set_root``) that several failed properties share:
+    one bug, seen by each of them; fix it first and run again."""
+    by_root: dict[str, list[str]] = {}
+    for name, row in rows.items():
+        if row["result"] == FAIL and "root" in row:
+            by_root.setdefault(row["root"], []).append(name)
+    lines = []
+    for root, names in by_root.items():
+        if len(names) > 1:
+            line = f"  one root     {root}: the first divergence of {', '.join(names)}"
             lines.append(line if len(line) <= width else line[: width - 3] + "...")
     return lines
 

@@ -19,7 +19,9 @@ from kvcheck import (
 from kvcheck import badinput as kvbad
 from kvcheck.properties.shift import ShiftTests
 from kvcheck.properties.sinks import SinksTests
+from kvcheck.properties.tree import TreeTests
 from tests import depth
+from tests.independent.aside_tree_cache import AsideTreeCache, AsideTreeRowsCache
 from tests.independent.deque_window_cache import DequeWindowCache
 from tests.independent.fifo_paged_pool import FifoPagedPool
 from tests.independent.group_int4_cache import GroupInt4Cache
@@ -243,3 +245,28 @@ def test_a_message_naming_another_axis_is_not_taken_for_this_one():
 def test_an_empty_or_irrelevant_message_names_nothing(case, message):
     bad = (torch.zeros(KEY), torch.zeros(KEY))
     assert not case.named_in(message, bad), f"{case}: {message!r} names nothing"
+
+
+class TestAsideTreeCacheTree(TreeTests):
+    """Tree drafts whose nodes wait beside the rows, every row one length: the default run
+    holds it to the property it was written for, --soak to every property."""
+
+    factory = AsideTreeCache
+    examples_scale = depth.pick(0.15, soak=1.0)
+
+
+class TestAsideTreeRowsCacheTree(TreeTests):
+    """The same with rows of their own, each committing a path of its own length."""
+
+    factory = AsideTreeRowsCache
+    examples_scale = depth.pick(0.15, soak=1.0)
+
+
+@pytest.mark.soak
+class TestAsideTreeCache(Independent):
+    factory = AsideTreeCache
+
+
+@pytest.mark.soak
+class TestAsideTreeRowsCache(Independent):
+    factory = AsideTreeRowsCache

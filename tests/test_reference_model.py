@@ -64,7 +64,8 @@ def naive_logits(model: ReferenceTransformer, tokens: torch.Tensor) -> torch.Ten
     """The same transformer written the slow way: one query, one head, one key at a time,
     with RoPE as multiplication by a complex phase; in MLA, each head's key and value
     up-projected from the latent; a layer that reads another's (``kv_sources``) attending
-    over that layer's keys and values. Shares nothing with kvref but weights."""
+    over what that layer caches (in MLA its latent and rope key, up-projected with the
+    reader's own weights: contract 10.3). Shares nothing with kvref but weights."""
     c = model.config
     weights = model.state_dict()
     group = c.num_heads // c.num_kv_heads
@@ -84,7 +85,7 @@ def naive_logits(model: ReferenceTransformer, tokens: torch.Tensor) -> torch.Ten
 
     x = weights["embedding.weight"][tokens]
     batch, length, _ = x.shape
-    keys_and_values = {}  # by layer: key(b, s, head) and value(b, s, head), for readers
+    cached = {}  # by layer with a cache of its own: what it caches (k, v), for its readers
     for layer in range(c.num_layers):
         window = c.layer_window(layer) or length  # the whole prefix when global
         w = {name.removeprefix(f"blocks.{layer}."): t for name, t in weights.items()}
@@ -92,6 +93,8 @@ def naive_logits(model: ReferenceTransformer, tokens: torch.Tensor) -> torch.Ten
         q = (h @ w["attention.query.weight"].T).view(batch, length, c.num_heads, -1)
         k = (h @ w["attention.key.weight"].T).view(batch, length, c.num_kv_heads, -1)
         v = (h @ w["attention.value.weight"].T).view(batch, length, c.num_kv_heads, -1)
+        source = c.source_of(layer)
+        k, v = cached.setdefault(layer, (k, v)) if source is None else cached[source]
         if mla:  # k: the rope key, v: the latent, of the one cached "head"
             up_key = (v @ w["attention.up_key.weight"].T).view(batch, length, c.num_heads, -1)
             up_value = (v @ w["attention.up_value.weight"].T).view(batch, length, c.num_heads, -1)
@@ -116,9 +119,6 @@ def naive_logits(model: ReferenceTransformer, tokens: torch.Tensor) -> torch.Ten
             def query(b, p, head, q=q):
                 return rotate(q[b, p, head], p)
 
-        source = c.source_of(layer)
-        keys_and_values[layer] = (key, value) if source is None else keys_and_values[source]
-        key, value = keys_and_values[layer]
         mixed = torch.zeros(batch, length, c.num_heads, c.head_dim, dtype=torch.float64)
         for b in range(batch):
             for head in range(c.num_heads):
@@ -146,6 +146,32 @@ def any_configs(draw, max_layers: int = 2) -> ModelConfig:
     if config.num_layers > 1 and draw(st.booleans(), label="shared layers"):
         config = replace(config, kv_sources=draw(kv_sources(config), label="kv_sources"))
     return config
+
+
+def test_an_mla_reader_up_projects_its_sources_latent_with_its_own_weights():
+    # Contract 10.3: what layers share is the cache (the latent and the rope key); each
+    # reader applies its own up-projections. Pinned: random draws reach this in few seeds.
+    config = ModelConfig(
+        vocab_size=11,
+        num_layers=3,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        attention="mla",
+        latent_dim=6,
+        rope_dim=4,
+        nope_dim=2,
+        kv_sources=(None, 0, 0),
+    )
+    model = kvst.build_model(config, torch.float64)
+    tokens = kvst.random_tokens(config, 2, 5, seed=3)
+    kvassert.assert_close_at(
+        model(tokens),
+        naive_logits(model, tokens),
+        what="the model's and the naive transformer's logits",
+        where="an uncached pass over 5 tokens of an MLA model whose last layers share the first's",
+        position_axis=1,
+    )
 
 
 @given(data=st.data())

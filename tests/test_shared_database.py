@@ -25,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import hypothesis.core
 import pytest
 import torch
 from hypothesis import Phase, settings
@@ -255,6 +256,9 @@ def test_a_failure_kept_in_a_shared_directory_is_replayed_first_by_a_fresh_check
     # comparison of the kit's): once in this process, not again in each run, whose imports
     # pytester takes back after it (a second import cannot register torch's operators again).
     torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
+    # A seed forced on this process (--hypothesis-seed) turns Hypothesis's example database
+    # off in every search it runs, the two runs below included: their own runs choose none.
+    monkeypatch.setattr(hypothesis.core, "global_force_seed", None)
     # Without shrinking (what the Redis test keeps), the failure saved is the first found.
     quick = settings(
         kvprofiles.PROFILES["ci"], phases=[Phase.explicit, Phase.reuse, Phase.generate]

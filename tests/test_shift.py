@@ -21,6 +21,7 @@ from kvref import (
     rerotate,
 )
 from kvref.model import HeldRows, apply_rope, shifted_rows
+from tests import measure_shift
 
 
 def test_rerotating_a_key_moves_it_to_another_position():
@@ -160,3 +161,11 @@ def test_the_rounding_budget_reaches_only_the_keys_a_shift_moved():
     recorder.append(rows[:, :, :3], rows[:, :, :3])
     recorder.shift(11, 1)  # moves 12 down to 11; 10 stays exact, 5..9 stay moved once
     assert recorder.rerotated == {**{i: (2,) for i in range(5, 10)}, 11: (1,)}
+
+
+def test_the_budget_tells_a_half_precision_angle_from_a_float32_one_on_far_shifts_only():
+    # The figures of contract 8.4 (tests/measure_shift.py): bfloat16 keys 64 wide.
+    near = measure_shift.measure(torch.bfloat16, 64, 10_000.0, 16, seeds=1, keys=64)
+    far = measure_shift.measure(torch.bfloat16, 64, 500_000.0, 128, seeds=1, keys=64)
+    assert max(near["float32 angles"], near["angles in the storage dtype"]) < 1
+    assert far["float32 angles"] < 1 < far["angles in the storage dtype"]

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from kvcheck.properties.tree import TreeTests
+from kvcheck.badinput import BAD_TREE_CALLS, TreeCall
+from kvcheck.properties.tree import TREE, TreeTests
 from kvimpl import ChunkedCache, ConcatCache, PagedPool, PreallocatedCache
 from kvimpl.tree import TreeDraftsMixin
 from kvref import (
@@ -25,6 +26,7 @@ from kvref import (
 from kvref.model import tree_mask, tree_paths
 from kvref.protocol import tree_depths
 from tests import depth
+from tests.independent.aside_tree_cache import AsideTreeCache, AsideTreeRowsCache
 from tests.independent.left_padded_batch_cache import LeftPaddedBatchCache
 
 CONFIG = ModelConfig(vocab_size=19, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4, seed=3)
@@ -365,3 +367,37 @@ class TestLeftPaddedTree(TreeTests):
 
     factory = TreeLeftPadded
     examples_scale = depth.pick(0.15, soak=1.0)
+
+
+# --- bad tree calls (kvcheck.badinput.BAD_TREE_CALLS) ---------------------------------------
+def tree_call(cache_rows: bool, batch: int = 2) -> TreeCall:
+    keys = rows(2, batch=batch, count=len(PARENTS))
+    return TreeCall(PARENTS, batch, cache_rows, keys, keys.clone(), ((1, 3), (0, 2)))
+
+
+def test_the_first_pinned_tree_takes_every_bad_tree_call():
+    # The pinned plan sends every case; each must apply to its tree on a dense batch of two.
+    first = TREE.pinned[0].rounds[0]
+    assert first.parents == PARENTS
+    assert first.bad == tuple(case.name for case in BAD_TREE_CALLS)
+    assert all(case.applies(tree_call(cache_rows=False)) for case in BAD_TREE_CALLS)
+
+
+@pytest.mark.parametrize("factory", [ChunkedCache, AsideTreeCache, AsideTreeRowsCache])
+@pytest.mark.parametrize("case", BAD_TREE_CALLS, ids=str)
+def test_each_bad_tree_call_is_refused_changing_nothing(factory, case):
+    cache_rows = factory is AsideTreeRowsCache
+    call = tree_call(cache_rows)
+    if not case.applies(call):
+        pytest.skip("not bad for a cache with rows of its own")
+    cache = factory(spec())
+    cache.append(rows(0, count=5), rows(1, count=5))
+    if case.when != "before":
+        cache.append_tree(call.keys, call.values, PARENTS)
+    if case.when == "after":
+        cache.commit_tree(call.accepted)
+    method, bad = case.make(call)
+    held = cache.length
+    with pytest.raises(case.errors):
+        getattr(cache, method)(*bad)
+    assert cache.length == held

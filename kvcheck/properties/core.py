@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from kvcheck import asserts as kvassert
-from kvcheck import failures
+from kvcheck import failures, reach
 from kvcheck import strategies as kvst
 from kvcheck.kit import KitTests, Property, edge_test, property_test
-from kvcheck.session import Engine, Request, assert_logits, first_wrong_layer
+from kvcheck.reach import Edge
+from kvcheck.session import Engine, Request, assert_logits, diagnose
 from kvref import CacheFactory
 from kvref.protocol import keys_stored
 
@@ -85,6 +86,65 @@ class Step:
         )
 
 
+# What a scenario's steps must reach (kvcheck.reach): each noted as its step runs.
+SCENARIO_EDGES = tuple(
+    Edge(name)
+    for name in (
+        "a prefill of 1 token",
+        "a decode of 1 token",
+        "a chunk of several tokens after the prefill",
+        f"a length 1 below a {kvst.EDGE}-row edge",
+        f"a length at a {kvst.EDGE}-row edge",
+        f"a length 1 past a {kvst.EDGE}-row edge",
+        f"a session past {kvst.LONG_SESSION} tokens",
+        "a later session on reset caches",
+        "a later session on fresh caches",
+        "a batch of 2 or more",
+        "fewer kv heads than heads",
+        "2 or more layers",
+        "a window layer",
+        "half precision",
+        "every row max_length allows",
+    )
+)
+POISONED_EDGES = tuple(Edge(f"a reset after {kind} rows") for kind in sorted(kvst.POISON_VALUES))
+
+
+def note_session(scenario: kvst.Scenario, index: int) -> None:
+    """Note the edges that session ``index`` of ``scenario`` reaches as a whole."""
+    session, config = scenario.sessions[index], scenario.config
+    if index:
+        reach.note(f"a later session on {session.start} caches")
+        if (poison := scenario.sessions[index - 1].poison) is not None:
+            reach.note(f"a reset after {poison} rows")
+    if session.length > kvst.LONG_SESSION:
+        reach.note(f"a session past {kvst.LONG_SESSION} tokens")
+    if session.length + session.poison_rows == scenario.max_length:
+        reach.note("every row max_length allows")
+    for said, reached in (
+        ("a batch of 2 or more", scenario.batch >= 2),
+        ("fewer kv heads than heads", config.num_kv_heads < config.num_heads),
+        ("2 or more layers", config.num_layers >= 2),
+        ("a window layer", config.window is not None),
+        ("half precision", scenario.dtype in kvst.HALF_DTYPES),
+    ):
+        if reached:
+            reach.note(said)
+
+
+def note_step(step_index: int, size: int, end: int) -> None:
+    """Note the edges a step of ``size`` tokens ending at length ``end`` reaches."""
+    if step_index == 0 and size == 1:
+        reach.note("a prefill of 1 token")
+    elif step_index and size == 1:
+        reach.note("a decode of 1 token")
+    elif step_index:
+        reach.note("a chunk of several tokens after the prefill")
+    offset = {kvst.EDGE - 1: "1 below", 0: "at", 1: "1 past"}.get(end % kvst.EDGE)
+    if offset is not None and end >= kvst.EDGE - 1:
+        reach.note(f"a length {offset} a {kvst.EDGE}-row edge")
+
+
 def run(factory: CacheFactory, scenario: kvst.Scenario, path: str = "append") -> Iterator[Step]:
     """Run every session of ``scenario`` on caches from ``factory``, yielding each step."""
     model = scenario.model()
@@ -109,9 +169,11 @@ def run(factory: CacheFactory, scenario: kvst.Scenario, path: str = "append") ->
             else None
         )
         start = 0
+        note_session(scenario, session_index)
         for step_index, size in enumerate(session.chunks):
             lengths_before = [cache.length for cache in request.caches]
             logits = engine.feed(request, tokens[:, start : start + size], compare=False)
+            note_step(step_index, size, start + size)
             step = Step(
                 scenario=scenario,
                 session_index=session_index,
@@ -151,7 +213,7 @@ def check_logits_match_uncached(
                 lossy=kvassert.coarsest(step.request.caches),
             )
         except failures.WrongResults as error:
-            error.add_note(first_wrong_layer(step.scenario.model(), step.request))
+            diagnose(error, step.scenario.model(), step.request)
             raise
 
 
@@ -199,6 +261,7 @@ LOGITS = Property(
     paths=True,
     pinned=kvst.PINNED,
     edges=kvst.EDGES,
+    reaches=SCENARIO_EDGES,
 )
 LENGTHS = Property(
     "lengths",
@@ -208,6 +271,7 @@ LENGTHS = Property(
     failures.DATA_LOSS,
     pinned=kvst.PINNED,
     edges=kvst.EDGES,
+    reaches=SCENARIO_EDGES,
 )
 CONTENTS = Property(
     "contents",
@@ -217,6 +281,7 @@ CONTENTS = Property(
     failures.DATA_LOSS,
     pinned=kvst.PINNED,
     edges=kvst.EDGES,
+    reaches=SCENARIO_EDGES,
 )
 
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
 from kvcheck import badinput as kvbad
-from kvcheck import failures
+from kvcheck import failures, reach
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.devices import dtype_name
@@ -39,7 +39,7 @@ from kvcheck.strategies import (
     window_from,
     windows,
 )
-from kvref import CacheFactory, ModelConfig
+from kvref import CacheFactory, ModelConfig, may_refuse_truncate
 
 
 @dataclass(frozen=True)
@@ -108,12 +108,19 @@ class Rollbacks:
 
 @dataclass(frozen=True)
 class ForkHere:
-    """Continue on a fork of the caches; the parent is kept, fed ``parent_tokens`` at the
-    end, and must still match the model on its own history (where fork is offered)."""
+    """Fork the caches and continue on the fork, the parent kept, fed ``parent_tokens`` at
+    the end and held to the model on its own history (where fork is offered); with
+    ``on_parent``, continue on the parent instead, the fork the one left behind: an edit of
+    either must leave the other's history alone."""
 
     parent_tokens: int
+    on_parent: bool = False
 
     def describe(self) -> str:
+        if self.on_parent:
+            return (
+                f"fork, going on with the parent (the fork decodes {self.parent_tokens} at the end)"
+            )
         return f"fork (the parent decodes {self.parent_tokens} at the end)"
 
 
@@ -159,9 +166,16 @@ def describe_step(step: Step) -> str:
 
 
 def reorders(batch: int) -> st.SearchStrategy[Reorder]:
-    """Indices for ``batch`` rows with repeats allowed, never the identity."""
+    """Indices for ``batch`` rows, never the identity: with repeats, a permutation of every
+    row (random draws of 3 or 4 rows seldom are one), the rows reversed, or one row for all
+    (a beam that won everywhere)."""
     identity = tuple(range(batch))
-    indices = st.lists(st.integers(0, batch - 1), min_size=batch, max_size=batch).map(tuple)
+    indices = st.one_of(
+        st.lists(st.integers(0, batch - 1), min_size=batch, max_size=batch).map(tuple),
+        st.permutations(identity).map(tuple),
+        st.just(identity[::-1]),
+        st.integers(0, batch - 1).map(lambda row: (row,) * batch),
+    )
     return indices.filter(lambda drawn: drawn != identity).map(Reorder)
 
 
@@ -197,7 +211,7 @@ def edit_plans(draw, *, rollbacks: bool = True, reorder: bool = False) -> EditPl
         ]
     if reorder:
         kinds += [reorders(batch), reorders(batch)]
-    kinds.append(st.builds(ForkHere, st.integers(1, 3)))
+    kinds.append(st.builds(ForkHere, st.integers(1, 3), st.booleans()))
     steps = draw(st.lists(st.one_of(kinds), min_size=2, max_size=10), label="steps")
     plan = EditPlan(
         config=config,
@@ -221,6 +235,8 @@ _one_layer = ModelConfig(
 #   next query needs: a cache that takes it instead of refusing (WindowTruncateUnchecked).
 # - A rewind of everything after a window-1 ring dropped position 0: truncate(0) needs no
 #   position, so a cache must not refuse it (RefusesTruncateZero).
+# - A parent rolled back into the block it shares with its fork, decoding on before the fork
+#   does: copy-on-write on the fork's side only (ParentTruncatesSharedBlocks).
 PINNED_EDITS = (
     EditPlan(
         ModelConfig(
@@ -238,6 +254,14 @@ PINNED_EDITS = (
         dtype=torch.float64,
         prompt=1,
         steps=(1, Rewind(MAX_SESSION)),
+        token_seed=0,
+    ),
+    EditPlan(
+        _one_layer,
+        batch=1,
+        dtype=torch.float64,
+        prompt=9,
+        steps=(ForkHere(1, on_parent=True), Rewind(3), 1),
         token_seed=0,
     ),
 )
@@ -277,6 +301,66 @@ PINNED_REORDERS = (
 )
 
 
+# The edges of truncate (contract, section 4): each boundary of the length, of a window's
+# refusal rule (kvref.may_refuse_truncate) and of a fork's sharing.
+TO_ZERO = "truncate to 0"
+OF_NOTHING = "truncate to the length held (nothing dropped)"
+BY_ONE = "truncate by one"
+TRUNCATES_BACK_TO_BACK = "two truncates back to back"
+AFTER_WRAP = "truncate after a window's ring wrapped"
+MAY_REFUSE = "truncate a window may refuse"
+TO_ZERO_AFTER_WRAP = "truncate to 0 after a window's ring wrapped"
+ACROSS_WINDOW = "truncate from past a window to within it"
+BELOW_WINDOW = "truncate to one below a window"
+TRUNCATED_FORK = "truncate of a fork whose parent lives on"
+TRUNCATED_PARENT = "truncate of a parent whose fork lives on"
+# Of reorder: the shapes of indices, and what it meets.
+WITH_REPEATS = "reorder with repeats"
+EVERY_ROW = "reorder permuting every row"
+REVERSAL = "reorder reversing 3 or more rows"
+ONE_FOR_ALL = "reorder of one row into all"
+REORDERS_BACK_TO_BACK = "two reorders back to back"
+REORDER_AFTER_WRAP = "reorder after a window's ring wrapped"
+REORDERED_FORK = "reorder of a fork whose parent lives on"
+REORDERED_PARENT = "reorder of a parent whose fork lives on"
+# Of the two mixed.
+REORDER_AFTER_TRUNCATE = "reorder right after a truncate"
+TRUNCATE_AFTER_REORDER = "truncate right after a reorder"
+
+
+def truncate_edges(windows: set[int], held: int, target: int, last: str) -> list[str]:
+    """The edges a truncate from ``held`` to ``target`` runs on layers of ``windows``, the
+    event before it ``last``."""
+    edges = {
+        TO_ZERO: target == 0 < held,
+        OF_NOTHING: target == held > 0,
+        BY_ONE: target == held - 1,
+        TRUNCATES_BACK_TO_BACK: last == "truncate",
+        TRUNCATE_AFTER_REORDER: last == "reorder",
+        AFTER_WRAP: any(held > w for w in windows),
+        MAY_REFUSE: may_refuse_truncate(windows, held, target),
+        TO_ZERO_AFTER_WRAP: target == 0 and any(held > w for w in windows),
+        ACROSS_WINDOW: any(held > w >= target for w in windows),
+        BELOW_WINDOW: any(target == w - 1 < held for w in windows),
+    }
+    return [name for name, reached in edges.items() if reached]
+
+
+def reorder_edges(indices: tuple[int, ...], windows: set[int], held: int, last: str):
+    """The edges a reorder by ``indices`` of ``held`` tokens runs."""
+    rows = len(indices)
+    edges = {
+        WITH_REPEATS: len(set(indices)) < rows,
+        EVERY_ROW: len(set(indices)) == rows,
+        REVERSAL: rows >= 3 and indices == tuple(range(rows))[::-1],
+        ONE_FOR_ALL: len(set(indices)) == 1,
+        REORDERS_BACK_TO_BACK: last == "reorder",
+        REORDER_AFTER_TRUNCATE: last == "truncate",
+        REORDER_AFTER_WRAP: any(held > w for w in windows),
+    }
+    return [name for name, reached in edges.items() if reached]
+
+
 def check_edits(factory: CacheFactory, plan: EditPlan) -> None:
     """After every rollback, rewind, reorder or fork, the caches behave exactly as if they
     had been given only the history that remains: logits, lengths and rows, step after step."""
@@ -288,14 +372,36 @@ def check_edits(factory: CacheFactory, plan: EditPlan) -> None:
         path=path_for(plan.path, factory),
         describe=plan.describe,
     )
+    windows = {model.config.layer_window(layer) for layer in range(plan.config.num_layers)}
+    windows.discard(None)
     request = engine.start("the request", plan.batch)
-    parents = []  # (request, tokens to decode at the end)
+    behind = []  # (request, tokens to decode at the end): the other side of each fork
     fed = [0]
+    last = ["feed"]  # the event before the one running: edits back to back
+    roles = {"fork": set(), "parent": set()}  # names of the requests each side of a fork
 
     def feed(size: int, at: str) -> None:
         fed[0] += 1
         seed = plan.token_seed * 1000 + fed[0]
         engine.feed(request, kvst.random_tokens(plan.config, plan.batch, size, seed), at=at)
+        last[0] = "feed"
+
+    def truncate(target: int, at: str) -> None:
+        held = request.held
+        engine.truncate(request, target, at=at)  # done, or refused as a window may
+        reach.note(*truncate_edges(windows, held, target, last[0]), *forked(TRUNCATED))
+        last[0] = "truncate"
+
+    def forked(names: tuple[str, str]) -> list[str]:
+        """The edges of an edit of ``request`` while the other side of a fork lives on: a
+        fork whose parent does (names[0]), a parent whose fork does (names[1])."""
+        if "fork" not in request.offered:
+            return []
+        return [
+            name
+            for name, role in zip(names, ("fork", "parent"), strict=True)
+            if request.name in roles[role]
+        ]
 
     feed(plan.prompt, " (the prompt)")
     engine.check("the prompt")
@@ -305,27 +411,40 @@ def check_edits(factory: CacheFactory, plan: EditPlan) -> None:
             feed(step, at)
         elif isinstance(step, Rollback):
             feed(step.drafted, at)
-            engine.truncate(request, request.held - step.drafted + step.kept, at=at)
+            truncate(request.held - step.drafted + step.kept, at)
         elif isinstance(step, Rollbacks):
             feed(step.drafted, at)
-            engine.truncate(request, max(request.held - step.first, 0), at=at)
-            engine.truncate(request, max(request.held - step.second, 0), at=at)
+            truncate(max(request.held - step.first, 0), at)
+            truncate(max(request.held - step.second, 0), at)
         elif isinstance(step, Rewind | RewindTo):
-            engine.truncate(request, step.target(request.held), at=at)
+            truncate(step.target(request.held), at)
         elif isinstance(step, ForkHere):
-            parents.append((request, step.parent_tokens))
-            request = engine.fork(request, f"fork #{len(parents)}", at=at)
+            fork = engine.fork(request, f"fork #{len(behind) + 1}", at=at)
+            if step.on_parent:
+                roles["parent"].add(request.name)
+                behind.append((fork, step.parent_tokens))
+            else:
+                roles["fork"].add(fork.name)
+                behind.append((request, step.parent_tokens))
+                request = fork
         else:
             if step.indices == tuple(range(plan.batch)):  # it would prove nothing
                 raise InvalidArgument(f"{at}: a reorder plan must not be the identity")
+            held = request.held
             engine.reorder(request, torch.tensor(step.indices), at=at)
+            reach.note(*reorder_edges(step.indices, windows, held, last[0]), *forked(REORDERED))
+            last[0] = "reorder"
         engine.check(at.removeprefix(", "))
-    # Every parent left behind by a fork is still its own history.
-    for parent, tokens in parents:
-        request = parent
-        feed(tokens, f", after the plan ({parent.name} decodes)")
-        engine.check(f"{parent.name} decodes")
+    # Every request left behind by a fork is still its own history.
+    for other, tokens in behind:
+        request = other
+        feed(tokens, f", after the plan ({other.name} decodes)")
+        engine.check(f"{other.name} decodes")
     engine.finish()
+
+
+TRUNCATED = (TRUNCATED_FORK, TRUNCATED_PARENT)
+REORDERED = (REORDERED_FORK, REORDERED_PARENT)
 
 
 def check_bad_truncate(factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.BadInput):
@@ -338,6 +457,39 @@ def check_bad_reorder(factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.B
     check_refused(factory, plan, case, "reorder", lambda cache: case.make(plan.spec))
 
 
+def edges(*names: str, needs: tuple[str, ...] = ()) -> tuple[reach.Edge, ...]:
+    """``names`` as edges, those of a fork needing ``fork`` beside ``needs``."""
+    forks = (*TRUNCATED, *REORDERED)
+    return tuple(
+        reach.Edge(name, needs=(*needs, "fork") if name in forks else needs) for name in names
+    )
+
+
+TRUNCATE_EDGES = edges(
+    TO_ZERO,
+    OF_NOTHING,
+    BY_ONE,
+    TRUNCATES_BACK_TO_BACK,
+    AFTER_WRAP,
+    MAY_REFUSE,
+    TO_ZERO_AFTER_WRAP,
+    ACROSS_WINDOW,
+    BELOW_WINDOW,
+    *TRUNCATED,
+    needs=("truncate",),
+)
+REORDER_EDGES = edges(
+    WITH_REPEATS,
+    EVERY_ROW,
+    REVERSAL,
+    ONE_FOR_ALL,
+    REORDERS_BACK_TO_BACK,
+    REORDER_AFTER_WRAP,
+    *REORDERED,
+    needs=("reorder",),
+)
+MIXED_EDGES = edges(REORDER_AFTER_TRUNCATE, TRUNCATE_AFTER_REORDER, needs=("truncate", "reorder"))
+
 TRUNCATE = Property(
     "truncate",
     "after a rollback (speculative decoding) or a rewind, caches act on the history left",
@@ -346,6 +498,7 @@ TRUNCATE = Property(
     failures.WRONG_RESULTS,
     requires=("truncate",),
     pinned=on_both_paths(PINNED_EDITS),
+    reaches=TRUNCATE_EDGES,
 )
 BAD_TRUNCATE = Property(
     "bad truncate",
@@ -365,6 +518,7 @@ REORDER = Property(
     requires=("reorder",),
     min_batch=2,
     pinned=on_both_paths(PINNED_REORDERS),
+    reaches=REORDER_EDGES,
 )
 BAD_REORDER = Property(
     "bad reorder",
@@ -384,6 +538,7 @@ EDITS = Property(
     requires=("truncate", "reorder"),
     min_batch=2,
     pinned=on_both_paths(PINNED_MIXED_EDITS),
+    reaches=MIXED_EDGES,
     examples_share=0.5,  # truncate and reorder each have their own full search
 )
 

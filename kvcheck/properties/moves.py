@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
 from kvcheck import devices as kvdevices
-from kvcheck import failures, scripts
+from kvcheck import failures, reach, scripts
 from kvcheck import moves as kvmoves
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
@@ -134,6 +134,47 @@ def through_the_cpu(rows: CacheRows) -> CacheRows:
     return dataclasses.replace(rows, keys=moved[0], values=moved[1])
 
 
+TO_BLOCK_SIZE = "move to a pool of another block size"
+AT_BLOCK_END = "move of a length that ends a block"
+INSIDE_BLOCK = "move of a length that ends inside a block"
+TO_REFERENCE = "move to the kit's reference cache"
+FROM_REFERENCE = "move from the kit's reference cache"
+AFTER_WRAP = "move after a window's ring wrapped"
+AFTER_REORDER = "move right after a reorder"
+AFTER_TRUNCATE = "move right after a truncate"
+BACK_TO_BACK = "two moves back to back"
+MOVE_EDGES = (
+    reach.Edge(TO_BLOCK_SIZE, needs=("move", "block pool")),
+    reach.Edge(AT_BLOCK_END, needs=("move", "block pool")),
+    reach.Edge(INSIDE_BLOCK, needs=("move", "block pool")),
+    reach.Edge(TO_REFERENCE, needs=("move",)),
+    reach.Edge(FROM_REFERENCE, needs=("move",)),
+    reach.Edge(AFTER_WRAP, needs=("move",)),
+    reach.Edge(AFTER_REORDER, needs=("move", "reorder")),
+    reach.Edge(AFTER_TRUNCATE, needs=("move", "truncate")),
+    reach.Edge(BACK_TO_BACK, needs=("move",)),
+)
+
+
+def move_edges(plan: MovePlan, ends: list, layout: int, held: int, last: str) -> dict:
+    """Each edge of the move to ``layout`` of ``held`` tokens (the event before it ``last``),
+    with whether it reaches it."""
+    (source, _), (target, _) = ends[layout - 1], ends[layout]
+    size, to_size = getattr(source, "block_size", None), getattr(target, "block_size", None)
+    windows = {plan.config.layer_window(n) for n in range(plan.config.num_layers)} - {None}
+    return {
+        TO_BLOCK_SIZE: None not in (size, to_size) and size != to_size,
+        AT_BLOCK_END: size is not None and held > 0 and held % size == 0,
+        INSIDE_BLOCK: size is not None and held % size != 0,
+        TO_REFERENCE: target is kvmoves.ReferenceRows,
+        FROM_REFERENCE: source is kvmoves.ReferenceRows,
+        AFTER_WRAP: any(held > w for w in windows),
+        AFTER_REORDER: last == "reorder",
+        AFTER_TRUNCATE: last == "truncate",
+        BACK_TO_BACK: last == "move",
+    }
+
+
 def check_moves(factory: CacheFactory, plan: MovePlan) -> None:
     """Every step of the script, on each layout in turn, gives the uncached model's logits;
     each export holds the rows given; the pool a request leaves gets every block back."""
@@ -141,8 +182,12 @@ def check_moves(factory: CacheFactory, plan: MovePlan) -> None:
     ends = resolved(factory, plan)
     first, path = ends[0]
     engine = Engine(first, model, max_length=MOST_TOKENS + 1, path=path, describe=plan.describe)
+    moves = [step for step, event in enumerate(plan.events) if event[0] == "move"]
 
     def move(request, layout: int, at: str) -> None:
+        before = plan.events[moves[layout - 1] - 1][0]  # a move is never the first event
+        edges = move_edges(plan, ends, layout, request.held, before)
+        reach.note(*(name for name, reached in edges.items() if reached))
         made, path = ends[layout]
         if plan.through_cpu[layout - 1 : layout] == (True,):
             engine.move(request, made, path=path, carry=through_the_cpu, at=f"{at}, via the CPU")
@@ -213,6 +258,7 @@ MOVE = Property(
     failures.WRONG_RESULTS,
     requires=("move",),
     pinned=(ACROSS_BLOCK_SIZES,),
+    reaches=MOVE_EDGES,
     since="1.5",
 )
 BAD_IMPORT = Property(

@@ -32,11 +32,33 @@ def check_refused(factory: CacheFactory, plan: kvst.CachePlan, case, method: str
         error, case, where=where, sent=bad, method=method, cache=cache, spec=plan.spec
     )
     # Whatever the error, a refusal must change nothing: that comes before its wording.
-    kvassert.assert_unchanged(
-        cache, plan.spec, who="the cache", where=where, case=case, refused=refused
-    )
+    try:
+        kvassert.assert_unchanged(
+            cache, plan.spec, who="the cache", where=where, case=case, refused=refused
+        )
+    except failures.RefusalChangedState as error:
+        not_the_refusals_doing(factory, plan, error)
+        raise
     if refused:
         kvassert.assert_clear_error(error, case, bad, where=where)
+
+
+def not_the_refusals_doing(factory: CacheFactory, plan: kvst.CachePlan, error) -> None:
+    """Raise, from ``error``, the failure of a twin cache that took the same warm-up and the
+    same read-back with no bad call between them, where it fails too: the cache goes wrong
+    there whatever it is sent (say, it drops a row at that length), and that is the root the
+    verdict must name, not a refusal that changed state."""
+    twin = warm(factory, plan)
+    try:
+        kvassert.assert_unchanged(twin, plan.spec, who="the cache", where=plan.describe())
+    except failures.RefusalChangedState as own:
+        root = failures.DataLoss(
+            f"{str(own).replace('after a refused call', 'with no bad call at all')}\n  (a twin "
+            f"cache given the same rows and no bad input fails the same read-back: the cache "
+            f"goes wrong there whatever it is sent, not because of the refusal)"
+        )
+        root.kv_root = getattr(own, "kv_root", None)
+        raise root from error
 
 
 def check_bad_append(factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.BadInput) -> None:

@@ -20,7 +20,7 @@ from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.harness import assert_served, give, recorded, spec_on_path
 from kvcheck.kit import KitTests, Property, property_test
-from kvcheck.properties.core import check_logits_match_uncached
+from kvcheck.properties.core import POISONED_EDGES, check_logits_match_uncached
 from kvcheck.strategies import POISON_VALUES, cache_specs, chunk_plans
 from kvref import CacheFactory, CacheSpec
 
@@ -101,6 +101,7 @@ RESET = Property(
     failures.WRONG_RESULTS,
     paths=True,
     pinned=kvst.PINNED[:1],
+    reaches=POISONED_EDGES,
 )
 STALE_ROWS = Property(
     "stale rows",

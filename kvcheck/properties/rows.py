@@ -23,13 +23,14 @@ import torch
 from hypothesis import strategies as st
 
 from kvcheck import devices as kvdevices
-from kvcheck import failures
+from kvcheck import failures, reach
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.devices import dtype_name
 from kvcheck.kit import KitTests, Property, property_test
 from kvcheck.session import Engine
 from kvref import CacheFactory, ModelConfig
+from kvref.model import ROPE_TABLE_POSITIONS
 
 MAX_LENGTH = 48  # per row: prompts and rollbacks drawn around the 16-row boundaries below it
 EVENTS = ("feed", "truncate", "select", "join", "restart")
@@ -89,9 +90,8 @@ def prompt_counts(draw, batch: int, room: int) -> tuple[int, ...]:
 @st.composite
 def rows_plans(draw) -> RowsPlan:
     """A batch of 2 to 4 rows: prompts, then decode steps (some rows idle), chunks, per-row
-    rollbacks, a row leaving and a request joining after it."""
+    rollbacks, rows leaving and requests joining after them."""
     batch = draw(kvsizes.batches(low=2, small_max=4), label="batch")  # within a domain's
-    lengths = [0] * batch
     built = batch  # the rows the batch's caches were built for: a join fits in those
     events = []
     first = draw(prompt_counts(batch, MAX_LENGTH // 2), label="prompts")
@@ -108,27 +108,23 @@ def rows_plans(draw) -> RowsPlan:
                 events.append(("feed", counts))
                 lengths = [n + c for n, c in zip(lengths, counts, strict=True)]
         elif kind == "truncate":
-            keep = tuple(n - draw(st.integers(0, min(4, n)), label="rejected") for n in lengths)
+            keep = tuple(n - draw(rejected_counts(n), label="rejected") for n in lengths)
             events.append(("truncate", keep))
             lengths = list(keep)
         elif kind == "select":
-            # Finished rows leave, the others in any order (all of them, reordered, too).
-            order = draw(st.permutations(range(len(lengths))), label="rows in order")
-            kept = tuple(order[: draw(st.integers(1, len(lengths)), label="rows kept")])
+            kept = draw(selections(len(lengths)), label="rows kept")
             events.append(("select", kept))
             lengths = [lengths[row] for row in kept]
-        elif kind == "join" and len(lengths) < built:
-            room = built - len(lengths)
-            joining = draw(st.integers(1, room), label="joining rows")
-            prompts = tuple(
-                (
-                    draw(st.integers(1, 12), label="joining prompt"),
-                    draw(st.sampled_from(FIRST_POSITIONS), label="its first position"),
-                )
-                for _ in range(joining)
-            )
-            events.append(("join", prompts))
-            lengths += [prompt for prompt, _ in prompts]
+        elif kind == "join":
+            if len(lengths) == built and len(lengths) > 1:
+                # A full batch: rows finish and leave first, so that a request may join.
+                kept = draw(leavers(len(lengths)), label="rows kept")
+                events.append(("select", kept))
+                lengths = [lengths[row] for row in kept]
+            if len(lengths) < built:
+                prompts = draw(joining_requests(built - len(lengths)), label="joining")
+                events.append(("join", prompts))
+                lengths += [prompt for prompt, _ in prompts]
         elif kind == "restart" and len(lengths) == built:
             # Every row empty and elsewhere: a new batch on these caches, of the rows they were
             # built for (which batch a reset returns to after rows left is the cache's choice).
@@ -153,6 +149,49 @@ def rows_plans(draw) -> RowsPlan:
         token_seed=draw(st.integers(0, 2**16), label="token seed"),
         pad=draw(st.sampled_from(sorted(kvst.POISON_VALUES)), label="pad"),
     )
+
+
+@st.composite
+def rejected_counts(draw, held: int) -> int:
+    """A row's rejected draft tokens: none, some (up to 4), or every token it holds."""
+    how = draw(st.sampled_from(("some", "some", "none", "all")), label="rollback")
+    if how == "none" or not held:
+        return 0
+    return held if how == "all" else draw(st.integers(1, min(4, held)), label="rejected")
+
+
+@st.composite
+def selections(draw, rows: int) -> tuple[int, ...]:
+    """The rows ``select_rows`` keeps: finished rows leave, or every row stays reordered
+    (a permutation other than the identity), or both."""
+    order = tuple(draw(st.permutations(range(rows)), label="rows in order"))
+    how = draw(st.sampled_from(("leave", "reorder", "both")), label="selection")
+    if how == "leave" and rows > 1:
+        return draw(leavers(rows), label="rows kept")
+    if how == "reorder" and rows > 1:
+        # The identity is no reorder: a cycle then, whose inverse differs from it from 3 on.
+        return order if order != tuple(range(rows)) else (*range(1, rows), 0)
+    return order[: draw(st.integers(1, rows), label="rows kept")]
+
+
+@st.composite
+def leavers(draw, rows: int) -> tuple[int, ...]:
+    """The rows that stay, in order, when at least one of ``rows`` finishes and leaves."""
+    stay = draw(st.integers(1, rows - 1), label="rows staying")
+    return tuple(sorted(draw(st.permutations(range(rows)), label="leaving")[:stay]))
+
+
+@st.composite
+def joining_requests(draw, room: int) -> tuple[tuple[int, int], ...]:
+    """(prompt, first position) of each row of a request prefilled alone that joins: as many
+    rows as the batch has room for, often, each with a first position of its own."""
+    joining = room if draw(st.booleans(), label="fill the batch") else draw(st.integers(1, room))
+    firsts = draw(
+        st.lists(st.sampled_from(FIRST_POSITIONS), min_size=joining, max_size=joining, unique=True),
+        label="their first positions",
+    )
+    prompts = [draw(st.integers(1, 12), label="joining prompt") for _ in firsts]
+    return tuple(zip(prompts, firsts, strict=True))
 
 
 def check_mixed_lengths(factory: CacheFactory, plan: RowsPlan) -> None:
@@ -180,26 +219,135 @@ def check_mixed_lengths(factory: CacheFactory, plan: RowsPlan) -> None:
 
     if plan.firsts is not None and offers("reset_at"):
         engine.reset_at(batch, list(plan.firsts))
+        note_first_positions(plan.firsts)
+    moved = False  # rows left, were reordered or joined since the batch's last reset
     for index, (kind, arg) in enumerate(plan.events):
         if kind in NEEDS and not offers(NEEDS[kind]):
             break  # not offered: the rest of the plan was drawn for the rows it would leave
         at = f" (event #{index})"
+        held = held_lengths(batch)
         if kind == "feed":
             engine.feed_rows(batch, [tokens(count) for count in arg], pad=plan.pad, at=at)
+            note_feed(arg, held, batch.firsts or [0] * len(held), plan.pad)
         elif kind == "truncate":
-            engine.truncate_rows(batch, list(arg), at=at)
+            if engine.truncate_rows(batch, list(arg), at=at):
+                note_rollback(arg, held)
         elif kind == "select":
             engine.select_rows(batch, list(arg), at=at)
+            note_selection(arg, len(held))
+            moved = True
         elif kind == "restart":
             engine.reset_at(batch, list(arg), at=at)
+            note_first_positions(arg)
+            if moved:
+                reach.note(RESTART_AFTER_MOVES)
+            moved = False
         else:
             joining = engine.start(f"joining #{index}", len(arg))
             if offers("reset_at"):
                 engine.reset_at(joining, [first for _, first in arg], at=at)
             engine.feed_rows(joining, [tokens(prompt) for prompt, _ in arg], pad=plan.pad, at=at)
             engine.join(batch, joining, at=at)
+            note_join(arg, with_firsts=offers("reset_at"))
+            moved = True
         engine.check(f"event #{index}")
     engine.finish()
+
+
+def held_lengths(request) -> list[int]:
+    """Each row's tokens held before the next event (none before the first feed)."""
+    return [len(row) for row in request.rows] if request.rows is not None else [0] * request.batch
+
+
+# The edges of sections 8.1-8.3 the plans must reach (kvcheck.reach), each noted below when
+# it ran on the cache.
+SAME_PROMPTS = "prompts of the same length"
+PROMPTS_BY_ONE = "prompts that differ by one token"
+PROMPTS_BY_MANY = "prompts that differ by many tokens"
+EMPTY_SLOT = "an empty slot beside rows fed"
+FULL_ROW_IDLE = "a row full at max_length idle while others decode"
+PADS = {kind: f"pads of {kind}" for kind in sorted(kvst.POISON_VALUES)}
+ROLLBACK_OF_NONE = "a rollback of 0 beside a rollback"
+ROLLBACK_OF_ALL = "a rollback of a whole row"
+ROW_LEAVES = "a finished row leaves while others stay"
+PERMUTATION = "select_rows a permutation of every row, not the identity"
+JOIN_FIRSTS = "join of 2+ rows with different first positions"
+JOIN_LENGTHS = "join of 2+ rows of different lengths"
+RESTART_AFTER_MOVES = "reset_at after select_rows or join"
+FIRSTS_OF_THEIR_OWN = "rows with different first positions"
+BELOW_A_POWER = "a first position one below a power of two"
+PAST_MAX_LENGTH = "a first position past max_length"
+CROSSES_TABLE_END = "a row fed across the end of the model's rotation table"
+
+EDGES = (
+    reach.Edge(SAME_PROMPTS),
+    reach.Edge(PROMPTS_BY_ONE),
+    reach.Edge(PROMPTS_BY_MANY),
+    reach.Edge(EMPTY_SLOT),
+    reach.Edge(FULL_ROW_IDLE),
+    *(reach.Edge(name) for name in PADS.values()),
+    reach.Edge(ROLLBACK_OF_NONE, needs=("truncate_rows",)),
+    reach.Edge(ROLLBACK_OF_ALL, needs=("truncate_rows",)),
+    reach.Edge(ROW_LEAVES, needs=("select_rows",)),
+    reach.Edge(PERMUTATION, needs=("select_rows",)),
+    reach.Edge(JOIN_FIRSTS, needs=("join", "reset_at")),
+    reach.Edge(JOIN_LENGTHS, needs=("join",)),
+    reach.Edge(RESTART_AFTER_MOVES, needs=("reset_at", "select_rows")),
+    reach.Edge(FIRSTS_OF_THEIR_OWN, needs=("reset_at",)),
+    reach.Edge(BELOW_A_POWER, needs=("reset_at",)),
+    reach.Edge(PAST_MAX_LENGTH, needs=("reset_at",)),
+    reach.Edge(CROSSES_TABLE_END, needs=("reset_at",)),
+)
+
+
+def note_feed(counts, held: list[int], firsts: list[int], pad: str) -> None:
+    """The edges a feed of ``counts`` ran, the rows holding ``held`` before it."""
+    fed = [count for count in counts if count]
+    if not any(held):  # prompts into empty rows
+        spread = max(counts) - min(counts)
+        reach.note(
+            SAME_PROMPTS if not spread else PROMPTS_BY_ONE if spread == 1 else PROMPTS_BY_MANY
+        )
+    if len(set(counts)) > 1:  # some slot of the call is a pad
+        reach.note(PADS[pad])
+    if fed and 0 in counts:
+        reach.note(EMPTY_SLOT)
+    if fed and any(n == MAX_LENGTH and not c for n, c in zip(held, counts, strict=True)):
+        reach.note(FULL_ROW_IDLE)
+    spans = zip(firsts, held, counts, strict=True)
+    if any(first + n < ROPE_TABLE_POSITIONS <= first + n + c - 1 for first, n, c in spans):
+        reach.note(CROSSES_TABLE_END)
+
+
+def note_rollback(keep, held: list[int]) -> None:
+    rolled = [n - k for n, k in zip(held, keep, strict=True)]
+    if any(rolled) and 0 in rolled:
+        reach.note(ROLLBACK_OF_NONE)
+    if any(n and not k for n, k in zip(held, keep, strict=True)):
+        reach.note(ROLLBACK_OF_ALL)
+
+
+def note_selection(kept, rows: int) -> None:
+    if len(kept) < rows:
+        reach.note(ROW_LEAVES)
+    elif tuple(kept) != tuple(range(rows)):
+        reach.note(PERMUTATION)
+
+
+def note_join(joining, *, with_firsts: bool) -> None:
+    if len({prompt for prompt, _ in joining}) > 1:
+        reach.note(JOIN_LENGTHS)
+    if with_firsts and len({first for _, first in joining}) > 1:
+        reach.note(JOIN_FIRSTS)
+
+
+def note_first_positions(firsts) -> None:
+    if len(set(firsts)) > 1:
+        reach.note(FIRSTS_OF_THEIR_OWN)
+    if any(first > 1 and not (first + 1) & first for first in firsts):
+        reach.note(BELOW_A_POWER)
+    if any(first > MAX_LENGTH for first in firsts):
+        reach.note(PAST_MAX_LENGTH)
 
 
 NEEDS = {
@@ -231,6 +379,60 @@ PINNED = (
         firsts=(255, 1025, 8191),
         pad="inf",
     ),
+    # Every row stays, reordered by a 3-cycle (its inverse differs, and so does the
+    # identity); two rows leave and a request of two rows with first positions and lengths
+    # of their own joins; then a restart on the moved rows, and rollbacks of 0, of some and
+    # of a whole row.
+    RowsPlan(
+        config=ModelConfig(vocab_size=29, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8),
+        dtype=torch.float64,
+        batch=3,
+        events=(
+            ("feed", (6, 2, 4)),
+            ("select", (2, 0, 1)),
+            ("feed", (1, 1, 1)),
+            ("select", (1,)),
+            ("join", ((3, 255), (5, 8190))),
+            ("feed", (1, 1, 1)),
+            ("restart", (1, 49, 4096)),
+            ("feed", (2, 2, 3)),
+            ("truncate", (2, 0, 1)),
+            ("feed", (1, 1, 1)),
+        ),
+        token_seed=5,
+        firsts=(4095, 48, 1023),
+        pad="nan",
+    ),
+    # A row full at max_length sits idle while its neighbour decodes (capacity is per row),
+    # then keeps all of its rows while its neighbour rolls back all of its own; the two swap
+    # places and restart elsewhere than 0; in bfloat16, head_dim 64 and batch 2, inside the
+    # tightest domains the built-ins declare.
+    RowsPlan(
+        config=ModelConfig(vocab_size=17, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64),
+        dtype=torch.bfloat16,
+        batch=2,
+        events=(
+            ("feed", (MAX_LENGTH, 3)),
+            ("feed", (0, 1)),
+            ("truncate", (MAX_LENGTH, 0)),
+            ("feed", (0, 2)),
+            ("select", (1, 0)),
+            ("feed", (1, 0)),
+            ("restart", (8191, 49)),
+            ("feed", (3, 1)),
+        ),
+        token_seed=3,
+        pad="-inf",
+    ),
+    # Pads of the one poison the plans above leave out, in as short a plan as has pads.
+    RowsPlan(
+        config=ModelConfig(vocab_size=17, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64),
+        dtype=torch.bfloat16,
+        batch=2,
+        events=(("feed", (2, 1)), ("feed", (1, 0))),
+        token_seed=7,
+        pad="huge",
+    ),
 )
 
 MIXED_LENGTHS = Property(
@@ -244,6 +446,7 @@ MIXED_LENGTHS = Property(
     min_batch=2,
     pinned=PINNED,
     since="1.2",
+    reaches=EDGES,
 )
 
 

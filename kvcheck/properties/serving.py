@@ -7,7 +7,8 @@ or two shared system prompts, so that requests share prefixes all the time; half
 requests belong to a second tenant (another salt) with the same prompts. A request arrives
 (its prompt declared and looked up: the pool may hand it blocks another request wrote), is
 fed its prompt in chunks while others arrive, write and leave in between, decodes, rolls a
-draft back (where truncate is offered), is swapped out and in (where offload is offered) or
+draft back (where truncate is offered), has its two rows reordered as beams (where reorder
+is offered), forks a parallel sample, is swapped out and in (where offload is offered) or
 preempted and recomputed (reset, looked up and fed again), and leaves. The pool keys blocks
 by a hash the plan draws: the pool's own, one under which every block collides, or one of
 two values, so that a pool trusting its keys shows.
@@ -15,7 +16,9 @@ two values, so that a pool trusting its keys shows.
 Every step of every request is the uncached model on its own tokens; every hit's blocks
 were last written full, for this request's salt and tokens, and their rows are read back bit
 for bit (``kvcheck.prefix_books``); the books balance after every event
-(``kvcheck.pool_books``).
+(``kvcheck.pool_books``); and after every event a probe looks up the tokens the request was
+fed (after any reorder or fork), so that a block published under other tokens than those
+written into it shows when it is published.
 
 - ``prefix caching``: where the factory is a ``kvref.PrefixCaching`` pool;
 - ``offload``: plans that swap often, where the caches offer ``offload``.
@@ -34,7 +37,7 @@ import torch
 from hypothesis import strategies as st
 
 from kvcheck import asserts as kvassert
-from kvcheck import failures
+from kvcheck import failures, reach
 from kvcheck import strategies as kvst
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS, build
@@ -116,6 +119,19 @@ class Rollback:
 
 
 @dataclass(frozen=True)
+class Reorder:
+    """Request ``request``'s batch rows become its old rows ``order`` (a beam search's
+    reorder, where reorder is offered): each row's declared tokens go with its rows, and the
+    blocks it publishes after are keyed by the tokens it is fed."""
+
+    request: int
+    order: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"r{self.request}'s rows are reordered by {list(self.order)}"
+
+
+@dataclass(frozen=True)
 class Swap:
     """Request ``request`` is swapped out (``out``) or back in (where offload is offered)."""
 
@@ -160,7 +176,7 @@ class Leave:
         return f"r{self.request} leaves ({self.how})"
 
 
-Event = Arrive | Feed | Rollback | Swap | Sample | Recompute | Leave
+Event = Arrive | Feed | Rollback | Reorder | Swap | Sample | Recompute | Leave
 
 
 @dataclass(frozen=True)
@@ -225,6 +241,7 @@ class _Live:
 
     prompt: int
     length: int = 0
+    batch: int = 1
     swapped: bool = False
     decoded: int = 0  # tokens decoded since the prompt or the last rollback
     before: int = 0  # its length before its last rollback
@@ -275,12 +292,15 @@ def serving_plans(draw, *, swaps: int = 1, max_events: int = 14) -> ServingPlan:
             source = histories[continues]
             whole = source.before if before else source.length
         shared = draw(st.one_of(st.just(whole), st.integers(0, whole)), label="shared tokens")
-        own = draw(st.integers(0 if shared else 1, 8), label="own tokens")
+        # Half the prompts end one token short of a block's end, at it or one past it (of
+        # every block size dividing EDGE): a lookup's and a publication's boundaries.
+        own = draw(st.one_of(st.integers(0, 8), _to_block_end(shared)), label="own tokens")
         own = max(0 if shared else 1, min(own, MAX_LENGTH - 4 - shared))
+        batch = draw(st.integers(1, 2), label="batch")
         events.append(
             Arrive(
                 request,
-                draw(st.integers(1, 2), label="batch"),
+                batch,
                 draw(st.sampled_from(SALTS), label="salt"),
                 system,
                 shared,
@@ -290,14 +310,25 @@ def serving_plans(draw, *, swaps: int = 1, max_events: int = 14) -> ServingPlan:
                 before,
             )
         )
-        live[request] = histories[request] = _Live(shared + own)
+        live[request] = histories[request] = _Live(shared + own, batch=batch)
+        if batch == 2 and 0 < shared < shared + own and draw(st.booleans(), label="beams"):
+            # Fed up to where its rows' tokens part, then reordered: every block written
+            # after has a parent both rows share, under which each row's tokens are its own.
+            events.extend((Feed(request, shared), Reorder(request, (1, 0))))
+            live[request].length = shared
         feed(request)
 
     def feed(request: int) -> None:
         state = live[request]
         if state.length < state.prompt:  # the prompt, whole or a chunk of it
             to = draw(st.sampled_from((state.prompt, None)), label="whole prompt")
-            to = to or draw(st.integers(state.length + 1, state.prompt), label="chunk to")
+            # A chunk ending one row short of a block's end: a block being written, found
+            # by no lookup until its last row is.
+            short = [end - 1 for end in range(EDGE, state.prompt + 1, EDGE)]
+            short = [end for end in short if state.length < end < state.prompt]
+            chunk = st.integers(state.length + 1, state.prompt)
+            chunk = st.one_of(chunk, st.sampled_from(short)) if short else chunk
+            to = to or draw(chunk, label="chunk to")
         else:
             to = min(MAX_LENGTH, state.length + draw(st.integers(1, 4), label="decode"))
         if to > state.length:
@@ -309,7 +340,8 @@ def serving_plans(draw, *, swaps: int = 1, max_events: int = 14) -> ServingPlan:
         if not live:
             arrive()
             continue
-        kinds = ["feed", "feed", "leave", "leave", "recompute", "rollback", *["swap"] * swaps]
+        kinds = ["feed", "feed", "leave", "leave", "recompute", "rollback", "reorder"]
+        kinds += ["swap"] * swaps
         if len(live) < MAX_LIVE:
             kinds += ["arrive", "arrive", "sample"]
         kind = draw(st.sampled_from(kinds), label="event")
@@ -332,14 +364,20 @@ def serving_plans(draw, *, swaps: int = 1, max_events: int = 14) -> ServingPlan:
         elif kind == "sample":
             child, next_request = next_request, next_request + 1
             events.append(Sample(child, request))
-            live[child] = histories[child] = _Live(state.prompt, state.length)
+            live[child] = histories[child] = _Live(state.prompt, state.length, state.batch)
             feed(child)
+            if draw(st.booleans(), label="the parent decodes too"):
+                feed(request)  # both publish blocks after the fork, each of its own tokens
         elif kind == "rollback" and state.decoded:
             back = draw(st.integers(1, state.decoded), label="rejected")
             events.append(Rollback(request, back))
             state.before = state.length
             state.length -= back
             state.decoded -= back
+        elif kind == "reorder" and state.batch == 2:
+            order = draw(st.sampled_from(((1, 0), (1, 0), (0, 0), (1, 1))), label="order")
+            events.append(Reorder(request, order))
+            feed(request)  # blocks published after the reorder, keyed by the rows' tokens
         elif kind == "swap":
             events.append(Swap(request, out=True))
             state.swapped = True
@@ -355,6 +393,13 @@ def serving_plans(draw, *, swaps: int = 1, max_events: int = 14) -> ServingPlan:
         margin=draw(st.sampled_from((0, 0, 1, 2)), label="spare blocks"),
         path=draw(st.sampled_from(PATHS), label="path"),
     )
+
+
+def _to_block_end(shared: int) -> st.SearchStrategy[int]:
+    """Own tokens that end a prompt of ``shared`` tokens and more one short of the next
+    multiple of EDGE, at it, or one past it."""
+    end = -(-(shared + 1) // EDGE) * EDGE
+    return st.sampled_from((-1, 0, 1)).map(lambda offset: end + offset - shared)
 
 
 class _Served:
@@ -376,11 +421,16 @@ class _Served:
         self.rollbacks, self.seed = 0, arrival.seed
         # What it has been fed (and held before its last rollback), for a later turn.
         self.fed = self.before = torch.empty(arrival.batch, 0, dtype=torch.long)
+        # What the plan did to it that the blocks it publishes next must survive (reach).
+        self.since: set[str] = set()  # "reorder", "fork", "truncated into a full block"
+        self.kin: set[int] = set()  # the requests it forked from or into
+        self.while_out: set[str] = set()  # what others did to the pool while it was out
 
     def sample(self, request: int) -> _Served:
         """A parallel sample's tokens: this prompt, decode tokens of its own."""
         twin = copy.copy(self)
         twin.seed, twin.rollbacks = f"{self.seed}/sample {request}", 0
+        twin.since, twin.kin, twin.while_out = set(), set(), set()
         return twin
 
     def tokens(self, start: int, end: int) -> torch.Tensor:
@@ -413,10 +463,43 @@ def serve(factory: CacheFactory, plan: ServingPlan) -> None:
 
 
 def _run(engine: Engine, event: Event, served: dict, plan: ServingPlan, at: str) -> None:
+    in_use = engine.pool.blocks_in_use if engine.pool is not None else 0
     _step(engine, event, served, plan, at)
+    if engine.pool is not None:  # what the others did to the pool while one was out
+        moved = engine.pool.blocks_in_use - in_use
+        for index, tokens in served.items():
+            out = engine.live.get(f"r{index}")
+            if index != event.request and out is not None and _offloaded(out) and moved:
+                tokens.while_out.add("took" if moved > 0 else "freed")
     request = engine.live.get(f"r{event.request}")
     if request is not None:  # what it holds now, for a later turn to continue
         served[event.request].fed = request.history.cpu()
+        _probe(engine, request, served[event.request], served, at)
+
+
+def _offloaded(request: Request) -> bool:
+    return any(getattr(recorder.cache, "offloaded", False) for recorder in request.caches)
+
+
+def _probe(engine: Engine, request: Request, tokens: _Served, served: dict, at: str) -> None:
+    """A lookup of the tokens ``request`` was fed (the plan's history, after any reorder or
+    fork), by fresh caches of its salt, dropped after: every block it finds was written for
+    those tokens, and it finds the prompt blocks ``request`` holds. A block published under
+    a key other than the tokens fed into it (declared tokens a reorder left behind, a token
+    list a fork shares) is found by the tokens it is keyed by and shows here."""
+    if engine.prefix is None or not request.looked_up or not request.held or _offloaded(request):
+        return
+    probe = engine.start(f"{request.name}'s probe", request.batch)
+    probe.salt = request.salt
+    try:
+        engine.lookup(probe, request.history, at=f" (a probe of {request.name}'s blocks){at}")
+    finally:
+        engine.reset(probe)
+        engine.live.pop(probe.name, None)
+    if "fed after a reorder" in tokens.since:
+        reach.note("blocks published after a reorder of rows of other tokens, probed")
+    if "fork" in tokens.since and any("fork" in served[kin].since for kin in tokens.kin):
+        reach.note("blocks published by a sample and its parent after the fork, probed")
 
 
 def _step(engine: Engine, event: Event, served: dict, plan: ServingPlan, at: str) -> None:
@@ -428,21 +511,37 @@ def _step(engine: Engine, event: Event, served: dict, plan: ServingPlan, at: str
         _look_up(engine, request, served[event.request].tokens(0, event.prompt), at)
         return
     if isinstance(event, Sample):
-        served[event.request] = served[event.parent].sample(event.request)
+        parent = served[event.parent]
+        served[event.request] = parent.sample(event.request)
         engine.fork(engine.live[f"r{event.parent}"], name, at=at)
+        if "fork" in engine.live[name].offered:
+            parent.kin.add(event.request)
+            served[event.request].kin.add(event.parent)
+            parent.since.discard("fork")  # from now on: its blocks after the fork
         return
     request, tokens = engine.live[name], served[event.request]
     if isinstance(event, Feed):
         if event.to > request.held:
             _feed(engine, request, tokens, event.to, at)
+            tokens.since.add("fork")  # (noted only where it has kin: a fork ran)
+            if "reorder" in tokens.since:
+                tokens.since.add("fed after a reorder")
     elif isinstance(event, Rollback):
         if "truncate" in request.offered:
             tokens.before = request.history.cpu()
-            engine.truncate(request, request.held - event.back, at=at)
-            tokens.rollbacks += 1
+            _truncate(engine, request, tokens, request.held - event.back, at)
+    elif isinstance(event, Reorder):
+        if "reorder" in request.offered:
+            # Rows of other tokens, held or declared (a prompt fed up to where they part).
+            held = request.history.tolist()
+            rows = {(tuple(h), tuple(p)) for h, p in zip(held, tokens.prompts, strict=True)}
+            engine.reorder(request, torch.tensor(event.order), at=at)
+            tokens.prompts = [tokens.prompts[row] for row in event.order]
+            if len(rows) > 1 and list(event.order) != [0, 1]:
+                tokens.since.add("reorder")
     elif isinstance(event, Swap):
         if "offload" in request.offered:
-            (engine.offload if event.out else engine.restore)(request, at=at)
+            _swap(engine, request, tokens, event.out, at)
     elif isinstance(event, Recompute):
         fed = request.history
         prompt = len(tokens.prompts[0])
@@ -461,8 +560,91 @@ def _step(engine: Engine, event: Event, served: dict, plan: ServingPlan, at: str
 def _look_up(engine: Engine, request: Request, known: torch.Tensor, at: str) -> None:
     """Declare the tokens ``known`` (the prompt, or all fed before a recompute) and take the
     pool's hit, where it caches prefixes."""
+    if engine.prefix is None:
+        return
+    books, size, length = engine.prefix, engine.pool.block_size, known.shape[1]
+    short = _one_row_short(engine, request, known)
+    lost = books.lost_prefix(request.salt, known)
+    hit = engine.lookup(request, known, at=at)
+    whole = length // size
+    if whole:
+        found = "none" if not hit else "all" if hit // size == whole else "some"
+        reach.note(f"a lookup that finds {found} of its prompt's whole blocks")
+    edge = {0: "at a block's end", 1: "one token past a block's end"}
+    if size > 2:
+        edge[size - 1] = "one token short of a block's end"
+    if length % size in edge:
+        reach.note(f"a lookup of a prompt ending {edge[length % size]}")
+    if books.other_tenant_wrote(request.salt, known):
+        reach.note("a lookup of a prefix another tenant wrote")
+    if lost:
+        reach.note("a lookup of a prefix whose cached block was evicted and reused")
+    if short:
+        reach.note("a lookup of a prefix another request holds one row short of a block")
+
+
+def _one_row_short(engine: Engine, request: Request, known: torch.Tensor) -> bool:
+    """Whether another live request of this salt holds a prefix of ``known`` one row short
+    of a block's end: its block is being written, and must not be found yet."""
+    size, rows = engine.pool.block_size, [tuple(row) for row in known.tolist()]
+    for other in engine.live.values():
+        held = other.held
+        if other is request or other.salt != request.salt or held % size != size - 1:
+            continue
+        if held <= known.shape[1] and any(
+            tuple(row) == mine[:held] for row in other.history.tolist() for mine in rows
+        ):
+            return True
+    return False
+
+
+def _truncate(engine: Engine, request: Request, tokens: _Served, target: int, at: str) -> None:
+    """A rollback; one back into a block written full (published) is noted when the next
+    feed writes into it again."""
+    held = request.held
+    if engine.truncate(request, target, at=at):
+        tokens.rollbacks += 1
+        size = engine.pool.block_size if engine.prefix is not None else 0
+        if size and target % size and held >= (target // size + 1) * size:
+            tokens.since.add("truncated into a full block")
+
+
+def _swap(engine: Engine, request: Request, tokens: _Served, out: bool, at: str) -> None:
+    """Swap ``request`` out or in, noting what the pool around it did meanwhile."""
+    if out:
+        if engine.pool is not None and _shares_blocks(engine, request):
+            reach.note("a swap out of blocks another request holds too")
+        tokens.while_out = set()
+        engine.offload(request, at=at)
+        return
     if engine.prefix is not None:
-        engine.lookup(request, known, at=at)
+        # Its rows as one batch (serving plans feed none by row); read nothing of an
+        # offloaded cache but its length.
+        size = engine.pool.block_size
+        needed = len(request.caches) * request.batch * -(-request.held // size)
+        if engine.pool.blocks_free - engine.pool.blocks_evictable < needed:
+            reach.note("a swap in that must evict cached blocks")
+    for what in sorted(tokens.while_out):
+        reach.note(f"a swap in after others {what} blocks while it was out")
+    engine.restore(request, at=at)
+
+
+def _shares_blocks(engine: Engine, request: Request) -> bool:
+    mine = _block_ids(request)
+    return any(
+        mine & _block_ids(other)
+        for other in engine.live.values()
+        if other is not request and other.caches is not None and not _offloaded(other)
+    )
+
+
+def _block_ids(request: Request) -> set[int]:
+    return {
+        block
+        for recorder in request.caches
+        for table in getattr(recorder.cache, "block_tables", ())
+        for block in table
+    }
 
 
 def _feed(engine: Engine, request: Request, tokens: _Served, to: int, at: str) -> None:
@@ -472,6 +654,9 @@ def _feed(engine: Engine, request: Request, tokens: _Served, to: int, at: str) -
     if engine.prefix is not None and to > max(prompt, request.held):
         engine.declare(request, new[:, max(0, prompt - request.held) :])
     engine.feed(request, new, at=at)
+    if "truncated into a full block" in tokens.since:
+        tokens.since.discard("truncated into a full block")
+        reach.note("a block written full, truncated into and written again")
 
 
 def check_serving(factory: CacheFactory, plan: ServingPlan) -> None:
@@ -488,47 +673,81 @@ def check_offload(factory: CacheFactory, plan: ServingPlan) -> None:
         restore_without_room(factory, plan)
 
 
+# The blocks the offloaded cache of ``restore_without_room`` needs back: 2 * size + 1 rows.
+RESTORE_NEEDS = 3
+
+
 def restore_without_room(factory: CacheFactory, plan: ServingPlan) -> None:
     """An offloaded cache of ``plan``'s model (batch 1, two blocks and a bit) is restored
-    while a filler holds every block: ``ValueError``, and its length, its ``offloaded`` and
-    the pool's counts unchanged; with the filler gone, restored bit for bit."""
+    while fillers leave each number of blocks free from none to the three it needs: short of
+    them, ``ValueError``, with its length, its ``offloaded`` and the pool's counts unchanged
+    (a restore that takes blocks one at a time must give back those it took), then, the
+    fillers gone, restored bit for bit; with exactly three free, restored bit for bit."""
+    for free in range(RESTORE_NEEDS + 1):
+        _restore_with_free(factory, plan, free)
+
+
+def _restore_with_free(factory: CacheFactory, plan: ServingPlan, free: int) -> None:
     size = factory.block_size
     spec = kvst.build_model(plan.config, plan.dtype).cache_spec(1, 2 * size + 2)
-    pool = factory.with_blocks(3)
+    pool = factory.with_blocks(RESTORE_NEEDS + 1)
     cache = build(pool, spec)
     keys = kvst.random_rows(spec, 2 * size + 1, 1)
     values = kvst.random_rows(spec, 2 * size + 1, 2, values=True)
     cache.append(keys.clone(), values.clone())
     cache.offload()
-    where = f"a cache holding {2 * size + 1} rows in blocks of {size}, offloaded, of {spec}"
-    filler = fill(pool, spec, 0, where)
-    before = (cache.length, cache.offloaded, pool.blocks_in_use, pool.blocks_free)
+    where = (
+        f"a cache holding {2 * size + 1} rows in blocks of {size}, offloaded, restored with "
+        f"{free} of the pool's {RESTORE_NEEDS + 1} blocks free, of {spec}"
+    )
+    filler = fill(pool, spec, free, where)
+    if free < RESTORE_NEEDS:
+        _refused_unchanged(cache, pool, where)
+        reach.note(
+            "a restore refused with some blocks free, too few"
+            if free
+            else "a restore refused with no block free"
+        )
+        del filler
+        gc.collect()
     error = kvassert.raised_by(cache.restore)
-    after = (cache.length, cache.offloaded, pool.blocks_in_use, pool.blocks_free)
-    said = "(length, offloaded, blocks_in_use, blocks_free)"
-    if not isinstance(error, ValueError):
-        raise failures.DataLoss(
-            f"the pool: restore() with no block free returned {error!r}, not a ValueError: "
-            f"the pool overcommits or restored nothing\n  at {where}"
-        )
-    if after != before:
-        raise failures.RefusalChangedState(
-            f"the pool: a refused restore() changed {said} from {before} to {after}\n  at {where}"
-        )
-    del filler
-    gc.collect()
-    cache.restore()
+    if error is not None:
+        raise failures.RefusesValidInput(
+            f"the pool: restore() with {pool.blocks_free} blocks free, {RESTORE_NEEDS} needed, "
+            f"refused with {type(error).__name__}: {error}\n  at {where}"
+        ) from error
+    if free == RESTORE_NEEDS:
+        reach.note("a restore with exactly the blocks it needs free")
     returned = cache.append(keys[:, :, :1].clone(), values[:, :, :1].clone())
     for part, got, given in zip(("keys", "values"), returned, (keys, values), strict=True):
         want = torch.cat((given, given[:, :, :1]), dim=2)
         bad = kvassert.differing_rows(got, want) if got.shape == want.shape else ["all"]
         if bad:
             raise failures.DataLoss(
-                f"the pool: after a refused restore() and one with room, the cache returned "
-                f"{part} unlike the rows it held, at rows {bad[:8]}\n  at {where}"
+                f"the pool: after restore(), the cache returned {part} unlike the rows it "
+                f"held, at rows {bad[:8]}\n  at {where}"
             )
 
 
+def _refused_unchanged(cache, pool, where: str) -> None:
+    """A restore without room: ``ValueError``, and nothing the books show changed."""
+    before = (cache.length, cache.offloaded, pool.blocks_in_use, pool.blocks_free)
+    error = kvassert.raised_by(cache.restore)
+    after = (cache.length, cache.offloaded, pool.blocks_in_use, pool.blocks_free)
+    said = "(length, offloaded, blocks_in_use, blocks_free)"
+    if not isinstance(error, ValueError):
+        raise failures.DataLoss(
+            f"the pool: restore() with too few blocks free returned {error!r}, not a "
+            f"ValueError: the pool overcommits or restored nothing\n  at {where}"
+        )
+    if after != before:
+        raise failures.RefusalChangedState(
+            f"the pool: a refused restore() changed {said} from {before} to {after}: blocks "
+            f"taken before it ran short were kept\n  at {where}"
+        )
+
+
+FORK_SEED = 1  # a parent whose decode tokens meet its sample's where a shared list shows
 _tiny = ModelConfig(vocab_size=5, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, seed=5)
 _system = (0, 1) * 20
 PINNED = (
@@ -640,6 +859,126 @@ PINNED = (
         ),
         block_hash="one where every block collides",
     ),
+    # r1 looks r0's prompt up while r0 has written all of it but the last row of a block
+    # (for every block size dividing 16): that block must not be found yet; r2 looks up a
+    # prompt one token short of that block's end.
+    ServingPlan(
+        _tiny,
+        torch.float64,
+        2,
+        ((0, 1) * 16,),
+        (
+            Arrive(0, 1, None, 0, 32, 0, 1),
+            Feed(0, 31),
+            Arrive(1, 1, None, 0, 32, 1, 2),
+            Feed(0, 32),
+            Feed(1, 33),
+            Arrive(2, 1, None, 0, 31, 0, 3),
+            Feed(2, 32),
+            Leave(0, "drop"),
+            Leave(1, "drop"),
+            Leave(2, "drop"),
+        ),
+    ),
+    # A batch of two rows with one system prompt and tokens of their own, reordered halfway
+    # through the prompt: the blocks it publishes after are keyed by the tokens each row is
+    # fed (a probe of each row's tokens, then the next turn of its chat, find them).
+    ServingPlan(
+        _tiny,
+        torch.float64,
+        2,
+        ((0, 1) * 8,),
+        (
+            Arrive(0, 2, None, 0, 16, 16, 1),
+            Feed(0, 16),
+            Reorder(0, (1, 0)),
+            Feed(0, 32),
+            Feed(0, 34),
+            Arrive(1, 2, None, 0, 34, 2, 2, continues=0),
+            Feed(1, 36),
+            Leave(0, "drop"),
+            Leave(1, "drop"),
+        ),
+    ),
+    # A parallel sample forked inside a block, then it and its parent decode in turns: each
+    # publishes the block it fills under its own tokens, not its twin's.
+    ServingPlan(
+        _tiny,
+        torch.float64,
+        2,
+        ((0, 1) * 8 + (1, 1),),
+        (
+            Arrive(0, 1, None, 0, 18, 0, FORK_SEED),
+            Feed(0, 18),
+            Sample(1, 0),
+            Feed(1, 19),
+            Feed(0, 20),
+            Feed(1, 21),
+            Feed(0, 23),
+            Feed(1, 24),
+            Arrive(2, 1, None, 0, 24, 1, 3, continues=1),
+            Feed(2, 25),
+            Leave(0, "drop"),
+            Leave(1, "drop"),
+            Leave(2, "drop"),
+        ),
+    ),
+)
+
+# r1 is swapped out while it shares r0's prompt blocks; r0 leaves (freeing them to the
+# cache), r2 takes blocks, and r1 comes back into a pool whose free blocks are cached ones.
+OFFLOAD_PINNED = (
+    ServingPlan(
+        _tiny,
+        torch.float64,
+        2,
+        (_system, (1, 1, 0) * 12),
+        (
+            Arrive(0, 1, None, 0, 32, 1, 1),
+            Feed(0, 33),
+            Arrive(1, 1, None, 0, 32, 0, 2),
+            Feed(1, 33),
+            Swap(1, out=True),
+            Leave(0, "drop"),
+            Arrive(2, 1, None, 1, 36, 0, 3),
+            Feed(2, 37),
+            Swap(1, out=False),
+            Feed(1, 35),
+            Leave(1, "drop"),
+            Leave(2, "drop"),
+        ),
+    ),
+)
+
+_PREFIX_EDGES = tuple(
+    reach.Edge(name, needs=("prefix caching", *needs))
+    for name, *needs in (
+        ("a lookup that finds none of its prompt's whole blocks",),
+        ("a lookup that finds some of its prompt's whole blocks",),
+        ("a lookup that finds all of its prompt's whole blocks",),
+        ("a lookup of a prompt ending at a block's end",),
+        ("a lookup of a prompt ending one token past a block's end",),
+        ("a lookup of a prompt ending one token short of a block's end",),
+        ("a lookup of a prefix another request holds one row short of a block",),
+        ("a lookup of a prefix another tenant wrote",),
+        ("a cached block evicted and reused for other rows",),
+        ("a lookup of a prefix whose cached block was evicted and reused",),
+        ("blocks published after a reorder of rows of other tokens, probed", "reorder"),
+        ("blocks published by a sample and its parent after the fork, probed", "fork"),
+        ("a block written full, truncated into and written again", "truncate"),
+    )
+)
+_OFFLOAD_EDGES = tuple(
+    reach.Edge(name, needs=("offload", pool))
+    for name, pool in (
+        ("a restore refused with no block free", "block pool"),
+        ("a restore refused with some blocks free, too few", "block pool"),
+        ("a restore with exactly the blocks it needs free", "block pool"),
+        ("a swap out of blocks another request holds too", "block pool"),
+        ("a swap in after others took blocks while it was out", "block pool"),
+        ("a swap in after others freed blocks while it was out", "block pool"),
+        ("a swap in that must evict cached blocks", "prefix caching"),
+    )
 )
 
 PREFIX_CACHING = Property(
@@ -654,6 +993,7 @@ PREFIX_CACHING = Property(
     # the attend path too.
     pinned=PINNED,
     since="1.3",
+    reaches=_PREFIX_EDGES,
 )
 OFFLOAD = Property(
     "offload",
@@ -663,7 +1003,9 @@ OFFLOAD = Property(
     serving_plans(swaps=4),
     failures.DATA_LOSS,
     requires=("offload",),
+    pinned=OFFLOAD_PINNED,
     since="1.3",
+    reaches=_OFFLOAD_EDGES,
 )
 
 

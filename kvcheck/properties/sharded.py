@@ -24,10 +24,10 @@ from hypothesis import strategies as st
 
 from kvcheck import devices as kvdevices
 from kvcheck import distributed as kvdistributed
-from kvcheck import failures, scripts
+from kvcheck import failures, reach, scripts
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
-from kvcheck.kit import KitTests, Property, path_for, property_test
+from kvcheck.kit import KitTests, Property, offered, path_for, property_test
 from kvcheck.session import Engine
 from kvcheck.sharding import Ranks, ShardedFactory, SimulatedRanks, plan_for
 from kvref import CacheFactory, ModelConfig, shard_heads
@@ -139,6 +139,43 @@ def sharded_plans(draw, dtypes: tuple = kvst.WITH_HALF, moves: bool = True) -> S
     )
 
 
+REPLICATED_HEADS = "kv heads fewer than the ranks (replicated, query groups split)"
+ONE_HEAD_EVERYWHERE = "one kv head replicated on every rank"
+AS_MANY = "as many kv heads as ranks"
+MORE_HEADS = "more kv heads than ranks"
+TWO_RANKS = "2 ranks"
+FOUR_RANKS = "4 ranks"
+TO_FEWER = "move to fewer ranks"
+TO_MORE = "move to more ranks"
+ON_EVERY_RANK = {kind: f"{kind} on every rank" for kind in ("truncate", "reorder", "fork")}
+SHARD_EDGES = (
+    *(reach.Edge(name) for name in (REPLICATED_HEADS, ONE_HEAD_EVERYWHERE, AS_MANY)),
+    *(reach.Edge(name) for name in (MORE_HEADS, TWO_RANKS, FOUR_RANKS)),
+    *(reach.Edge(name, needs=(kind,)) for kind, name in ON_EVERY_RANK.items()),
+)
+MOVE_EDGES = (reach.Edge(TO_FEWER, needs=("move",)), reach.Edge(TO_MORE, needs=("move",)))
+
+
+def note_layout(plan: ShardedPlan) -> None:
+    """The edges of the plan's heads over its ranks."""
+    kv_heads, world = plan.config.num_kv_heads, plan.world
+    edges = {
+        REPLICATED_HEADS: kv_heads < world,
+        ONE_HEAD_EVERYWHERE: kv_heads == 1,
+        AS_MANY: kv_heads == world,
+        MORE_HEADS: kv_heads > world,
+        TWO_RANKS: world == 2,
+        FOUR_RANKS: world == 4,
+    }
+    reach.note(*(name for name, reached in edges.items() if reached))
+
+
+def note_events(plan: ShardedPlan, offered: frozenset[str]) -> None:
+    """The edges of the events the script ran on every rank: those the caches offer."""
+    kinds = {event[0] for event in plan.events}
+    reach.note(*(name for kind, name in ON_EVERY_RANK.items() if kind in kinds & offered))
+
+
 def run_sharded(
     factory: CacheFactory, plan: ShardedPlan, ranks: Callable[[int], Ranks], progress=None
 ) -> None:
@@ -165,6 +202,8 @@ def run_sharded(
         )
 
     def move(request, layout: int, at: str) -> None:
+        worlds = (plan.world, *plan.moves_to)
+        reach.note(TO_FEWER if worlds[layout] < worlds[layout - 1] else TO_MORE)
         engine.move(request, sharded(plan.moves_to[layout - 1]), path="attend", at=at)
 
     engine = Engine(
@@ -183,11 +222,20 @@ def run_sharded(
 def check_sharded(factory: CacheFactory, plan: ShardedPlan) -> None:
     """Every rank simulated in this process."""
     run_sharded(factory, plan, SimulatedRanks)
+    note_plan(factory, plan)
 
 
 def check_sharded_runtime(factory: CacheFactory, plan: ShardedPlan) -> None:
     """Every rank a process of its own, in a ``torch.distributed`` group."""
     kvdistributed.run_on_processes(factory, plan)
+    note_plan(factory, plan)  # here: the ranks' own notes stay in their processes
+
+
+def note_plan(factory: CacheFactory, plan: ShardedPlan) -> None:
+    """The edges a plan that ran reached: its heads over its ranks, and the events of its
+    script that the caches offer (those ``kvcheck.scripts.play`` ran on every rank)."""
+    note_layout(plan)
+    note_events(plan, frozenset(offered(factory)))
 
 
 # Tried first on every run: two kv heads replicated over four ranks, each rank computing
@@ -221,6 +269,7 @@ SHARDED = Property(
     sharded_plans(),
     failures.WRONG_RESULTS,
     pinned=(REPLICATED, RESHARDED),
+    reaches=SHARD_EDGES + MOVE_EDGES,
     since="1.5",
 )
 
@@ -233,6 +282,7 @@ SHARDED_RUNTIME = Property(
     sharded_plans(kvst.DTYPES, moves=False),  # a move needs every rank in one process
     failures.WRONG_RESULTS,
     pinned=(REPLICATED,),
+    reaches=SHARD_EDGES,
     examples_share=0.1,  # each plan runs on every process; `sharded` searches the same plans
     dtypes=kvst.DTYPES,  # on the CPU, where half precision is slow and adds nothing here
     attend_dtypes=kvst.DTYPES,

@@ -6,23 +6,28 @@ A ``ShiftPlan`` is a batch, a first position (set with ``reset_at`` where offere
 positions recounted from 0 show) and its events: tokens fed (prompt, decode steps, chunks)
 and shifts ``(start, count)``, one before any feed that would overflow the cache, drawn
 from index 0 (the oldest tokens) or after a few kept ones (llama.cpp's ``n_keep``), across
-the 16-row block edges and the window's, of 1 token to most of the history. The oracle is
+the 16-row block edges and the window's, of 1 token to most of the history, at a RoPE base
+of a real model (10,000, 500,000, 1,000,000). One plan in ``FAR_ONE_IN`` is far: a cache of
+400 rows filled and a shift of 100 tokens or more, on wide heads in half precision often,
+where an angle rounded in half precision shows (tests/measure_shift.py). The oracle is
 the uncached pass's rows with each span removed and the keys after it rotated in float64,
 held in a trusted cache (``kvref.model.HeldRows``); every later step's logits are the
-model's over those rows (``Engine.shift``).
+model's over those rows (``Engine.shift``). Each shift run notes the edges it reached
+(``EDGES``, ``kvcheck.reach``).
 
 - ``context shift``: where ``shift`` is offered.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from hypothesis import strategies as st
 
 from kvcheck import devices as kvdevices
-from kvcheck import failures
+from kvcheck import failures, reach
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.devices import dtype_name
@@ -34,6 +39,15 @@ from kvref import CacheFactory, ModelConfig
 
 EDGE = kvst.EDGE
 CAPACITIES = (EDGE, EDGE + 1, 2 * EDGE - 1, 2 * EDGE, 2 * EDGE + 1, 48)
+# RoPE bases of real models: 10,000 (Llama 2, Mistral, Gemma), 500,000 (Llama 3), 1,000,000
+# (Qwen 2, Code Llama); a cache that re-rotates with 10,000 written in shows only off it.
+ROPE_BASES = (10_000.0, 10_000.0, 500_000.0, 1_000_000.0)
+# Far shifts: one plan in FAR_ONE_IN fills a cache of FAR_LENGTH (within the domain's) and
+# discards FAR_SHIFT tokens or more at once, as llama.cpp's half of a full context does. Only
+# there does an angle rounded in half precision leave the budget (tests/measure_shift.py).
+FAR_ONE_IN = 8
+FAR_LENGTH = 25 * EDGE  # 400: room for shifts past 256, the last count bfloat16 holds exactly
+FAR_SHIFT = 100
 
 
 @dataclass(frozen=True)
@@ -53,10 +67,11 @@ class ShiftPlan:
         said = {"feed": "feed {}", "shift": "shift({}, {})"}
         events = "; ".join(said[kind].format(*arg) for kind, arg in self.events)
         first = f", first position {self.first}" if self.first else ""
+        base = "" if self.config.rope_base == 10_000 else f", RoPE base {self.config.rope_base:g}"
         return (
             f"shift plan: batch {self.batch}, {dtype_name(self.dtype)}, max_length "
             f"{self.max_length}{first}, {self.path} path, events: {events}\n  model: "
-            f"{kvst.describe_config(self.config)}"
+            f"{kvst.describe_config(self.config)}{base}"
         )
 
     def summary(self) -> tuple[str, str, str]:
@@ -92,11 +107,44 @@ def spans(draw, held: int, window: int | None) -> tuple[int, int]:
 
 
 @st.composite
+def configs(draw, max_layers: int, tokens: int) -> ModelConfig:
+    """A model for a shift plan, at one of the RoPE bases of real models."""
+    config = draw(kvst.model_configs(max_layers=max_layers, tokens=tokens), label="config")
+    base = draw(st.sampled_from(ROPE_BASES), label="rope base")
+    return dataclasses.replace(config, rope_base=base)
+
+
+@st.composite
+def far_configs(draw, tokens: int) -> ModelConfig:
+    """A one-layer model for a far plan, its heads often 64 or 128 wide, where the attention
+    budget has room and the cache declares no widths of its own: a half precision angle
+    shows on wide heads (tests/measure_shift.py)."""
+    config = draw(configs(max_layers=1, tokens=tokens), label="config")
+    room = kvsizes.ATTENTION_BUDGET // tokens**2 // config.num_heads - kvsizes.SCORE_COST
+    if config.attention == "mla" or kvsizes.domain().head_dims is not None:
+        return config
+    widths = [config.head_dim, *(width for width in (64, 128) if width <= room)]
+    head_dim = draw(st.sampled_from(widths), label="far head_dim")
+    if head_dim == config.head_dim:
+        return config
+    return dataclasses.replace(config, head_dim=head_dim, hidden=config.hidden or 16)
+
+
+@st.composite
 def shift_plans(draw) -> ShiftPlan:
+    """A near plan (``near_shift_plans``), or one in ``FAR_ONE_IN`` a far one."""
+    far = draw(st.integers(0, FAR_ONE_IN - 1), label="far shift?") == FAR_ONE_IN - 1
+    if far and kvsizes.longest(FAR_LENGTH) > 2 * FAR_SHIFT:
+        return draw(far_shift_plans(), label="far plan")
+    return draw(near_shift_plans(), label="near plan")
+
+
+@st.composite
+def near_shift_plans(draw) -> ShiftPlan:
     """A prompt, then decode steps and chunks, a shift before any feed that would overflow
     and shifts drawn anywhere, ending with a decode step after the last shift."""
     max_length = draw(st.sampled_from(CAPACITIES), label="max_length")
-    config = draw(kvst.model_configs(max_layers=2, tokens=max_length + 8), label="config")
+    config = draw(configs(max_layers=2, tokens=max_length + 8), label="config")
     held = draw(st.integers(1, max_length), label="prompt")
     events: list[tuple[str, tuple[int, ...]]] = [("feed", (held,))]
     for _ in range(draw(st.integers(1, 8), label="events")):
@@ -138,6 +186,33 @@ def shift_plans(draw) -> ShiftPlan:
     )
 
 
+@st.composite
+def far_shift_plans(draw) -> ShiftPlan:
+    """A cache of up to ``FAR_LENGTH`` filled to within a block, a shift of ``FAR_SHIFT``
+    tokens or more after 0 or 4 kept (llama.cpp's half of the rest, or any), a decode step
+    and a chunk: one layer, a batch of one or two, half precision half the time, where an
+    angle rounded in the storage dtype shows."""
+    max_length = kvsizes.longest(FAR_LENGTH)
+    config = draw(far_configs(tokens=max_length + 8), label="config")
+    held = draw(st.integers(max_length - EDGE, max_length), label="prompt")
+    start = draw(st.sampled_from((0, 4)), label="tokens kept")
+    half = (held - start) // 2
+    count = draw(st.one_of(st.just(half), st.integers(FAR_SHIFT, held - start)), label="count")
+    count = max(count, FAR_SHIFT)
+    chunk = min(draw(kvst.chunk_sizes, label="chunk"), max_length - (held - count) - 1)
+    events = (("feed", (held,)), ("shift", (start, count)), ("feed", (1,)), ("feed", (chunk,)))
+    return ShiftPlan(
+        config=config,
+        dtype=draw(kvst.dtypes_on_device((*kvst.HALF_DTYPES, *kvst.DTYPES)), label="dtype"),
+        batch=draw(kvsizes.batches(small_max=2, room=2), label="batch"),
+        max_length=max_length,
+        events=events,
+        token_seed=draw(st.integers(0, 2**16), label="token seed"),
+        first=draw(st.sampled_from((0, *FIRST_POSITIONS)), label="first position"),
+        path=draw(st.sampled_from(PATHS), label="path"),
+    )
+
+
 def check_context_shift(factory: CacheFactory, plan: ShiftPlan) -> None:
     """Every step's logits, before and after each shift, equal the model's over the rows the
     caches should hold, and every append returns them (re-rotated keys within rounding)."""
@@ -146,8 +221,11 @@ def check_context_shift(factory: CacheFactory, plan: ShiftPlan) -> None:
     engine = Engine(factory, model, max_length=plan.max_length, path=path, describe=plan.describe)
     generator = torch.Generator().manual_seed(plan.token_seed)
     request = engine.start("the session", plan.batch)
+    first = 0
     if plan.first and callable(getattr(request.caches[0].cache, "reset_at", None)):
         engine.reset_at(request, [plan.first] * plan.batch)
+        first = plan.first
+    fed = shifts = 0
     for index, (kind, arg) in enumerate(plan.events):
         at = f" (event #{index})"
         if kind == "feed":
@@ -155,15 +233,72 @@ def check_context_shift(factory: CacheFactory, plan: ShiftPlan) -> None:
                 0, plan.config.vocab_size, (plan.batch, *arg), generator=generator
             )
             engine.feed(request, drawn.to(kvdevices.current()), at=at)
-        elif not engine.shift(request, *arg, at=at):
-            break  # a window refused as it may: the rest was drawn for the shifted history
+            fed += arg[0]
+            if shifts and fed > plan.max_length:
+                reach.note(PAST_MAX_LENGTH)
+        else:
+            held = request.held
+            if not engine.shift(request, *arg, at=at):
+                break  # a window refused as it may: the rest was drawn for the shifted history
+            shifts += 1
+            reach.note(*shift_edges(plan, first, held, *arg, repeated=shifts > 1))
         engine.check(f"event #{index}")
     engine.finish()
 
 
+# The edges of section 8.4 the plans must reach, each noted as a shift runs on the cache.
+FROM_ZERO = "shift from index 0"
+AFTER_KEPT = "shift after 1 to 4 kept tokens (n_keep)"
+ONE_TOKEN = "shift of 1 token"
+MOST = "shift of most of the history"
+ACROSS_BLOCK = "shift across a 16-row block edge"
+AT_WINDOW = "shift at a window's edge"
+REPEATED = "repeated shifts"
+PAST_MAX_LENGTH = "session past max_length after shifts"
+OWN_FIRST = "shift with a first position of its own (reset_at)"
+THOUSANDS = "shift at positions in the thousands"
+OTHER_BASE = "shift at a RoPE base other than 10,000"
+FAR = f"shift of {FAR_SHIFT}+ tokens"
+FAR_HALF_WIDE = f"shift of {FAR_SHIFT}+ tokens in half precision, head_dim 64+"
+PAST_BFLOAT16 = "shift of an odd count past 256 in bfloat16 (a count it cannot hold)"
+EDGES = tuple(
+    reach.Edge(name, needs=("shift",))
+    for name in (
+        FROM_ZERO, AFTER_KEPT, ONE_TOKEN, MOST, ACROSS_BLOCK, AT_WINDOW, REPEATED,
+        PAST_MAX_LENGTH, OWN_FIRST, THOUSANDS, OTHER_BASE, FAR, FAR_HALF_WIDE, PAST_BFLOAT16,
+    )
+)  # fmt: skip
+
+
+def shift_edges(
+    plan: ShiftPlan, first: int, held: int, start: int, count: int, *, repeated: bool
+) -> list[str]:
+    """The edges a shift of ``count`` from ``start`` of ``held`` tokens ran, on a session
+    whose first token sits at ``first``."""
+    config, window = plan.config, plan.config.window
+    wide = config.rope_dim if config.attention == "mla" else config.head_dim
+    cases = {
+        FROM_ZERO: start == 0,
+        AFTER_KEPT: 1 <= start <= 4,
+        ONE_TOKEN: count == 1,
+        MOST: 2 * count > held,
+        ACROSS_BLOCK: start // EDGE != (start + count - 1) // EDGE,
+        AT_WINDOW: window is not None and abs(start - (held - window)) <= 1,
+        REPEATED: repeated,
+        OWN_FIRST: first > 0,
+        THOUSANDS: first + held >= 1000,
+        OTHER_BASE: config.rope_base != 10_000,
+        FAR: count >= FAR_SHIFT,
+        FAR_HALF_WIDE: count >= FAR_SHIFT and plan.dtype in kvst.HALF_DTYPES and wide >= 64,
+        PAST_BFLOAT16: count > 256 and count % 2 == 1 and plan.dtype == torch.bfloat16,
+    }
+    return [name for name, reached in cases.items() if reached]
+
+
 # Tried first on every run: a session started at 255, shifted from index 0 across a block
 # edge, then past n_keep 4 by one token, with decode steps and a chunk after each, on a model
-# whose even layers have a window of 5 (a shift that moves what the window sees).
+# whose even layers have a window of 5 (a shift that moves what the window sees), the last
+# shift at the window's edge (7 held: from index 2).
 PINNED = (
     ShiftPlan(
         config=ModelConfig(
@@ -182,10 +317,30 @@ PINNED = (
             ("feed", (1,)),
             ("shift", (1, 6)),
             ("feed", (2,)),
+            ("shift", (2, 1)),
+            ("feed", (1,)),
         ),
         token_seed=5,
         first=255,
     ),
+)  # fmt: skip
+
+# And a far shift, on the append path only (a long one): a bfloat16 session started at 4096
+# on Llama 3's RoPE base fills 390 of 400 rows and discards 259 after n_keep 4 (an odd count
+# past 256, which bfloat16 cannot hold), on heads 64 wide, where an angle rounded in bfloat16
+# leaves the budget (tests/measure_shift.py) and a base of 10,000 written in leaves it by far;
+# then runs past max_length (403 tokens fed).
+FAR_PINNED = ShiftPlan(
+    config=ModelConfig(
+        vocab_size=23, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=64, hidden=16,
+        rope_base=500_000.0,
+    ),
+    dtype=torch.bfloat16,
+    batch=1,
+    max_length=FAR_LENGTH,
+    events=(("feed", (390,)), ("shift", (4, 259)), ("feed", (1,)), ("feed", (12,))),
+    token_seed=7,
+    first=4096,
 )  # fmt: skip
 
 CONTEXT_SHIFT = Property(
@@ -196,8 +351,9 @@ CONTEXT_SHIFT = Property(
     shift_plans(),
     failures.WRONG_RESULTS,
     requires=("shift",),
-    pinned=on_both_paths(PINNED),
+    pinned=(*on_both_paths(PINNED), FAR_PINNED),
     since="1.2",
+    reaches=EDGES,
 )
 
 

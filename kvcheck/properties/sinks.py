@@ -11,6 +11,9 @@ every property: the uncached model under the sink-and-window mask (``ModelConfig
 each step's logits over the whole session, and what ``append`` returned bit for bit the
 sinks, then a recent run of the rows given.
 
+Between chunks a plan may truncate (back into the sinks, too) or reorder, where the cache
+offers it: the other properties draw 0 sinks, so only here do the sinks meet an edit.
+
 - ``attention sinks``: where the cache declares a sink count other than 0.
 """
 
@@ -21,7 +24,7 @@ import dataclasses
 import torch
 from hypothesis import strategies as st
 
-from kvcheck import failures
+from kvcheck import failures, reach
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
@@ -35,15 +38,36 @@ SINK_WINDOWS = st.one_of(
 
 
 @dataclasses.dataclass(frozen=True)
+class SinkEdit:
+    """After chunk ``chunk`` of session ``session``: forget the last ``back`` tokens (a
+    rollback, into the sinks where it goes past them), or with ``indices`` reorder the rows
+    (beam search): where the cache offers it."""
+
+    session: int
+    chunk: int
+    back: int = 0
+    indices: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        what = f"reorder {list(self.indices)}" if self.indices else f"truncate by {self.back}"
+        return f"{what} after chunk #{self.chunk} of session #{self.session}"
+
+
+@dataclasses.dataclass(frozen=True)
 class SinkPlan:
-    """A scenario whose model has a window with sinks, and the path it takes."""
+    """A scenario whose model has a window with sinks, the path it takes, and the edits
+    made between its chunks."""
 
     scenario: kvst.Scenario
     path: str = "append"
+    edits: tuple[SinkEdit, ...] = ()
 
     def describe(self) -> str:
         sessions = "; ".join(session.describe() for session in self.scenario.sessions)
-        return f"sinks plan: {sessions}, {self.path} path\n  model: {self.scenario.describe()}"
+        edits = "".join(f", {edit.describe()}" for edit in self.edits)
+        return (
+            f"sinks plan: {sessions}{edits}, {self.path} path\n  model: {self.scenario.describe()}"
+        )
 
     def summary(self) -> tuple[str, str, str]:
         return self.scenario.summary()
@@ -65,19 +89,74 @@ def sink_plans(draw) -> SinkPlan:
     # Sinks at positions in the cache take the append path: the model attends over them.
     paths = ("append",) if config.sink_positions == "in cache" else ("append", "attend")
     path = draw(st.sampled_from(paths), label="path")
-    return SinkPlan(dataclasses.replace(scenario, config=config), path)
+    edits = draw(st.lists(sink_edits(scenario, config.sinks), max_size=2), label="edits")
+    return SinkPlan(dataclasses.replace(scenario, config=config), path, tuple(edits))
+
+
+@st.composite
+def sink_edits(draw, scenario: kvst.Scenario, sinks: int) -> SinkEdit:
+    """A truncate or a reorder after some chunk: a truncate back into the sinks (every
+    token, where it goes that far), or of a few tokens; a reorder of 2 rows or more."""
+    session = draw(st.integers(0, len(scenario.sessions) - 1), label="edit in session")
+    chunks = scenario.sessions[session].chunks
+    chunk = draw(st.integers(0, len(chunks) - 1), label="edit after chunk")
+    if scenario.batch > 1 and draw(st.booleans(), label="reorder"):
+        rows = st.integers(0, scenario.batch - 1)
+        indices = draw(st.lists(rows, min_size=scenario.batch, max_size=scenario.batch))
+        return SinkEdit(session, chunk, indices=tuple(indices))
+    held = sum(chunks[: chunk + 1])
+    few = st.integers(1, min(held, 4))
+    into_the_sinks = st.integers(max(held - sinks + 1, 1), held) if sinks else few  # to < S
+    back = draw(st.one_of(into_the_sinks, few), label="truncate by")
+    return SinkEdit(session, chunk, back=back)
+
+
+ONE_SINK = "1 sink"
+SEVERAL_SINKS = "several sinks"
+WINDOW_OF_ONE = "a window of 1 beside the sinks"
+IN_CACHE = "sinks at their positions in the cache"
+ORIGINAL = "sinks at their original positions"
+ON_ATTEND = "sinks on the attend path"
+CROSSING = "a chunk crossing the last sink"
+WRAPPED = "the ring wrapped past the sinks"
+AFTER_RESET = "sinks of a session on reset caches"
+TRUNCATE_INTO = "truncate into the sinks"
+TRUNCATE_WRAPPED = "truncate after the ring wrapped past the sinks"
+REORDER_BOTH = "reorder of the sinks and the window"
+REORDER_WRAPPED = "reorder after the ring wrapped past the sinks"
+
+
+def note_where(edges: dict[str, bool]) -> None:
+    """Note each edge whose case holds."""
+    reach.note(*(name for name, reached in edges.items() if reached))
+
+
+def plan_edges(config: ModelConfig, path: str) -> dict[str, bool]:
+    """The edges a plan's model and path reach from its start, each with whether it does."""
+    return {
+        ONE_SINK: config.sinks == 1,
+        SEVERAL_SINKS: config.sinks > 1,
+        WINDOW_OF_ONE: config.window == 1 and config.sinks > 0,
+        IN_CACHE: config.sinks > 0 and config.sink_positions == "in cache",
+        ORIGINAL: config.sinks > 0 and config.sink_positions == "original",
+        ON_ATTEND: config.sinks > 0 and path == "attend",
+    }
 
 
 def check_sinks(factory: CacheFactory, plan: SinkPlan) -> None:
     """Every step's logits equal the uncached sink model's, and every append returns the
-    sinks and a recent run of the rows given, bit for bit."""
+    sinks and a recent run of the rows given, bit for bit; so after each truncate (into the
+    sinks too) and reorder."""
     scenario = plan.scenario
-    if scenario.config.sinks not in kvsizes.domain().sink_counts:
-        raise kvsizes.OutsideDomain(f"{scenario.config.sinks} sinks")
+    config = scenario.config
+    if config.sinks not in kvsizes.domain().sink_counts:
+        raise kvsizes.OutsideDomain(f"{config.sinks} sinks")
     path = path_for(plan.path, factory)
     engine = Engine(
         factory, scenario.model(), max_length=scenario.max_length, path=path, describe=plan.describe
     )
+    sinks, kept = config.sinks, config.sinks + config.window - 1  # the rows a ring holds
+    note_where(plan_edges(config, path))
     request = None
     for index, session in enumerate(scenario.sessions):
         if session.start == "fresh" or request is None:
@@ -87,13 +166,37 @@ def check_sinks(factory: CacheFactory, plan: SinkPlan) -> None:
         else:
             engine.reset(request)
             request = engine.start(f"session #{index}", scenario.batch, reuse=request)
+            note_where({AFTER_RESET: sinks > 0})
         tokens = scenario.tokens(session)
         start = 0
         for step, size in enumerate(session.chunks):
+            held = request.held
             engine.feed(request, tokens[:, start : start + size], at=f" (chunk #{step})")
             engine.check(f"session #{index}, chunk #{step}")
+            note_where(
+                {CROSSING: held < sinks < held + size, WRAPPED: sinks > 0 and held + size > kept}
+            )
             start += size
+            for edit in plan.edits:
+                if (edit.session, edit.chunk) == (index, step):
+                    run_edit(engine, request, edit, sinks, kept, f"session #{index}")
     engine.finish()
+
+
+def run_edit(engine: Engine, request, edit: SinkEdit, sinks: int, kept: int, where: str):
+    """``edit`` on ``request`` where its caches offer it; the edges it reaches noted."""
+    held, at = request.held, f" ({edit.describe()})"
+    wrapped = sinks > 0 and held > kept
+    if edit.indices and "reorder" in request.offered:
+        engine.reorder(request, torch.tensor(edit.indices), at=at)
+        note_where({REORDER_BOTH: held > sinks > 0, REORDER_WRAPPED: wrapped})
+    elif not edit.indices and "truncate" in request.offered:
+        target = max(held - edit.back, 0)
+        engine.truncate(request, target, at=at)  # done, or refused as a window may
+        note_where({TRUNCATE_INTO: target < sinks, TRUNCATE_WRAPPED: wrapped})
+    else:
+        return
+    engine.check(f"{where}, {edit.describe()}")
 
 
 # Tried first on every run: four sinks beside a window of 3, a prompt that fills the sinks
@@ -111,6 +214,27 @@ WRAPS = kvst.Scenario(
     ),
 )
 
+# And the same with edits where the cache offers them: a reorder after the ring wrapped
+# (the sinks must move with their rows), then a truncate back into the sinks and chunks that
+# fill them again, one crossing the last sink (a truncate that shortens the ring alone).
+EDITED_WRAPS = SinkPlan(WRAPS, edits=(SinkEdit(0, 8, indices=(1, 0)), SinkEdit(0, 9, back=12)))
+
+SINK_EDGES = (
+    reach.Edge(ONE_SINK, needs=("sinks",)),
+    reach.Edge(SEVERAL_SINKS, needs=("sinks",)),
+    reach.Edge(WINDOW_OF_ONE, needs=("sinks",)),
+    reach.Edge(IN_CACHE, needs=("sinks",)),
+    reach.Edge(ORIGINAL, needs=("sinks",)),
+    reach.Edge(ON_ATTEND, needs=("sinks", "attend")),
+    reach.Edge(CROSSING, needs=("sinks",)),
+    reach.Edge(WRAPPED, needs=("sinks",)),
+    reach.Edge(AFTER_RESET, needs=("sinks",)),
+    reach.Edge(TRUNCATE_INTO, needs=("sinks", "truncate")),
+    reach.Edge(TRUNCATE_WRAPPED, needs=("sinks", "truncate")),
+    reach.Edge(REORDER_BOTH, needs=("sinks", "reorder")),
+    reach.Edge(REORDER_WRAPPED, needs=("sinks", "reorder")),
+)
+
 ATTENTION_SINKS = Property(
     "attention sinks",
     "a window cache keeping the first tokens as sinks computes what the uncached model "
@@ -119,7 +243,8 @@ ATTENTION_SINKS = Property(
     sink_plans(),
     failures.WRONG_RESULTS,
     requires=("sinks",),
-    pinned=on_both_paths((SinkPlan(WRAPS),)),
+    pinned=on_both_paths((SinkPlan(WRAPS), EDITED_WRAPS)),
+    reaches=SINK_EDGES,
     since="1.2",
 )
 

@@ -17,6 +17,14 @@ of their own too, and cut to the shortest there (it may take one length only); w
 rows differ after a commit, the batch goes on through ``feed_rows``, and each row is fed up
 to the longest before the next tree (a tree starts after one length).
 
+After a commit, a round may go on with later events where the cache offers them (a truncate
+back into the accepted path, per row where the rows differ; a reorder; a fork, the parent
+then dropped; a reset, so that the next tree starts on an empty cache), and each round sends
+bad tree calls (``kvcheck.badinput.BAD_TREE_CALLS``: before its tree, while it waits, after
+its commit) to every layer: each must be refused with a ``ValueError`` naming the problem and
+change nothing, which every later step shows (a tree the cache lost, replaced or cut is read
+back by the oracle). Each case, event and kind of path is an edge (``kvcheck.reach``).
+
 The engine (``kvcheck.session``) runs the prefix and the steps after each commit; the tree's
 own steps (``draft``, ``commit``) are here.
 
@@ -26,6 +34,8 @@ own steps (``draft``, ``commit``) are here.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +43,9 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from kvcheck import asserts as kvassert
+from kvcheck import badinput as kvbad
 from kvcheck import devices as kvdevices
-from kvcheck import failures
+from kvcheck import failures, reach
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.devices import dtype_name
@@ -68,6 +79,12 @@ PREFIX_CHUNKS = st.lists(
 STEPS_AFTER = {last: st.lists(st.integers(1, 3), min_size=last, max_size=2) for last in (0, 1)}
 # In bfloat16, 1e30 alone (``TreePlan.poison_held``).
 POISON_DRAWS = {False: st.sampled_from(POISONS), True: st.just("huge")}
+# After a commit, where the cache offers them (TreeRound.then).
+LATER_EVENTS = ("truncate", "reorder", "fork", "reset")
+THEN = st.lists(st.sampled_from(LATER_EVENTS), max_size=2)
+BACK = st.integers(1, MAX_DEPTH)
+BAD_CALLS = {case.name: case for case in kvbad.BAD_TREE_CALLS}
+BAD = st.lists(st.sampled_from(tuple(BAD_CALLS)), max_size=5, unique=True)
 
 
 @dataclass(frozen=True)
@@ -80,12 +97,18 @@ class TreeRound:
     accepted: tuple[tuple[int, ...], ...]
     poisoned: tuple[tuple[int, ...], ...]
     after: tuple[int, ...]
+    then: tuple[str, ...] = ()  # LATER_EVENTS after the commit, before the feeds
+    back: int = 1  # the tokens a truncate in ``then`` goes back
+    bad: tuple[str, ...] = ()  # names of BAD_TREE_CALLS, each sent at its moment
 
     def describe(self) -> str:
+        then = f", then {list(self.then)} (a truncate {self.back} back)" if self.then else ""
+        bad = f", bad calls {list(self.bad)}" if self.bad else ""
         return (
             f"a tree of parents {list(self.parents)}, accepted per row "
             f"{[list(path) for path in self.accepted]}, poisoned per row "
-            f"{[list(nodes) for nodes in self.poisoned]}, then feeds of {list(self.after)}"
+            f"{[list(nodes) for nodes in self.poisoned]}{bad}{then}, then feeds of "
+            f"{list(self.after)}"
         )
 
 
@@ -210,7 +233,10 @@ def tree_rounds(draw, batch: int, last: bool) -> TreeRound:
     accepted = draw(accepted_paths(parents, batch), label="accepted paths")
     poisoned = tuple(draw(poisoned_nodes(parents, path), label="row's poison") for path in accepted)
     steps = draw(STEPS_AFTER[int(last)], label="feeds after")
-    return TreeRound(parents, accepted, poisoned, tuple(steps))
+    then = draw(THEN, label="events after the commit")
+    back = draw(BACK, label="tokens a truncate goes back")
+    bad = draw(BAD, label="bad tree calls")
+    return TreeRound(parents, accepted, poisoned, tuple(steps), tuple(then), back, tuple(bad))
 
 
 @st.composite
@@ -468,6 +494,123 @@ def one_length(accepted: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], 
     return tuple(path[:shortest] for path in accepted)
 
 
+def note_the_tree(tree: TreeRound, accepted, held: int, own_lengths: bool, index: int) -> None:
+    """The edges a tree and its accepted paths reach."""
+    parents, nodes = tree.parents, len(tree.parents)
+    lengths = {len(path) for path in accepted}
+    ends = [path[-1] for path in accepted if path]
+    reached = {
+        "a second tree after a commit": index > 0,
+        "a tree on an empty cache": not held,
+        "a tree right after a 16-row block edge": held > 0 and not held % EDGE,
+        "a tree across a 16-row block edge": held // EDGE != (held + nodes - 1) // EDGE,
+        "a node with an earlier sibling": len(set(parents)) < nodes,
+        "a poisoned node beside an accepted path": any(tree.poisoned),
+        "an empty accepted path": 0 in lengths,
+        "a whole branch accepted": any(end not in parents for end in ends),
+        "a path accepted up to a node inside the tree": any(end in parents for end in ends),
+        "paths of different lengths on rows of their own": own_lengths and len(lengths) > 1,
+    }
+    reach.note(*(name for name, hit in reached.items() if hit))
+
+
+class BadCalls:
+    """The round's bad tree calls (``TreeRound.bad``), each sent to every layer at its moment:
+    refused with a ``ValueError`` (or ``TypeError``) naming the problem, the length (and each
+    row's) as before. What else a refusal changed, the commit and every step after show."""
+
+    def __init__(self, engine: Engine, request: Request, tree: TreeRound, own: bool, label: str):
+        self.engine, self.request, self.tree, self.label = engine, request, tree, label
+        self.own = own
+        self.sent: list[str] = []
+
+    def send(self, when: str, *, tokens=None, handed=None, accepted=()) -> None:
+        cases = [BAD_CALLS[name] for name in self.tree.bad if BAD_CALLS[name].when == when]
+        for layer, recorder in enumerate(self.request.caches if cases else ()):
+            keys, values = handed[layer] if handed else self._rows_like(tokens)
+            call = kvbad.TreeCall(
+                self.tree.parents, self.request.batch, self.own, keys, values, tuple(accepted)
+            )
+            for case in cases:
+                if case.applies(call):
+                    self._refused(case, call, recorder, f"{self.request.name}'s layer {layer}")
+        self.sent += [case.name for case in cases]
+
+    def _rows_like(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Node rows shaped as the tree's will be, for a bad tree drafted before it."""
+        spec = self.engine.model.cache_spec(tokens.shape[0], self.engine.max_length)
+        keys = kvst.random_rows(spec, tokens.shape[1], seed=tokens.shape[1])
+        return keys, kvst.as_values(spec, keys)
+
+    def _refused(self, case, call: kvbad.TreeCall, recorder: Recorder, who: str) -> None:
+        method, bad = case.make(call)
+        where = self.engine.where(f"{self.request.name}: {self.label}, {case.when} its commit")
+        held = (recorder.length, tuple(getattr(recorder.cache, "row_lengths", ())))
+        recorder.views = None  # any call ends the views' life
+        error = kvassert.raised_by(lambda: getattr(recorder.cache, method)(*bad))
+        kvassert.assert_refused(error, case, where=f"{who}: {method}, {where}")
+        now = (recorder.length, tuple(getattr(recorder.cache, "row_lengths", ())))
+        if now != held:
+            raise failures.RefusalChangedState(
+                f'{who}: (length, row_lengths) {now} after refusing "{case}", was {held}\n'
+                f"  at {where}"
+            )
+        kvassert.assert_clear_error(error, case, bad, where=where)
+        reach.note(case.name)
+
+    @contextmanager
+    def named_in_failures(self) -> Iterator[None]:
+        """A failure after bad calls says which were sent: a refusal may have changed what
+        the commit or a later step reads."""
+        try:
+            yield
+        except failures.PropertyFailure as error:
+            if self.sent:
+                error.add_note(f"  after the refused bad tree calls {self.sent} of {self.label}")
+            raise
+
+
+def after_the_commit(
+    engine: Engine, request: Request, tree: TreeRound, accepted, label: str
+) -> Request:
+    """``tree.then``'s events, each where the cache offers it (and the rows allow); the
+    request the round goes on with (a fork's child)."""
+    for event in tree.then:
+        at = f" (after {label}'s commit)"
+        if event == "truncate":
+            truncate_back(engine, request, tree.back, at)
+        elif event == "reorder" and request.rows is None and "reorder" in request.offered:
+            flipped = torch.arange(request.batch - 1, -1, -1)
+            engine.reorder(request, flipped, at=at)
+            if request.batch > 1:
+                reach.note("reorder after a commit")
+        elif event == "fork" and request.rows is None and "fork" in request.offered:
+            child = engine.fork(request, f"the fork after {label}", at=at)
+            engine.drop(request)  # its blocks now the child's alone
+            request = child
+            reach.note("fork after a commit")
+        elif event == "reset":
+            engine.reset(request)
+            request.rows = None
+            reach.note("reset after a commit")
+        engine.check(f"{event}{at}")
+    return request
+
+
+def truncate_back(engine: Engine, request: Request, back: int, at: str) -> None:
+    """Every row ``back`` tokens back (into the accepted path, or past it into the committed
+    rows): by row where rows differ, through ``truncate_rows``."""
+    if request.rows is None:
+        offered = "truncate" in request.offered and request.held
+        if offered and engine.truncate(request, max(0, request.held - back), at=at):
+            reach.note("truncate after a commit")
+        return
+    if callable(getattr(request.caches[0].cache, "truncate_rows", None)):
+        keep = [max(0, len(row) - back) for row in request.rows]
+        if engine.truncate_rows(request, keep, at=at):
+            reach.note("truncate_rows after a commit")
+
+
 def check_tree_drafts(factory: CacheFactory, plan: TreePlan) -> None:
     """Each tree's nodes equal the uncached model on the committed tokens and their path, and
     after each commit every step equals it on the committed and accepted tokens."""
@@ -495,10 +638,18 @@ def check_tree_drafts(factory: CacheFactory, plan: TreePlan) -> None:
                 more = [tokens(longest - len(row)) for row in request.rows]
                 engine.feed_rows(request, more, at=f" (each row fed up to {longest} for {label})")
                 engine.check(f"rows fed up to one length for {label}")
+                reach.note("rows fed up to one length before a tree")
         accepted = tree.accepted if own_lengths else one_length(tree.accepted)
+        note_the_tree(tree, accepted, request.held, own_lengths, index)
         new = tokens(plan.batch, len(tree.parents))
+        bad = BadCalls(engine, request, tree, own_lengths, label)
+        bad.send("before", tokens=new)
         handed = draft(engine, request, tree, new, accepted, poison, label)
-        commit(engine, request, handed, new, accepted, label)
+        with bad.named_in_failures():
+            bad.send("waiting", handed=handed, accepted=accepted)
+            commit(engine, request, handed, new, accepted, label)
+            bad.send("after", handed=handed, accepted=accepted)
+            request = after_the_commit(engine, request, tree, accepted, label)
         for step, size in enumerate(tree.after):
             at = f" (step #{step} after {label}'s commit_tree({[list(p) for p in accepted]}))"
             if request.rows is None:
@@ -511,7 +662,12 @@ def check_tree_drafts(factory: CacheFactory, plan: TreePlan) -> None:
 
 # Tried first on every run: a tree that crosses the 16-row block edge, two roots, the
 # accepted paths neither the first nodes in order nor of one length, the nodes before them in
-# order poisoned (a sibling seen, or a rejected row kept, shows as nan), then a second tree.
+# order poisoned (a sibling seen, or a rejected row kept, shows as nan), then a second tree;
+# every bad tree call, a truncate back into the paths after the first commit, a reorder
+# after the second. Then one length accepted on a prefix of one whole block, a fork and a
+# reset after the first commit (the second tree on an empty cache), a reorder and a truncate
+# after the second: the later events where the rows keep one length.
+ALL_BAD = tuple(BAD_CALLS)
 PINNED = (
     TreePlan(
         config=ModelConfig(vocab_size=23, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8),
@@ -524,16 +680,71 @@ PINNED = (
                 accepted=((1, 4), (0, 2, 6)),
                 poisoned=((0, 2, 3, 5, 6), (1, 3, 4, 5)),
                 after=(1,),
+                then=("truncate",),
+                back=2,
+                bad=ALL_BAD,
             ),
             TreeRound(
                 parents=(-1, 0, 0, 1, 2),
                 accepted=((0, 2, 4), (0, 2)),
                 poisoned=((1, 3), (1, 3, 4)),
                 after=(1, 2),
+                then=("reorder",),
             ),
         ),
         token_seed=7,
     ),
+    TreePlan(
+        config=ModelConfig(vocab_size=23, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8),
+        dtype=torch.float64,
+        batch=2,
+        prefix=(EDGE,),
+        rounds=(
+            TreeRound(
+                parents=(-1, 0, 1, 0),
+                accepted=((0, 1), (0, 3)),
+                poisoned=((2, 3), (1, 2)),
+                after=(),
+                then=("fork", "reset"),
+            ),
+            TreeRound(
+                parents=(-1, -1, 1),
+                accepted=((1, 2), (1, 2)),
+                poisoned=((0,), (0,)),
+                after=(1,),
+                then=("reorder", "truncate"),
+                back=1,
+            ),
+        ),
+        token_seed=5,
+    ),
+)
+
+TREE_EDGES = (
+    *(
+        reach.Edge(name, needs=("tree",))
+        for name in (
+            "a second tree after a commit",
+            "a tree on an empty cache",
+            "a tree right after a 16-row block edge",
+            "a tree across a 16-row block edge",
+            "a node with an earlier sibling",
+            "a poisoned node beside an accepted path",
+            "an empty accepted path",
+            "a whole branch accepted",
+            "a path accepted up to a node inside the tree",
+            "reset after a commit",
+        )
+    ),
+    reach.Edge("paths of different lengths on rows of their own", needs=("tree", "append_rows")),
+    reach.Edge("rows fed up to one length before a tree", needs=("tree", "append_rows")),
+    reach.Edge("truncate_rows after a commit", needs=("tree", "append_rows")),
+    reach.Edge("truncate after a commit", needs=("tree", "truncate")),
+    reach.Edge("reorder after a commit", needs=("tree", "reorder")),
+    reach.Edge("fork after a commit", needs=("tree", "fork")),
+    # Each bad tree call refused (on a cache without rows of their own, paths of different
+    # lengths among them).
+    *(reach.Edge(name, needs=("tree",)) for name in ALL_BAD),
 )
 
 TREE = Property(
@@ -549,6 +760,7 @@ TREE = Property(
     # around the trees.
     pinned=PINNED,
     since="1.3",
+    reaches=TREE_EDGES,
 )
 
 

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from kvimpl import ChunkedCache, ConcatCache
 from kvref import check_reorder, check_truncate
+from tests.independent.fifo_paged_pool import FifoPagedCache, FifoPagedPool
 from tests.mutants.paged import _MutantCache, _MutantPool
 
 
@@ -144,10 +145,50 @@ class CopyOnWriteSkipsFullBlocks(_MutantPool):
     cache_class = _SkipsCopyOfFullBlocks
 
 
+class _OnlyForksCopyOnWrite(FifoPagedCache):
+    forked = False  # set on the caches fork() makes
+
+    def fork(self) -> FifoPagedCache:
+        child = super().fork()
+        child.__class__, child.forked = type(self), True
+        return child
+
+    def truncate(self, length: int) -> None:
+        if self.forked:
+            return super().truncate(length)
+        check_truncate(self._count, length)
+        # The cache forked from takes its blocks for its own: no copy of a shared one.
+        self._drop_from(-(-length // self.pool.block_size))
+        self._count = length
+
+
+class ParentTruncatesSharedBlocks(FifoPagedPool):
+    """A truncate of the cache a fork was made from keeps a shared block it ends inside
+    without copying it: the parent's next tokens overwrite its fork's rows there.
+
+    Stands for copy-on-write applied on one side of a fork only: the forked sequence copies
+    before it writes, the one it came from takes the blocks for its own (xllm 1984: beams
+    read blocks another beam overwrote, for want of copy-on-write). A fork that truncates
+    is right, and so is a parent that only decodes on; a parent rolled back into a shared
+    block and decoding while its fork lives on is not.
+    """
+
+    @property
+    def __name__(self) -> str:
+        return type(self).__name__
+
+    def __call__(self, spec) -> FifoPagedCache:
+        return _OnlyForksCopyOnWrite(self, spec)
+
+    def with_blocks(self, num_blocks: int) -> ParentTruncatesSharedBlocks:
+        return type(self)(self.block_size, num_blocks)
+
+
 INTERPLAY_MUTANTS = (
     ReorderPermutesSharedBlocks(),
     TruncateLeaksBlocks(),
     SecondRollbackCountsFromLastAppend,
     JoinsIntoSharedScratch,
     CopyOnWriteSkipsFullBlocks(),
+    ParentTruncatesSharedBlocks(),
 )

@@ -1,7 +1,6 @@
 """Broken caches with rows of their own (docs/contract.md, section 8): each a
-``PreallocatedCache`` (or, where the bug is left padding's, the independent left-padded cache)
-with one bug in a member of section 8; and a patch of the model's side of it, run on the
-left-padded cache."""
+``PreallocatedCache`` or the independent left-padded cache with one bug in a member of
+section 8; and a patch of the model's side of it, run on the left-padded cache."""
 
 from __future__ import annotations
 
@@ -152,6 +151,92 @@ class RowsReturnedInASharedWorkspace(PreallocatedCache):
         return space[0], space[1], valid
 
 
+class JoinGivesEveryRowTheFirstJoinersPosition(LeftPaddedBatchCache):
+    """``join`` gives every joining row the first joining row's first position.
+
+    Stands for a merge of a request prefilled elsewhere that carries one offset for all of
+    its rows: one sample's value applied to every row (lalamo 242), a scalar ``offset`` on
+    one cache where the batch keeps one per row (mlx-lm 748); the rows' keys after the join
+    are rotated at the wrong positions.
+    """
+
+    def join(self, other: LeftPaddedBatchCache) -> None:
+        rows = self.batch
+        super().join(other)
+        self._first[rows:] = [other.first_position[0]] * other.batch
+
+
+class JoinGivesEveryRowTheLongestLength(LeftPaddedBatchCache):
+    """``join`` records every joining row as long as the joining request's longest: its
+    shorter rows' left padding joins as tokens.
+
+    Stands for a merge that takes a prefilled request's one length (its ``offset``, a scalar
+    on a single cache: mlx-lm 748; ``extend`` merging caches of different lengths: mlx-lm
+    1141), so the zeros in front of its shorter rows are attended as keys.
+    """
+
+    def join(self, other: LeftPaddedBatchCache) -> None:
+        rows = self.batch
+        super().join(other)
+        self._lengths[rows:] = [other.length] * other.batch
+
+
+class SelectTakesAPermutationAsTheIdentity(LeftPaddedBatchCache):
+    """``select_rows`` does nothing when every row stays, whatever their new order.
+
+    Stands for a batch filter that only acts when rows leave, so a reorder of every row is
+    silently skipped (transformers 46612, the beam-search reorder skipped "silently"): each
+    row then decodes on another row's keys and values.
+    """
+
+    def select_rows(self, indices: Tensor) -> None:
+        if sorted(indices.tolist()) != list(range(self.batch)):
+            super().select_rows(indices)
+
+
+class SelectAppliesTheInversePermutation(LeftPaddedBatchCache):
+    """``select_rows`` with every row staying moves row b to slot ``indices[b]`` (a scatter)
+    instead of taking row ``indices[b]`` into slot b (a gather).
+
+    Stands for gather and scatter confused in a batch re-index (the batch-axis re-indexing
+    class of BUGS.md): the same for a swap of two rows, wrong for any longer cycle.
+    """
+
+    def select_rows(self, indices: Tensor) -> None:
+        if sorted(indices.tolist()) == list(range(self.batch)):
+            indices = torch.argsort(indices)
+        super().select_rows(indices)
+
+
+class TruncateToZeroKeepsTheRow(LeftPaddedBatchCache):
+    """``truncate_rows`` leaves a row untouched when asked to keep 0 of its tokens.
+
+    Stands for a per-row rollback that reads a length of 0 as "unchanged" (``n or held``),
+    so a row whose every token is rejected, or emptied for reuse by another request, keeps
+    its history and its next tokens attend it.
+    """
+
+    def truncate_rows(self, lengths) -> None:
+        if len(lengths) == self.batch:  # else the parent refuses it, as it should
+            lengths = [n or held for n, held in zip(lengths, self.row_lengths, strict=True)]
+        super().truncate_rows(lengths)
+
+
+class RoomCheckedOnTheLongestRow(LeftPaddedBatchCache):
+    """``append_rows`` refuses a call whose T slots would take the longest row past
+    ``max_length``, though that row brings none of them.
+
+    Stands for batch caches that check capacity as one cache position plus the call's length
+    for the whole batch (one ``cache_position`` for every row: unsloth 3699): a row that
+    reached the end stops its neighbours from decoding.
+    """
+
+    def append_rows(self, key: Tensor, value: Tensor, counts) -> tuple[Tensor, Tensor, Tensor]:
+        if self.row_lengths and self.length + key.shape[2] > self.spec.max_length:
+            raise ValueError(f"no room: {self.length} + {key.shape[2]} > {self.spec.max_length}")
+        return super().append_rows(key, value, counts)
+
+
 @contextmanager
 def positions_count_left_padding() -> Iterator[None]:
     """Each new token is placed at its row's next position plus its slot in the call, pads
@@ -183,4 +268,10 @@ ROWS_MUTANTS = (
     JoinDropsFirstPositions,
     MaskDroppedAfterTheFirstDecode,
     RowsReturnedInASharedWorkspace,
+    JoinGivesEveryRowTheFirstJoinersPosition,
+    JoinGivesEveryRowTheLongestLength,
+    SelectTakesAPermutationAsTheIdentity,
+    SelectAppliesTheInversePermutation,
+    TruncateToZeroKeepsTheRow,
+    RoomCheckedOnTheLongestRow,
 )

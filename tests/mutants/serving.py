@@ -1,7 +1,8 @@
-"""Broken serving pools (docs/contract.md, section 9): each the built-in ``paged`` pool with
-one bug in how it shares blocks by content (prefix caching) or swaps a request's rows out and
-back in. As in ``tests/mutants/paged.py``, the first paragraph of each docstring names the
-bug and the second the real failure it stands for."""
+"""Broken serving pools (docs/contract.md, section 9): each the built-in ``paged`` pool, or
+the independent radix pool (``tests/independent/radix_prefix_pool.py``), with one bug in how
+it shares blocks by content (prefix caching) or swaps a request's rows out and back in. As in
+``tests/mutants/paged.py``, the first paragraph of each docstring names the bug and the
+second the real failure it stands for."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from kvimpl.paged import PagedCache
 from kvimpl.prefix_index import Prefix, PrefixIndex
+from tests.independent.radix_prefix_pool import RadixPrefixCache, RadixPrefixPool
 from tests.mutants.paged import _MutantPool
 
 
@@ -295,6 +297,119 @@ class RestoresIntoReusedBlocks(_ForgivesDoubleDrops):
     cache_class = _RestoresIntoOldIds
 
 
+class _MutantRadixPool(RadixPrefixPool):
+    """The independent radix pool whose caches are ``cache_class``; named after its class."""
+
+    cache_class = RadixPrefixCache
+
+    @property
+    def __name__(self) -> str:
+        return type(self).__name__
+
+    def __call__(self, spec) -> RadixPrefixCache:
+        return self.cache_class(self, spec)
+
+    def with_blocks(self, num_blocks: int, *, block_hash=None) -> _MutantRadixPool:
+        return type(self)(self.block_size, num_blocks)
+
+
+class _TakesOneAtATime(RadixPrefixCache):
+    def restore(self) -> None:
+        if self._host is None:
+            raise ValueError("restore: this cache is not offloaded")
+        per_row = -(-self._count // self.pool.block_size)
+        for table in self._tables:
+            for _ in range(per_row):
+                table.extend(self.pool._take(1, self._slab))  # raises when it runs out...
+        # ...leaving the blocks taken so far in the tables, referenced, with no rows in them.
+        _restore_rows(self)
+
+
+def _restore_rows(cache: RadixPrefixCache) -> None:
+    """The rest of the radix pool's restore, once the tables hold their blocks."""
+    keys, values = cache._host
+    cache._host = None
+    if cache._count:
+        device = torch.device(cache.spec.device)
+        cache._scatter(0, keys.to(device), values.to(device))
+    cache._publish_full_blocks()
+
+
+class RestoreLeaksWhenShort(_MutantRadixPool):
+    """``restore()`` takes its blocks one at a time and, when the pool runs out partway,
+    refuses without giving back the ones it took.
+
+    Stands for swap-in paths that allocate block by block (vLLM's CPU-offload connector,
+    SGLang's host-to-device load-back) and leak the partial allocation on failure: each
+    refused swap-in shrinks the pool until the scheduler deadlocks.
+    """
+
+    cache_class = _TakesOneAtATime
+
+
+class _ReordersTablesOnly(RadixPrefixCache):
+    def reorder(self, indices) -> None:
+        tokens = [list(row) for row in self._tokens]
+        super().reorder(indices)
+        self._tokens = tokens  # the declared tokens stay with the old row order
+
+
+class ReorderLeavesDeclaredTokens(_MutantRadixPool):
+    """``reorder()`` permutes the block tables (and the rows) but not the declared tokens,
+    so the blocks each row fills after are published under another row's tokens.
+
+    Stands for beam search on a prefix-caching engine whose per-sequence token ids are kept
+    apart from the block tables (vLLM's block manager forking beams, SGLang's req_to_token
+    after a reorder): a later request whose prompt is one beam's text reads another beam's
+    rows.
+    """
+
+    cache_class = _ReordersTablesOnly
+
+
+class _ForkSharesTokens(RadixPrefixCache):
+    def fork(self) -> RadixPrefixCache:
+        child = super().fork()
+        child._tokens = self._tokens  # the same lists: each one's declarations land in both
+        return child
+
+
+class ForkSharesTokenLists(_MutantRadixPool):
+    """``fork()`` copies the block tables but hands the child the parent's lists of declared
+    tokens, so the tokens either declares after are the other's too, and the blocks each
+    fills are published under a mix of both.
+
+    Stands for a shallow copy of a sequence's token list at fork (parallel sampling, n > 1,
+    in vLLM's and SGLang's schedulers): a sample's blocks are hashed by its sibling's tokens,
+    and a later prompt equal to that mix reads rows computed for other text.
+    """
+
+    cache_class = _ForkSharesTokens
+
+
+class _PublishesOneRowEarly(RadixPrefixCache):
+    def _publish_full_blocks(self) -> None:
+        # "Full" counted from the next row: a block one row short of its end is published.
+        self._count += 1
+        try:
+            super()._publish_full_blocks()
+        finally:
+            self._count -= 1
+
+
+class PublishesBlockOneRowEarly(_MutantRadixPool):
+    """A block is published once it holds ``block_size - 1`` rows of declared tokens: an off
+    by one in the test for a full block.
+
+    Stands for the boundary bugs of block publication (vLLM 41838's family, a `>=` for a
+    `>` in a num_computed_tokens comparison): a request whose prompt was fed in chunks, one
+    ending one token short of a block's end, has that block found by another request, which
+    reads its last row before anyone wrote it.
+    """
+
+    cache_class = _PublishesOneRowEarly
+
+
 SERVING_MUTANTS = (
     PublishesBlockBeforeWritten(),
     EvictedBlockStillMatched(),
@@ -305,4 +420,8 @@ SERVING_MUTANTS = (
     PublishedBlockRewritten(),
     HitOnPartlyFilledBlock(),
     RestoresIntoReusedBlocks(),
+    RestoreLeaksWhenShort(),
+    ReorderLeavesDeclaredTokens(),
+    ForkSharesTokenLists(),
+    PublishesBlockOneRowEarly(),
 )

@@ -1,6 +1,7 @@
 """Broken context shifts and unrotated keys (docs/contract.md, section 8.4): each a
-``PreallocatedCache`` with one bug in ``shift``, or an ``UnrotatedCache`` with one bug in how
-it keeps keys unrotated."""
+``PreallocatedCache`` with one bug in ``shift``, an ``UnrotatedCache`` with one bug in how
+it keeps keys unrotated, or the independent ``ShiftingListCache`` with one bug in how it
+re-rotates."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch import Tensor
 from kvimpl import PreallocatedCache, UnrotatedCache
 from kvref import check_shift, rerotate
 from kvref.model import apply_rope
+from tests.independent.shifting_list_cache import ShiftingListCache, rotate_in_dtype
 
 
 class _Shifted(PreallocatedCache):
@@ -104,6 +106,80 @@ class UnrotatedCacheRotatesWhatItStores(UnrotatedCache):
         return super().append(apply_rope(key, positions, self.spec.rope_base), value)
 
 
+class _ListShifted(ShiftingListCache):
+    """``ShiftingListCache`` whose moved keys are rotated by ``rotate`` (its own: in the
+    storage dtype, the angles from float32)."""
+
+    def rotate(self, keys: Tensor, delta: int) -> Tensor:
+        return rotate_in_dtype(keys, delta, self.spec.rope_base)
+
+    def shift(self, start: int, count: int) -> None:
+        check_shift(self.length, start, count)
+        end = start + count
+        moved = self._keys[end:]
+        if moved:
+            rotated = self.rotate(torch.stack(moved, dim=2), -count)
+            moved = [t.clone(memory_format=torch.contiguous_format) for t in rotated.unbind(dim=2)]
+        self._keys[start:] = moved
+        del self._values[start:end]
+
+
+class ShiftRerotatesAtBase10000(_ListShifted):
+    """The moved keys are re-rotated with a RoPE base of 10,000 written in, not the model's.
+
+    Stands for a K-shift that builds its own frequencies from the common default (a
+    rope_theta / freq_base left at 10,000): right for Llama 2 and Mistral, wrong by far for
+    Llama 3's 500,000 and Qwen 2's 1,000,000, where every moved key lands at another angle.
+    """
+
+    def rotate(self, keys: Tensor, delta: int) -> Tensor:
+        return rotate_in_dtype(keys, delta, 10_000.0)
+
+
+def rotate_with_angles_in(keys: Tensor, delta: int, base: float) -> Tensor:
+    """``keys`` rotated by ``delta`` positions with the inverse frequencies, the angles, cos
+    and sin all rounded into the keys' dtype (the frequencies first formed in float32)."""
+    head_dim, dtype = keys.shape[-1], keys.dtype
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=keys.device)
+    inverse = (base ** (-exponents / head_dim)).to(dtype)
+    angles = delta * inverse  # in the keys' dtype: rounds with the angle's size
+    cos, sin = angles.cos(), angles.sin()
+    first, second = keys[..., : head_dim // 2], keys[..., head_dim // 2 :]
+    return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+
+
+class ShiftAnglesInHalfPrecision(_ListShifted):
+    """The re-rotation's angles are formed in the storage dtype (bfloat16 or float16), not
+    in float32.
+
+    Stands for RoPE frequencies cast with the model to half precision (the inverse
+    frequencies a buffer that .to(bfloat16) rounds, positions times them in bfloat16, as
+    transformers' Llama did before it forced float32, transformers#29285): an angle of count
+    x frequency rounded to 8 or 11 bits is off by a share of its size, so a far shift's keys
+    land beside their positions (tests/measure_shift.py).
+    """
+
+    def rotate(self, keys: Tensor, delta: int) -> Tensor:
+        if keys.dtype not in (torch.bfloat16, torch.float16):
+            return super().rotate(keys, delta)
+        return rotate_with_angles_in(keys, delta, self.spec.rope_base)
+
+
+class ShiftCountRoundedToHalfPrecision(_ListShifted):
+    """The shift's count is held in the storage dtype before the angles are formed: bfloat16
+    rounds a count past 256 to an even one.
+
+    Stands for positions made in the frequencies' dtype (transformers' Llama built its
+    position range with the dtype of an inverse-frequency buffer cast to bfloat16, so
+    positions past 256 merged, transformers#29285): a discard of 259 tokens moves the keys
+    back by 260.
+    """
+
+    def rotate(self, keys: Tensor, delta: int) -> Tensor:
+        held = int(torch.tensor(float(delta), dtype=keys.dtype).item())
+        return super().rotate(keys, held)
+
+
 SHIFT_MUTANTS = (
     ShiftRotatesByTheWrongDelta,
     ShiftMovesKeysWithoutRotating,
@@ -111,4 +187,7 @@ SHIFT_MUTANTS = (
     ShiftLeavesTheQueryAtTheStaleOffset,
     UnrotatedShiftRotatesTheMovedKeys,
     UnrotatedCacheRotatesWhatItStores,
+    ShiftRerotatesAtBase10000,
+    ShiftAnglesInHalfPrecision,
+    ShiftCountRoundedToHalfPrecision,
 )

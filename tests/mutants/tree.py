@@ -16,6 +16,7 @@ from torch import Tensor
 
 from kvimpl import ChunkedCache
 from kvref import check_accepted, model
+from tests.independent.aside_tree_cache import AsideTreeCache, AsideTreeRowsCache
 
 
 class _Compacts(ChunkedCache):
@@ -172,7 +173,152 @@ def hidden_nodes_values_summed() -> Iterator[None]:
         yield
 
 
-TREE_MUTANTS = (CommitKeepsTheFirstNodes, CommitWritesThePathReversed, CommitMovesKeysNotValues)
+# --- one-bug variants of an independent cache (tests/independent/aside_tree_cache.py) ------
+class CommitCutsRowsToTheShortest(AsideTreeRowsCache):
+    """``commit_tree`` on rows of their own keeps, in every row, only as many nodes of its
+    path as the shortest path accepted in the batch.
+
+    Stands for a verifier that keeps one accepted count for the batch (the minimum, as
+    batched speculative decoding without per-row lengths must): every row longer than the
+    shortest loses tokens it accepted, and decodes on as if it had never drafted them.
+    """
+
+    def commit_tree(self, accepted) -> None:
+        paths = isinstance(accepted, (list, tuple)) and accepted
+        if self._tree is not None and paths and all(isinstance(p, (list, tuple)) for p in paths):
+            shortest = min(len(path) for path in accepted)
+            accepted = [path[:shortest] for path in accepted]
+        super().commit_tree(accepted)
+
+
+class CutsRaggedPathsSilently(AsideTreeCache):
+    """``commit_tree`` on a cache without rows of their own takes paths of different
+    lengths by cutting each to the shortest, instead of refusing them.
+
+    Stands for a dense cache that "handles" per-row acceptance by truncating the batch to the
+    fewest accepted: the caller thinks each row kept its path, the cache holds less, and the
+    rows' histories part from their caches without an error.
+    """
+
+    def commit_tree(self, accepted) -> None:
+        paths = isinstance(accepted, (list, tuple)) and accepted
+        if self._tree is not None and paths and all(isinstance(p, (list, tuple)) for p in paths):
+            shortest = min(len(path) for path in accepted)
+            accepted = [path[:shortest] for path in accepted]
+        super().commit_tree(accepted)
+
+
+class SecondTreeReplacesTheFirst(AsideTreeCache):
+    """A second ``append_tree`` before the commit is taken: the waiting tree is dropped and
+    the new one waits in its place.
+
+    Stands for a draft buffer that is simply overwritten by the next draft step (a scheduler
+    that re-drafts after a preemption without committing): the first tree's nodes are lost
+    and a commit meant for it keeps the second tree's.
+    """
+
+    def append_tree(self, key: Tensor, value: Tensor, parents):
+        self._tree = None
+        return super().append_tree(key, value, parents)
+
+
+class SecondTreeJoinsTheFirst(AsideTreeCache):
+    """A second ``append_tree`` before the commit is taken as more nodes of the waiting tree
+    (its roots children of the last committed token).
+
+    Stands for a draft buffer that appends every draft step's nodes to the pending tree
+    (a tree grown over several calls): a caller who meant a new tree gets a merged one, whose
+    node indices are not the ones it commits.
+    """
+
+    def append_tree(self, key: Tensor, value: Tensor, parents):
+        if self._tree is None:
+            return super().append_tree(key, value, parents)
+        before, keys, values = self._tree
+        shifted = tuple(p if p < 0 else p + len(before) for p in parents)
+        self._tree = None
+        merged = (torch.cat((keys, key), dim=2), torch.cat((values, value), dim=2))
+        return super().append_tree(*merged, (*before, *shifted))
+
+
+class NegativeNodeReadFromTheEnd(AsideTreeCache):
+    """``commit_tree`` takes a negative node index as Python does, from the end of the tree:
+    node -1 is the last node.
+
+    Stands for path validation that checks ``node < T`` but not ``node >= 0`` before indexing
+    (``tensor[:, path]`` takes -1 as the last slot): a caller's -1 ("the last committed token",
+    as the parents say) commits the last draft node instead of being refused.
+    """
+
+    def _checked_paths(self, accepted, parents):
+        if isinstance(accepted, (list, tuple)):
+            accepted = [
+                [n % len(parents) if isinstance(n, int) and n < 0 else n for n in path]
+                if isinstance(path, (list, tuple))
+                else path
+                for path in accepted
+            ]
+        return super()._checked_paths(accepted, parents)
+
+
+class ReorderLeavesTheLastCommitBehind(AsideTreeCache):
+    """A ``reorder`` right after ``commit_tree`` moves each row's rows but the ones the
+    commit just kept, which stay with the row index they were committed at.
+
+    Stands for a persistent batch whose row swap (vLLM's ``InputBatch.swap_states``) forgets
+    the per-request array of accepted draft tokens: a reordered row carries its neighbour's
+    accepted tokens until the next step rebuilds them.
+    """
+
+    _kept_last = 0  # rows the last commit appended, until the next call
+
+    def commit_tree(self, accepted) -> None:
+        super().commit_tree(accepted)
+        self._kept_last = len(accepted[0]) if accepted else 0
+
+    def reorder(self, indices: Tensor) -> None:
+        kept, self._kept_last = self._kept_last, 0
+        tails = [(k[:, k.shape[1] - kept :], v[:, v.shape[1] - kept :]) for k, v in self._rows()]
+        super().reorder(indices)
+        if not kept:
+            return
+        for row, (keys, values) in enumerate(tails):
+            self._keys[row] = torch.cat((self._keys[row][:, :-kept], keys), dim=1)
+            self._values[row] = torch.cat((self._values[row][:, :-kept], values), dim=1)
+
+    def _rows(self):
+        return list(zip(self._keys, self._values, strict=True))
+
+    def append(self, key: Tensor, value: Tensor):
+        self._kept_last = 0
+        return super().append(key, value)
+
+    def truncate(self, length: int) -> None:
+        self._kept_last = 0
+        super().truncate(length)
+
+    def reset(self) -> None:
+        self._kept_last = 0
+        super().reset()
+
+
+# The bugs above, each in an independent cache of another style than kvimpl.tree's.
+ASIDE_TREE_MUTANTS = (
+    CommitCutsRowsToTheShortest,
+    CutsRaggedPathsSilently,
+    SecondTreeReplacesTheFirst,
+    SecondTreeJoinsTheFirst,
+    NegativeNodeReadFromTheEnd,
+    ReorderLeavesTheLastCommitBehind,
+)
+
+
+TREE_MUTANTS = (
+    CommitKeepsTheFirstNodes,
+    CommitWritesThePathReversed,
+    CommitMovesKeysNotValues,
+    *ASIDE_TREE_MUTANTS,
+)
 
 # Bugs of the model's side of tree drafts, run on a correct ChunkedCache.
 TREE_MODEL_MUTANTS = (
