@@ -105,8 +105,7 @@ def _reach(item: pytest.Item, name: str, factory) -> dict:
         with sizes.aiming_at(sizes.declared_by(factory, getattr(item, "cls", None))):
             offered = kit.offered(factory) | kit.methods(factory)
     hit, missed = reach.split(declared, item.stash.get(plugin.REACHED, set()), offered)
-    # "edges": every one it names, for --kv-require-reach, which judges the run as a whole.
-    return {"reached": hit, "not reached": missed, "edges": [edge.name for edge in declared]}
+    return {"reached": hit, "not reached": missed}
 
 
 def _skip_reason(report: pytest.TestReport) -> str:
@@ -163,13 +162,14 @@ class Verdict:
         return tabulate(self.entries, self.kit_properties, self.held_to())
 
     def never_reached(self) -> dict[str, list[str]]:
-        """Per property that passed somewhere in the run, the edges it names that no passing
-        test of it reached (``--kv-require-reach``)."""
+        """Per property that passed somewhere in the run, the edges it names that some cache
+        of the run could reach (it offers what they need) and no passing test reached
+        (``--kv-require-reach``)."""
         named: dict[str, dict[str, bool]] = {}
         for entry in self.entries:
-            if "edges" in entry:
+            if "reached" in entry:
                 edges = named.setdefault(entry["property"], {})
-                for edge in entry["edges"]:
+                for edge in [*entry["reached"], *entry["not reached"]]:
                     edges[edge] = edges.get(edge, False) or edge in entry["reached"]
         return {
             name: missed

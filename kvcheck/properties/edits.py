@@ -25,7 +25,7 @@ from kvcheck import strategies as kvst
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
-from kvcheck.properties.rejection import check_refused
+from kvcheck.properties.rejection import STATE_EDGES, check_refused
 from kvcheck.session import Engine
 from kvcheck.strategies import (
     DTYPES,
@@ -508,6 +508,7 @@ BAD_TRUNCATE = Property(
     failures.ACCEPTS_BAD_INPUT,
     cases=tuple(kvbad.BAD_TRUNCATES),
     requires=("truncate",),
+    reaches=STATE_EDGES,
 )
 REORDER = Property(
     "reorder",
@@ -528,6 +529,7 @@ BAD_REORDER = Property(
     failures.ACCEPTS_BAD_INPUT,
     cases=tuple(kvbad.BAD_REORDERS),
     requires=("reorder",),
+    reaches=STATE_EDGES,
 )
 EDITS = Property(
     "truncate and reorder",

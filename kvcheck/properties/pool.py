@@ -29,7 +29,7 @@ from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.harness import build, random_query
 from kvcheck.kit import KitTests, Property, offered, property_test
-from kvcheck.properties.requests import PINNED, request_plans, serve
+from kvcheck.properties.requests import PINNED, REQUEST_EDGES, request_plans, serve
 from kvref import BlockTables, CacheFactory, CacheSpec
 
 # Words a refusal for want of blocks may use; any one names the problem.
@@ -211,6 +211,7 @@ POOL = Property(
     failures.DATA_LOSS,
     requires=("block pool",),
     pinned=PINNED,
+    reaches=REQUEST_EDGES,
 )
 EXHAUSTED_POOL = Property(
     "exhausted pool",

@@ -12,17 +12,48 @@ import functools
 
 from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
-from kvcheck import failures
+from kvcheck import failures, reach
 from kvcheck import strategies as kvst
 from kvcheck.harness import warm
 from kvcheck.kit import KitTests, Property, property_test
+from kvcheck.reach import Edge
 from kvref import CacheFactory
+
+# The states bad input is tried on (contract, section 3), noted as each is warmed.
+STATE_EDGES = tuple(
+    Edge(name)
+    for name in (
+        "an empty cache",
+        "a cache warmed by 2 or more appends",
+        "a window cache",
+        "a batch of 2 or more",
+        "half precision",
+    )
+)
+
+
+def note_state(plan: kvst.CachePlan) -> None:
+    """Note which of ``STATE_EDGES`` the warmed cache of ``plan`` is in."""
+    for name, reached in zip(
+        (edge.name for edge in STATE_EDGES),
+        (
+            not plan.chunks,
+            len(plan.chunks) >= 2,
+            plan.spec.window is not None,
+            plan.spec.batch >= 2,
+            plan.spec.dtype in kvst.HALF_DTYPES,
+        ),
+        strict=True,
+    ):
+        if reached:
+            reach.note(name)
 
 
 def check_refused(factory: CacheFactory, plan: kvst.CachePlan, case, method: str, make) -> None:
     """``method`` of a cache warmed by ``plan``, called with ``make(cache)``'s bad arguments,
     refuses them as the contract says (unless ``case`` may be accepted) and changes nothing."""
     cache = warm(factory, plan)
+    note_state(plan)
     bad = make(cache)
     where = plan.describe()
     # Straight to the cache, past the recorder: the recorder copies tensors and records
@@ -71,6 +102,7 @@ def check_bad_append(factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.Ba
 def check_overflow(factory: CacheFactory, plan: kvst.CachePlan) -> None:
     """Past max_length a cache may refuse or grow, but never drop, wrap or overwrite."""
     cache = warm(factory, plan)
+    note_state(plan)
     rows = plan.spec.max_length - cache.given_length + plan.new_tokens
     new = kvst.random_rows(plan.spec, rows, seed=rows)
     where = f"{rows} tokens appended to {plan.describe()}, {plan.new_tokens} past max_length"
@@ -105,6 +137,7 @@ BAD_APPEND = Property(
     kvst.cache_plans(room=3),
     failures.ACCEPTS_BAD_INPUT,
     cases=tuple(kvbad.BAD_APPENDS),
+    reaches=STATE_EDGES,
     # Each of the many cases has its own search; what varies within one is only the warm
     # cache it is tried on, and the thorough profile still gives it hundreds.
     examples_share=0.4,
@@ -115,6 +148,7 @@ OVERFLOW = Property(
     check_overflow,
     kvst.cache_plans(room=1),  # after a refusal, room for one row to read the cache back
     failures.DATA_LOSS,
+    reaches=STATE_EDGES,
 )
 BAD_MODEL_CALL = Property(
     "bad model call",

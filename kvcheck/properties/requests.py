@@ -28,12 +28,13 @@ import torch
 from hypothesis import strategies as st
 from torch import Tensor
 
-from kvcheck import failures
+from kvcheck import failures, reach
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
+from kvcheck.reach import Edge
 from kvcheck.session import Engine, Request
 from kvref import BlockPool, CacheContractError, CacheFactory, ModelConfig
 
@@ -333,13 +334,13 @@ def serve(factory: CacheFactory, plan: RequestPlan) -> None:
     """Run ``plan`` on caches from ``factory`` (a tight pool of its kind, audited after every
     event, when it is a BlockPool); every step of every request must give the uncached
     model's logits for its own history."""
-    finished: dict[int, Request] = {}
+    served = Served()
 
     def step(engine: Engine, index: int, at: str) -> None:
-        run_event(engine, plan.events[index], index, finished, plan, at)
+        run_event(engine, plan.events[index], index, served, plan, at)
 
     # The reset caches kept for reuse go before the final count: every block must be back.
-    run_plan(factory, plan, step, max_length=MAX_LENGTH, before_finish=finished.clear)
+    run_plan(factory, plan, step, max_length=MAX_LENGTH, before_finish=served.finished.clear)
 
 
 def run_plan(
@@ -391,35 +392,89 @@ def run_plan(
     engine.finish()
 
 
-def run_event(engine: Engine, event: Event, index: int, finished: dict, plan, at: str) -> None:
-    """One event of the plan. Only ``engine.live`` and ``finished`` (reset, waiting to be
-    reused) hold caches, so that a dropped request's caches are collectable."""
+# What the plans of requests, fork and pool must reach (kvcheck.reach), noted in run_event.
+REQUEST_EDGES = (
+    Edge("2 or more requests fed in turns"),
+    Edge("a request on the reset caches of a finished one"),
+    Edge("a request dropped"),
+    Edge("a request finished after poisoned rows"),
+    Edge("a request of batch 2 or more"),
+    Edge("a fork"),
+    Edge("a truncate of a live request", needs=("truncate",)),
+    Edge("a reorder of a live request", needs=("reorder",)),
+)
+FORK_EDGES = (
+    Edge("a fork of a fork", needs=("fork",)),
+    Edge("a parent fed after its fork", needs=("fork",)),
+    Edge("a fork truncated below where it forked", needs=("fork", "truncate")),
+    Edge("a parent finished while its fork lives", needs=("fork",)),
+)
+
+
+@dataclass
+class Served:
+    """What a plan's run keeps beside the engine: the finished requests whose reset caches
+    wait to be reused (only these and ``engine.live`` hold caches, so that a dropped
+    request's are collectable), and each fork's parent and the length it forked at."""
+
+    finished: dict[int, Request] = field(default_factory=dict)
+    parents: dict[str, tuple[str, int]] = field(default_factory=dict)
+
+    def is_parent(self, request: Request, live: dict) -> bool:
+        """Whether a fork of ``request`` is alive (in ``live``)."""
+        return any(
+            parent == request.name and child in live for child, (parent, _) in self.parents.items()
+        )
+
+
+def run_event(engine: Engine, event: Event, index: int, served: Served, plan, at: str) -> None:
+    """One event of the plan, noting the edges it reaches."""
     live = engine.live
     if isinstance(event, Start):
-        reuse = None if event.reuse is None else finished.pop(event.reuse)
+        reuse = None if event.reuse is None else served.finished.pop(event.reuse)
         engine.start(f"r{event.request}", event.batch, reuse=reuse)
+        if reuse is not None:
+            reach.note("a request on the reset caches of a finished one")
+        if event.batch >= 2:
+            reach.note("a request of batch 2 or more")
     elif isinstance(event, Feed):
         request = live[f"r{event.request}"]
         engine.feed(request, plan.tokens(index, request.batch), at=at)
+        if len(live) >= 2:
+            reach.note("2 or more requests fed in turns")
+        if served.is_parent(request, live):
+            reach.note("a parent fed after its fork")
     elif isinstance(event, Fork):
-        engine.fork(live[f"r{event.parent}"], f"r{event.child}", at=at)
+        parent = live[f"r{event.parent}"]
+        engine.fork(parent, f"r{event.child}", at=at)
+        reach.note("a fork", *(("a fork of a fork",) if parent.name in served.parents else ()))
+        served.parents[f"r{event.child}"] = (parent.name, parent.held)
     elif isinstance(event, Truncate):
         request = live[f"r{event.request}"]
         if "truncate" in request.offered:
-            engine.truncate(request, max(request.held - event.back, 0), at=at)
+            target = max(request.held - event.back, 0)
+            engine.truncate(request, target, at=at)
+            reach.note("a truncate of a live request")
+            if target < served.parents.get(request.name, ("", -1))[1]:
+                reach.note("a fork truncated below where it forked")
     elif isinstance(event, Reorder):
         request = live[f"r{event.request}"]
         if "reorder" in request.offered:
             engine.reorder(request, torch.tensor(event.indices), at=at)
+            reach.note("a reorder of a live request")
     else:
         request = live[f"r{event.request}"]
         if event.poison:
             engine.poison(request, event.poison, event.poison_rows)
+            reach.note("a request finished after poisoned rows")
+        if served.is_parent(request, live):
+            reach.note("a parent finished while its fork lives")
         if event.how == "reset":
             engine.reset(request)
-            finished[event.request] = request
+            served.finished[event.request] = request
         else:
             engine.drop(request)
+            reach.note("a request dropped")
 
 
 def check_requests(factory: CacheFactory, plan: RequestPlan) -> None:
@@ -515,6 +570,7 @@ REQUESTS = Property(
     request_plans(),
     failures.WRONG_RESULTS,
     pinned=on_both_paths(PINNED),
+    reaches=REQUEST_EDGES,
     # It runs on every cache under test (a quarter of the profile's examples, after the
     # pinned plans); on a pool, "pool" searches the same plans in full.
     examples_share=0.25,
@@ -527,6 +583,7 @@ FORK = Property(
     failures.WRONG_RESULTS,
     requires=("fork",),
     pinned=on_both_paths(PINNED_FORKS),
+    reaches=FORK_EDGES,
 )
 
 

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from kvcheck import asserts as kvassert
 from kvcheck import devices as kvdevices
-from kvcheck import failures
+from kvcheck import failures, reach
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.harness import builder, record
@@ -124,9 +124,40 @@ def shared_plans(draw) -> SharedPlan:
     )
 
 
+SHARING_EDGES = tuple(
+    reach.Edge(name)
+    for name in (
+        "two readers of one source",
+        "a reader of the layer just before it",
+        "a reader two layers after its source",
+        "a window layer that reads",
+        "a chunk of several tokens after the first",
+    )
+)
+
+
+def note_sharing(plan: SharedPlan) -> None:
+    """Note which of ``SHARING_EDGES`` the plan's sharing and chunks reach."""
+    config = plan.config
+    readers = {
+        layer: source for layer, source in enumerate(config.kv_sources) if source is not None
+    }
+    sources = list(readers.values())
+    for name, reached in (
+        ("two readers of one source", len(sources) > len(set(sources))),
+        ("a reader of the layer just before it", any(r - s == 1 for r, s in readers.items())),
+        ("a reader two layers after its source", any(r - s >= 2 for r, s in readers.items())),
+        ("a window layer that reads", any(config.layer_window(r) for r in readers)),
+        ("a chunk of several tokens after the first", any(n > 1 for n in plan.chunks[1:])),
+    ):
+        if reached:
+            reach.note(name)
+
+
 def check_shared_layers(factory: CacheFactory, plan: SharedPlan) -> None:
     """Each way of feeding the tokens gives, at every step, the uncached model's logits over
     the same sharing; each source layer's append returns the rows it was given."""
+    note_sharing(plan)
     model = kvst.build_model(plan.config, plan.dtype)
     tokens = kvst.random_tokens(plan.config, plan.batch, plan.tokens, plan.token_seed)
     expected = model(tokens)
@@ -189,6 +220,7 @@ SHARED_LAYERS = Property(
     shared_plans(),
     failures.WRONG_RESULTS,
     pinned=(LAST_TWO_READ_ONE,),
+    reaches=SHARING_EDGES,
     since="1.4",
 )
 

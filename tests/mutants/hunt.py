@@ -29,6 +29,7 @@ from kvcheck.kit import Property
 from kvcheck.properties import ALL
 from kvcheck.properties.core import LOGITS
 from kvref import CacheContractError, CacheFactory
+from tests import depth
 from tests.mutants import Mutant
 
 # The hunt's order: logits first (it catches anything that changes what the model computes),
@@ -156,13 +157,15 @@ def search(
             continue
     # No example database: a catch must come from this run's search, not a replay of an
     # earlier one. Shrinking is off unless asked for: a test only needs to know it failed.
+    # Derandomized in the default tier: the same examples under any seed, as in CI, so that
+    # a newcomer's run costs what CI's does (random, a size mutant's hunt took up to 28 s);
+    # under --soak, the run's seed, so that the soak tier searches anew each time.
     phases = [Phase.explicit, Phase.generate, *([Phase.shrink] if shrink else [])]
+    chosen = settings(
+        max_examples=max_examples, phases=phases, database=None, derandomize=not depth.SOAK
+    )
     try:
-        example = find(
-            prop.strategy,
-            fails,
-            settings=settings(max_examples=max_examples, phases=phases, database=None),
-        )
+        example = find(prop.strategy, fails, settings=chosen)
     except NoSuchExample:
         return None
     except Exception as error:
