@@ -364,6 +364,21 @@ def recorded(factory: CacheFactory, spec: CacheSpec, path: str = "append") -> Re
     return Recorder(build(factory, spec), spec.window, path, spec.sinks, spec.rope_base)
 
 
+# What the cache-level properties' specs must reach (kvcheck.reach), noted by note_spec.
+SPEC_EDGES = ("a window cache", "a batch of 2 or more", "2 or more kv heads", "half precision")
+
+
+def note_spec(spec: CacheSpec) -> None:
+    """Note which of ``SPEC_EDGES`` a cache built for ``spec`` reaches."""
+    from kvcheck import reach
+    from kvcheck.strategies import HALF_DTYPES
+
+    reached = (spec.window is not None, spec.batch >= 2, spec.kv_heads >= 2)
+    for name, hit in zip(SPEC_EDGES, (*reached, spec.dtype in HALF_DTYPES), strict=True):
+        if hit:
+            reach.note(name)
+
+
 def warm(factory: CacheFactory, plan: CachePlan) -> Recorder:
     """A recorded cache from ``factory`` after the plan's appends of random rows, each
     append's rows checked: a cache that goes wrong while warming up is reported as that,

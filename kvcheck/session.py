@@ -545,6 +545,8 @@ class Engine:
             if parent.held:
                 self.feed(child, parent.history, at=f" (a fork of {parent.name}){at}")
             return child
+        if name in self.live:  # drop() goes by name: a second one would lose the first
+            raise TypeError(f"fork named {name!r}, the name of a live request: no plan does so")
         caches = [cache.fork() for cache in parent.caches]
         child = Request(name, caches, parent.history.clone(), offered=parent.offered)
         child.salt, child.looked_up = parent.salt, parent.looked_up

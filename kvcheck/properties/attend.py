@@ -18,10 +18,10 @@ import torch
 from hypothesis import strategies as st
 
 from kvcheck import asserts as kvassert
-from kvcheck import failures
+from kvcheck import failures, reach
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
-from kvcheck.harness import build
+from kvcheck.harness import SPEC_EDGES, build, note_spec
 from kvcheck.kit import KitTests, Property, property_test
 from kvref import CacheFactory, CacheSpec, attention
 
@@ -80,10 +80,40 @@ def attend_plans(draw) -> AttendPlan:
     )
 
 
+ATTEND_EDGES = tuple(
+    reach.Edge(name, needs=("attend",))
+    for name in (
+        *SPEC_EDGES[:3],
+        "grouped query heads",
+        "an attend of several rows on a warm cache",
+        "an attend after an append",
+        "large scores",
+    )
+)
+
+
+def note_attend(plan: AttendPlan) -> None:
+    """Note which of ``ATTEND_EDGES`` the plan reaches."""
+    note_spec(plan.spec)
+    kinds = [kind for kind, _ in plan.calls]
+    for name, reached in (
+        ("grouped query heads", plan.heads > plan.spec.kv_heads),
+        (
+            "an attend of several rows on a warm cache",
+            any(kind == "attend" and rows > 1 for kind, rows in plan.calls[1:]),
+        ),
+        ("an attend after an append", "append" in kinds[:-1]),  # the last call attends
+        ("large scores", plan.large),
+    ):
+        if reached:
+            reach.note(name)
+
+
 def check_attend(factory: CacheFactory, plan: AttendPlan) -> None:
     """Every attend returns the reference attention over the rows given since the reset."""
     spec = plan.spec
     cache = build(factory, spec)
+    note_attend(plan)
     scale = LARGE[spec.dtype] if plan.large else 1.0
     keys, values = kvst.random_rows(spec, 0, seed=0), kvst.random_rows(spec, 0, 0, values=True)
     for index, (kind, rows) in enumerate(plan.calls):
@@ -129,6 +159,7 @@ ATTEND = Property(
     check_attend,
     attend_plans(),
     failures.WRONG_RESULTS,
+    reaches=ATTEND_EDGES,
     requires=("attend",),
     dtypes=kvst.DTYPES,
 )

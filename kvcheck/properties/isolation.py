@@ -11,9 +11,17 @@ from dataclasses import dataclass
 from hypothesis import strategies as st
 
 from kvcheck import asserts as kvassert
-from kvcheck import failures
+from kvcheck import failures, reach
 from kvcheck import strategies as kvst
-from kvcheck.harness import assert_served, assert_views_kept, give, recorded, spec_on_path
+from kvcheck.harness import (
+    SPEC_EDGES,
+    assert_served,
+    assert_views_kept,
+    give,
+    note_spec,
+    recorded,
+    spec_on_path,
+)
 from kvcheck.kit import KitTests, Property, property_test
 from kvcheck.strategies import cache_specs, chunk_plans
 from kvref import CacheFactory, CacheSpec
@@ -48,6 +56,7 @@ def check_isolation(factory: CacheFactory, plan: IsolationPlan, *, path: str = "
     """Two caches from one factory, given distinct rows in turns, each return only their own."""
     spec = spec_on_path(plan.spec, path)
     caches = {"A": recorded(factory, spec, path), "B": recorded(factory, spec, path)}
+    note_spec(spec)
     # Each plan's appends in turns, then one more row for each cache, once both plans are
     # done, to read both back after every append of the other.
     steps = max(map(len, plan.chunks))
@@ -71,6 +80,7 @@ ISOLATION = Property(
     check_isolation,
     isolation_plans(),
     failures.DATA_LOSS,
+    reaches=tuple(reach.Edge(name) for name in SPEC_EDGES),
     paths=True,
     attend_dtypes=kvst.DTYPES,  # attend's output judged at the dtype's tolerance
 )

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import warnings
 
-from kvcheck import failures
+from kvcheck import failures, reach
 from kvcheck import strategies as kvst
-from kvcheck.harness import recorded
+from kvcheck.harness import SPEC_EDGES, note_spec, recorded
 from kvcheck.kit import KitTests, Property, property_test
 from kvref import CacheFactory, min_nbytes
 from kvref.protocol import held_nbytes
@@ -21,6 +21,7 @@ def check_nbytes(factory: CacheFactory, plan: kvst.CachePlan) -> None:
     never above what the cache's tensors take), at every step of the plan, filled to
     max_length, and after a reset."""
     spec, cache = plan.spec, recorded(factory, plan.spec)
+    note_spec(spec)
     for step, rows in enumerate([*plan.chunks, "fill", "reset"]):
         if rows == "reset":
             cache.reset()
@@ -86,6 +87,7 @@ MEMORY = Property(
     check_nbytes,
     kvst.cache_plans(room=0, min_chunks=1),
     failures.WRONG_RESULTS,
+    reaches=tuple(reach.Edge(name) for name in SPEC_EDGES),
 )
 
 

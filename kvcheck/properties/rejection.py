@@ -14,39 +14,24 @@ from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
 from kvcheck import failures, reach
 from kvcheck import strategies as kvst
-from kvcheck.harness import warm
+from kvcheck.harness import SPEC_EDGES, note_spec, warm
 from kvcheck.kit import KitTests, Property, property_test
 from kvcheck.reach import Edge
 from kvref import CacheFactory
 
 # The states bad input is tried on (contract, section 3), noted as each is warmed.
 STATE_EDGES = tuple(
-    Edge(name)
-    for name in (
-        "an empty cache",
-        "a cache warmed by 2 or more appends",
-        "a window cache",
-        "a batch of 2 or more",
-        "half precision",
-    )
+    Edge(name) for name in ("an empty cache", "a cache warmed by 2 or more appends", *SPEC_EDGES)
 )
 
 
 def note_state(plan: kvst.CachePlan) -> None:
     """Note which of ``STATE_EDGES`` the warmed cache of ``plan`` is in."""
-    for name, reached in zip(
-        (edge.name for edge in STATE_EDGES),
-        (
-            not plan.chunks,
-            len(plan.chunks) >= 2,
-            plan.spec.window is not None,
-            plan.spec.batch >= 2,
-            plan.spec.dtype in kvst.HALF_DTYPES,
-        ),
-        strict=True,
-    ):
-        if reached:
-            reach.note(name)
+    if not plan.chunks:
+        reach.note("an empty cache")
+    if len(plan.chunks) >= 2:
+        reach.note("a cache warmed by 2 or more appends")
+    note_spec(plan.spec)
 
 
 def check_refused(factory: CacheFactory, plan: kvst.CachePlan, case, method: str, make) -> None:

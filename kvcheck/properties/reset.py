@@ -15,10 +15,10 @@ from typing import Literal
 from hypothesis import strategies as st
 
 from kvcheck import asserts as kvassert
-from kvcheck import failures
+from kvcheck import failures, reach
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
-from kvcheck.harness import assert_served, give, recorded, spec_on_path
+from kvcheck.harness import SPEC_EDGES, assert_served, give, note_spec, recorded, spec_on_path
 from kvcheck.kit import KitTests, Property, property_test
 from kvcheck.properties.core import POISONED_EDGES, check_logits_match_uncached
 from kvcheck.strategies import POISON_VALUES, cache_specs, chunk_plans
@@ -69,6 +69,10 @@ def check_stale_rows(factory: CacheFactory, plan: StaleRowsPlan, *, path: str = 
     come back."""
     spec = spec_on_path(plan.spec, path)
     cache = recorded(factory, spec, path)
+    note_spec(spec)
+    reach.note(f"a {plan.how} after poisoned rows", f"rows of {plan.poison} before it")
+    if plan.rounds > 1:
+        reach.note("dozens of resets")
     for round_ in range(plan.rounds):
         if round_:  # room for the poison: the last round's clean rows go the same way
             cache = clear(factory, cache, plan, spec, path, f"the start of round #{round_}")
@@ -109,6 +113,12 @@ STALE_ROWS = Property(
     check_stale_rows,
     stale_rows_plans(),
     failures.DATA_LOSS,
+    reaches=(
+        *(reach.Edge(name) for name in SPEC_EDGES),
+        *(reach.Edge(f"a {how} after poisoned rows") for how in ("reset", "fresh cache")),
+        *(reach.Edge(f"rows of {kind} before it") for kind in sorted(POISON_VALUES)),
+        reach.Edge("dozens of resets"),
+    ),
     paths=True,
     attend_dtypes=kvst.DTYPES,  # attend's output judged at the dtype's tolerance
 )

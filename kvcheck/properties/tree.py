@@ -264,14 +264,14 @@ def tree_plans(draw) -> TreePlan:
 
 
 # --- the tree's steps of the session ----------------------------------------------------
-def committed_rows(recorder: Recorder, like: Tensor) -> tuple[Tensor, Tensor]:
+def committed_rows(recorder: Recorder, like: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
     """The rows a layer was given since its reset, (B, H_kv, L, D) each: by row where rows
     were fed their own (then all of one length here), else as one batch; none yet: empty
-    rows shaped like ``like``'s."""
+    keys and values shaped like ``like``'s (a latent layer's values are wider than its keys)."""
     if recorder.rows_given is not None:
         return tuple(torch.stack([row[which] for row in recorder.rows_given]) for which in (0, 1))
     if recorder.given is None:
-        return like[:, :, :0], like[:, :, :0]
+        return tuple(rows[:, :, :0] for rows in like)
     return recorder.given
 
 
@@ -306,7 +306,7 @@ class TreeTap:
                 value[row, :, list(nodes)] = self.poison
         recorder = self.recorder
         recorder.views = recorder.returned = recorder.rows_returned = None
-        committed = committed_rows(recorder, key)
+        committed = committed_rows(recorder, (key, value))
         returned = recorder.cache.append_tree(*recorder._lend(key, value), parents)
         self.nodes = (key, value)
         self._check_returned(returned, committed)
@@ -457,7 +457,7 @@ def commit(
             ) from error
     by_row = request.rows is not None or len({len(path) for path in accepted}) > 1
     for recorder, nodes in zip(request.caches, handed, strict=True):
-        committed = committed_rows(recorder, nodes[0])
+        committed = committed_rows(recorder, nodes)
         kept = [  # per row, (keys, values) (H_kv, rows, D): what it holds now
             tuple(
                 torch.cat((held[row], rows[row][:, list(path)]), dim=1)
@@ -585,7 +585,9 @@ def after_the_commit(
             if request.batch > 1:
                 reach.note("reorder after a commit")
         elif event == "fork" and request.rows is None and "fork" in request.offered:
-            child = engine.fork(request, f"the fork after {label}", at=at)
+            # Named after its parent: each of several forks after a commit has its own name
+            # (the engine's drop goes by name).
+            child = engine.fork(request, f"the fork of {request.name}", at=at)
             engine.drop(request)  # its blocks now the child's alone
             request = child
             reach.note("fork after a commit")
