@@ -99,7 +99,8 @@ def test_a_users_broken_cache_fails_by_either_route_with_a_verdict(pytester, wor
     verdict = json.loads(report.read_text())["caches"]["NoReset"]["properties"]
     assert verdict["lengths"]["severity"] == "data loss or corruption", verdict
     bad_append = {"result": "pass", "tests": 4, "failed": 0, "since": "1.0"}
-    assert verdict["bad append"] == bad_append, verdict
+    assert {key: verdict["bad append"][key] for key in bad_append} == bad_append, verdict
+    assert verdict["bad append"]["reached"], verdict  # the states it was tried on
 
 
 def test_a_class_can_pin_its_own_regressions():
