@@ -27,7 +27,7 @@ from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.harness import PATHS, offers_attend
 from kvcheck.session import young_objects_only
-from kvref import BlockPool, CacheFactory, CacheSpec, PrefixCaching, capabilities
+from kvref import BlockPool, CacheFactory, CacheSpec, LayerCache, PrefixCaching, capabilities
 
 NOT_OFFERED = "not offered"
 OUTSIDE = "outside the declared domain"
@@ -69,24 +69,22 @@ def paths_offered(factory: CacheFactory) -> tuple[str, ...]:
         return PATHS[:1]
 
 
-def offered(factory: CacheFactory) -> set[str]:
-    """The optional capabilities of ``factory``'s caches, and the factory's own."""
-    names = set(capabilities(factory(probe_spec())))
+def offered(factory: CacheFactory, cache: LayerCache | None = None) -> set[str]:
+    """The optional capabilities of ``factory``'s caches (of ``cache``, one of them, where
+    given; else of the probe's), and the factory's own."""
+    names = set(capabilities(factory(probe_spec()) if cache is None else cache))
     names.update(name for name, kind in FACTORY_CAPABILITIES.items() if isinstance(factory, kind))
     if kvsizes.domain().offers_sinks:
         names.add("sinks")
     return names
 
 
-def methods(factory: CacheFactory) -> set[str]:
-    """The public methods of ``factory``'s caches (``join``, ``reset_at``, ...): what an
-    ``Edge``'s needs may name beside the capabilities ``offered`` counts."""
+def offered_and_methods(factory: CacheFactory) -> set[str]:
+    """What an ``Edge``'s needs may name: the capabilities ``offered`` counts and the public
+    methods (``join``, ``reset_at``, ...) of ``factory``'s caches, from one probe cache."""
     cache = factory(probe_spec())
-    return {
-        name
-        for name in dir(cache)
-        if not name.startswith("_") and callable(getattr(cache, name, None))
-    }
+    methods = {name for name in dir(cache) if not name.startswith("_")}
+    return offered(factory, cache) | {name for name in methods if callable(getattr(cache, name))}
 
 
 def outside_domain(factory: CacheFactory) -> str | None:

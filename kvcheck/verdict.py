@@ -103,7 +103,7 @@ def _reach(item: pytest.Item, name: str, factory) -> dict:
     offered: set[str] = set()
     if any(edge.needs for edge in declared):
         with sizes.aiming_at(sizes.declared_by(factory, getattr(item, "cls", None))):
-            offered = kit.offered(factory) | kit.methods(factory)
+            offered = kit.offered_and_methods(factory)
     hit, missed = reach.split(declared, item.stash.get(plugin.REACHED, set()), offered)
     return {"reached": hit, "not reached": missed}
 

@@ -174,7 +174,19 @@ def hidden_nodes_values_summed() -> Iterator[None]:
 
 
 # --- one-bug variants of an independent cache (tests/independent/aside_tree_cache.py) ------
-class CommitCutsRowsToTheShortest(AsideTreeRowsCache):
+class _CutsEveryPathToTheShortest:
+    """The one bug of the two mutants below, on a cache with rows of their own and on one
+    without: each row's accepted path cut to the batch's shortest, then committed."""
+
+    def commit_tree(self, accepted) -> None:
+        paths = isinstance(accepted, (list, tuple)) and accepted
+        if self._tree is not None and paths and all(isinstance(p, (list, tuple)) for p in paths):
+            shortest = min(len(path) for path in accepted)
+            accepted = [path[:shortest] for path in accepted]
+        super().commit_tree(accepted)
+
+
+class CommitCutsRowsToTheShortest(_CutsEveryPathToTheShortest, AsideTreeRowsCache):
     """``commit_tree`` on rows of their own keeps, in every row, only as many nodes of its
     path as the shortest path accepted in the batch.
 
@@ -183,15 +195,8 @@ class CommitCutsRowsToTheShortest(AsideTreeRowsCache):
     shortest loses tokens it accepted, and decodes on as if it had never drafted them.
     """
 
-    def commit_tree(self, accepted) -> None:
-        paths = isinstance(accepted, (list, tuple)) and accepted
-        if self._tree is not None and paths and all(isinstance(p, (list, tuple)) for p in paths):
-            shortest = min(len(path) for path in accepted)
-            accepted = [path[:shortest] for path in accepted]
-        super().commit_tree(accepted)
 
-
-class CutsRaggedPathsSilently(AsideTreeCache):
+class CutsRaggedPathsSilently(_CutsEveryPathToTheShortest, AsideTreeCache):
     """``commit_tree`` on a cache without rows of their own takes paths of different
     lengths by cutting each to the shortest, instead of refusing them.
 
@@ -199,13 +204,6 @@ class CutsRaggedPathsSilently(AsideTreeCache):
     fewest accepted: the caller thinks each row kept its path, the cache holds less, and the
     rows' histories part from their caches without an error.
     """
-
-    def commit_tree(self, accepted) -> None:
-        paths = isinstance(accepted, (list, tuple)) and accepted
-        if self._tree is not None and paths and all(isinstance(p, (list, tuple)) for p in paths):
-            shortest = min(len(path) for path in accepted)
-            accepted = [path[:shortest] for path in accepted]
-        super().commit_tree(accepted)
 
 
 class SecondTreeReplacesTheFirst(AsideTreeCache):
