@@ -236,6 +236,75 @@ BAD_APPENDS = [
 ]
 
 
+def query_shape(bad: tuple) -> list[str]:
+    """The bad query's shape (argument 0), as ``shows``."""
+    return [shape_pattern(bad[0].shape)] if isinstance(bad[0], Tensor) else []
+
+
+def shows_scale(bad: tuple) -> list[str]:
+    """The bad scale (argument 3) as printed, as ``shows``."""
+    return [re.escape(str(bad[3]))]
+
+
+QUERY_WORDS = rf"query|width|head.?dim|\bdim\b|{cased('D')}|channels?|latent|rope"
+# make(query, key, value, scale) -> bad arguments of attend_latent (contract, section 10.2):
+# the rows good, the query or the scale not.
+BAD_LATENT_ATTENDS = arrived_in(
+    "1.6",
+    [
+        BadInput(
+            "query one channel too wide",
+            lambda q, k, v, s: (grow(q, 3), k, v, s),
+            QUERY_WORDS,
+            query_shape,
+        ),
+        BadInput(
+            "query of the rope width alone",
+            lambda q, k, v, s: (q[..., -k.shape[3] :], k, v, s),
+            QUERY_WORDS,
+            query_shape,
+        ),
+        BadInput(
+            "query of another batch",
+            lambda q, k, v, s: (grow(q, 0), k, v, s),
+            rf"{BATCH}|query",
+            query_shape,
+        ),
+        BadInput(
+            "query of another T than the key",
+            lambda q, k, v, s: (grow(q, 2), k, v, s),
+            rf"tokens?\b|{cased('T')}|length|match|query",
+            query_shape,
+        ),
+        BadInput(
+            "query of another dtype",
+            lambda q, k, v, s: (q.to(other_dtype(q.dtype)), k, v, s),
+            r"dtype|type|precision",
+            dtypes_of,
+        ),
+        BadInput(
+            "query not a tensor",
+            lambda q, k, v, s: (q.tolist(), k, v, s),
+            NOT_A_TENSOR,
+            errors=NOT_A_TENSOR_ERRORS,
+        ),
+        BadInput("scale of 0", lambda q, k, v, s: (q, k, v, 0.0), r"scale|positive", shows_scale),
+        BadInput(
+            "scale nan",
+            lambda q, k, v, s: (q, k, v, float("nan")),
+            r"scale|finite|nan",
+            shows_scale,
+        ),
+        BadInput(
+            "rope key one channel too wide",
+            lambda q, k, v, s: (q, grow(k, 3), v, s),
+            rf"head.?dim|\bdim\b|width|rope|key|{cased('D')}",
+            shapes_of(1),
+        ),
+    ],
+)
+
+
 @dataclass
 class ModelState:
     """A model, its recorded caches after a prefill and some decode steps, good next tokens,
@@ -689,6 +758,69 @@ BAD_TREE_CALLS = arrived_in(
             lambda c: c.commit(c.accepted),
             r"no .*tree|append_tree|waiting|pending|nothing|draft|commit|again|already",
             when="after",
+        ),
+    ],
+)
+
+
+def _row_shift(lengths: tuple[int, ...], **rows: tuple[int, int]) -> tuple[tuple, tuple]:
+    """A shift per row of rows holding ``lengths``: every row untouched but the longest,
+    which discards its first token, and the ``shortest`` row's (start, count) where given."""
+    starts, counts = [0] * len(lengths), [0] * len(lengths)
+    counts[lengths.index(max(lengths))] = 1
+    if "shortest" in rows:
+        row = lengths.index(min(lengths))
+        starts[row], counts[row] = rows["shortest"]
+    return tuple(starts), tuple(counts)
+
+
+def _short(lengths: tuple[int, ...]) -> int:
+    return min(lengths)
+
+
+ROW_SHIFT_WORDS = r"row|start|count|length|holds|range|index|exceed|past|<=|>="
+
+# make(the rows' lengths, all different, none 0) -> the (starts, counts) of ``shift``, each
+# bad for one row only and within the longest row (contract 8.4: each row against its own).
+BAD_ROW_SHIFTS = arrived_in(
+    "1.6",
+    [
+        BadInput(
+            "one entry too few",
+            lambda n: tuple(part[:-1] for part in _row_shift(n)),
+            r"row|entr|per row|length|batch|\b\d+\b",
+        ),
+        BadInput(
+            "a start past its row's length",
+            lambda n: _row_shift(n, shortest=(_short(n) + 1, 0)),
+            ROW_SHIFT_WORDS,
+        ),
+        BadInput(
+            "a negative count",
+            lambda n: _row_shift(n, shortest=(0, -1)),
+            r"count|negative|>= ?0|range",
+        ),
+        BadInput(
+            "a count past its row's end",
+            lambda n: _row_shift(n, shortest=(0, _short(n) + 1)),
+            ROW_SHIFT_WORDS,
+        ),
+        BadInput(
+            "an int start beside a tuple of counts",
+            lambda n: (0, _row_shift(n)[1]),
+            r"int|tuple|both|mix|per row|type|sequence",
+            errors=NOT_A_TENSOR_ERRORS,
+        ),
+        BadInput(
+            "every count 0",
+            lambda n: ((0,) * len(n), (0,) * len(n)),
+            r"count|nothing|no row|zero|at least",
+        ),
+        BadInput(
+            "a float count",
+            lambda n: (_row_shift(n)[0], tuple(c + 0.5 if c else c for c in _row_shift(n)[1])),
+            r"int|float|type|count",
+            errors=NOT_A_TENSOR_ERRORS,
         ),
     ],
 )

@@ -19,6 +19,9 @@ VERSIONS: dict[str, str] = {
     "1.3": "serving pools: prefix caching, tree drafts, offload",
     "1.4": "compressed caches: lossy storage, latent caches, layers that share one cache",
     "1.5": "distributed inference: shards, moves between layouts; the contract's versions",
+    "1.6": "every capability with every other: lossy pools and rows, float8 codes and groups "
+    "along tokens, shared layers through rows and trees, shifts per row, sinks and latents "
+    "on the attend path",
 }
 VERSION = list(VERSIONS)[-1]
 ENV = "KV_CONTRACT"

@@ -34,13 +34,29 @@ from kvref import (
     capabilities,
 )
 from kvref.model import shifted_rows
-from kvref.protocol import kept_rows, keys_stored, row_slots, rows_needed, storage
+from kvref.protocol import (
+    Quantized,
+    is_row_shift,
+    kept_rows,
+    keys_stored,
+    row_slots,
+    rows_needed,
+    storage,
+)
 
 PATHS = ("append", "attend")
 
 
+def coarser(*declared: Quantized | None) -> Quantized | None:
+    """The lossiest of the storages ``declared`` (by its step), None where none is."""
+    parts = [part for part in declared if part is not None]
+    return max(parts, key=lambda part: part.relative_step, default=None)
+
+
 def offers_attend(cache: object) -> bool:
-    return "attend" in capabilities(cache)
+    """Whether the model may take the attend path through ``cache``: it computes attention
+    itself, per head (``attend``) or over latents (``attend_latent``, section 10.2)."""
+    return bool({"attend", "attend_latent"} & capabilities(cache))
 
 
 def build(factory: CacheFactory, spec: CacheSpec) -> LayerCache:
@@ -111,23 +127,34 @@ class Recorder:
         self.returned: tuple[Tensor, Tensor] | None = None
         self.views: tuple[Tensor, Tensor] | None = None
         self.attended: tuple[Tensor, Tensor] | None = None  # the last attend's query, output
+        self.latent_scale: float | None = None  # the last attend_latent's scale, if it was one
+        self.attended_latent = False  # whether attend_latent was ever called
         self.new_tokens = 0
         self.lent: tuple[Tensor, ...] = ()
         # Rows of their own (contract, section 8.1): per batch row, the (keys, values) it was
         # given since its reset, (H_kv, rows, D) each; and what append_rows last returned.
         self.rows_given: list[tuple[Tensor, Tensor]] | None = None
         self.rows_returned: tuple[Tensor, Tensor, Tensor] | None = None
+        # After shifts per row (section 8.4): per row, the index of each key they moved to
+        # the counts that moved it, as ``rerotated`` is for the whole batch.
+        self.rows_rerotated: list[dict[int, tuple[int, ...]]] | None = None
         # Lossy storage (contract, section 10.1): what the cache declares for keys and values,
         # and for each, how many of the first rows given since the reset may be in codes (a
         # row may be from the moment it leaves the declared recent rows: a truncate that brings
         # the window back over it does not bring its precision back).
         self.storage = storage(cache)
         self.quantized_below = [0, 0]
+        # Rows carried in from another cache (a move, section 11.2) keep the error its
+        # storage gave them: its declaration, the coarser per part where two cross.
+        self.carried: list[Quantized | None] = [None, None]
+        # Rows of their own: per batch row, [keys, values] below which its rows may be in
+        # codes, each row's recent run its own (section 10.1).
+        self.rows_below: list[list[int]] | None = None
 
     def __getattr__(self, name: str):
-        if name == "attend":
-            if self.path == "attend":
-                return self._attend
+        if name in ("attend", "attend_latent"):
+            if self.path == "attend" and name in capabilities(self.cache):
+                return self._attend if name == "attend" else self._attend_latent
             # Hidden: the model appends through the recorder, and every row returned is
             # checked against the rows given.
             raise AttributeError(name)
@@ -173,10 +200,27 @@ class Recorder:
             )
         self.given = new
         self.new_tokens = key.shape[2]
-        self.quantized_below = [
-            max(below, self.given_length - declared.recent) if declared else 0
-            for below, declared in zip(self.quantized_below, self.storage, strict=True)
+        self.quantized_below = self.coded_below(self.quantized_below, self.given_length)
+
+    def coded_below(self, below: list[int], length: int) -> list[int]:
+        """For keys and values, the rows that may be in codes once ``length`` rows were given,
+        ``below`` of them before: every row past the declared recent run, and those already
+        (a row's precision never comes back; rows carried in keep theirs). Along tokens, only
+        whole groups (``Quantized.coded_rows``)."""
+        return [
+            max(held, declared.coded_rows(length)) if declared else held
+            for held, declared in zip(below, self.storage, strict=True)
         ]
+
+    def hold_given(self, given: tuple[Tensor, Tensor] | None, in_codes: int | None = None):
+        """Hold ``given`` as the rows given since the reset (a prefix hit's, an import's, a
+        commit's): the first ``in_codes`` of them may be in codes, by default all but the
+        declared recent run."""
+        self.given = given
+        if in_codes is None:
+            self.quantized_below = self.coded_below([0, 0], self.given_length)
+        else:
+            self.quantized_below = [in_codes if part else 0 for part in self.storage]
 
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         # Valid until this cache's next call, whatever that call does.
@@ -201,7 +245,17 @@ class Recorder:
         self._record(key, value)
         self.views = self.returned = None
         copied = output.clone() if isinstance(output, Tensor) else output
-        self.attended = (query.clone(), copied)
+        self.attended, self.latent_scale = (query.clone(), copied), None
+        return output
+
+    def _attend_latent(self, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
+        self.views = self.returned = None
+        lent_query, *lent = self._lend(query, key, value)
+        output = self.cache.attend_latent(lent_query, *lent, scale)
+        self._record(key, value)
+        copied = output.clone() if isinstance(output, Tensor) else output
+        self.attended, self.latent_scale = (query.clone(), copied), scale
+        self.attended_latent = True  # its logits are held to kvassert.LATENT_ATTEND_BUDGETS
         return output
 
     def fewest_rows(self) -> int:
@@ -235,9 +289,11 @@ class Recorder:
 
     def _forget(self) -> None:
         self.given = self.returned = self.attended = None
-        self.rows_given = self.rows_returned = None
+        self.rows_given = self.rows_returned = self.rows_rerotated = None
         self.rerotated = {}
         self.quantized_below = [0, 0]
+        self.carried = [None, None]
+        self.rows_below = None
 
     # --- rows of their own: passed through, and recorded row by row -----------------------
     def append_rows(self, key: Tensor, value: Tensor, counts) -> tuple[Tensor, Tensor, Tensor]:
@@ -255,6 +311,11 @@ class Recorder:
                 for old, new in zip(given[b], (key, value), strict=True)
             )
         self.rows_given = given
+        before = self.rows_below or [[0, 0] for _ in given]
+        self.rows_below = [
+            self.coded_below(below, keys.shape[1])
+            for below, (keys, _) in zip(before, given, strict=True)
+        ]
         # Any three tensors the model unpacks (a list too), so that none escapes the check of
         # the rows held; anything else the model's guard refuses.
         if isinstance(returned, (tuple, list)) and all(isinstance(t, Tensor) for t in returned):
@@ -269,26 +330,42 @@ class Recorder:
             self.rows_given = [
                 (k[:, :n], v[:, :n]) for (k, v), n in zip(self.rows_given, lengths, strict=True)
             ]
+        if self.rows_below is not None:
+            self.rows_below = [
+                [min(part, n) for part in below]
+                for below, n in zip(self.rows_below, lengths, strict=True)
+            ]
 
     def select_rows(self, indices: Tensor) -> None:
         self.views = self.rows_returned = None
         self.cache.select_rows(indices)
         if self.rows_given is not None:
             self.rows_given = [self.rows_given[b] for b in indices.tolist()]
+        if self.rows_below is not None:
+            self.rows_below = [self.rows_below[b] for b in indices.tolist()]
 
     def join(self, other: Recorder) -> None:
         self.views = self.rows_returned = None
         self.cache.join(other.cache)
+        self.rows_below = [*self._rows_below_or_none(), *other._rows_below_or_none()]
         self.rows_given = [*(self.rows_given or []), *(other.rows_given or [])]
+
+    def _rows_below_or_none(self) -> list[list[int]]:
+        """``rows_below``, or none in codes for each row given."""
+        return self.rows_below or [[0, 0] for _ in self.rows_given or ()]
 
     def reset_at(self, first_position) -> None:
         self.views = None
         self.cache.reset_at(first_position)
         self._forget()
 
-    def shift(self, start: int, count: int) -> None:
+    def shift(self, start, count) -> None:
         self.views = self.returned = None
         self.cache.shift(start, count)
+        if is_row_shift(start, count):  # a shift per row: the record follows each row's own
+            self.rows_returned = None
+            self._shift_rows_given(start, count)
+            return
         if self.given is not None:
             stored = keys_stored(self.cache)
             self.given = shifted_rows(*self.given, start, count, self.rope_base, stored)
@@ -300,6 +377,25 @@ class Recorder:
                 for i in moved:
                     kept[i - count] = (*self.rerotated.get(i, ()), count)
                 self.rerotated = kept
+
+    def _shift_rows_given(self, starts, counts) -> None:
+        """Each row's given rows as the per-row shift left them (re-rotated in float64 where
+        keys are stored rotated), and which of its keys each shift moved."""
+        if self.rows_given is None:
+            return
+        stored = keys_stored(self.cache)
+        moved_rows = self.rows_rerotated or [{} for _ in self.rows_given]
+        for row, (start, count) in enumerate(zip(starts, counts, strict=True)):
+            if not count:
+                continue
+            keys, values = (part[None] for part in self.rows_given[row])
+            keys, values = shifted_rows(keys, values, start, count, self.rope_base, stored)
+            self.rows_given[row] = (keys[0], values[0])
+            if self.rows_below is not None:  # moved rows re-coded: any may be in codes now
+                self.rows_below[row] = [keys.shape[2] if part else 0 for part in self.storage]
+            if stored == "rotated":
+                moved_rows[row] = moved_down(moved_rows[row], start, count, keys.shape[2])
+        self.rows_rerotated = moved_rows
 
     # The optional capabilities, passed through; the record follows only a call that returns.
     def truncate(self, length: int) -> None:
@@ -326,6 +422,7 @@ class Recorder:
         """Hold what ``other`` was given since its reset: its fork, or where its rows moved."""
         self.given, self.rerotated = other.given, dict(other.rerotated)
         self.quantized_below = list(other.quantized_below)
+        self.carried = [coarser(*parts) for parts in zip(other.storage, other.carried, strict=True)]
 
     def attended_and_reference(self) -> tuple[object, Tensor]:
         """What the last attend returned, and the reference attention of its query over the
@@ -334,7 +431,23 @@ class Recorder:
         keys, values = self.given
         positions = torch.arange(self.given_length, device=query.device)
         new = positions[self.given_length - self.new_tokens :]
-        return got, attention(query, keys, values, new, positions, self.window, sink_end=self.sinks)
+        scale = self.latent_scale
+        if scale is not None:  # attend_latent: over [latent ; rope key], the latents as values
+            keys = torch.cat((values, keys), dim=-1)
+        return got, attention(
+            query, keys, values, new, positions, self.window, sink_end=self.sinks, scale=scale
+        )
+
+
+def moved_down(
+    rerotated: dict[int, tuple[int, ...]], start: int, count: int, held: int
+) -> dict[int, tuple[int, ...]]:
+    """``rerotated`` (index -> the counts of the shifts that moved that key) after a shift of
+    ``count`` from ``start`` that leaves ``held`` rows: the keys after the span move down."""
+    kept = {i: counts for i, counts in rerotated.items() if i < start}
+    for i in range(start + count, held + count):  # indices before the shift
+        kept[i - count] = (*rerotated.get(i, ()), count)
+    return kept
 
 
 def record(caches: Iterable[LayerCache], config: ModelConfig, path: str = "append"):
@@ -342,6 +455,8 @@ def record(caches: Iterable[LayerCache], config: ModelConfig, path: str = "appen
     factory that hands the same object to every layer still meets the model's guard; None
     for a layer that reads another's cache (``ModelConfig.kv_sources``)."""
     recorders: dict[int, Recorder] = {}
+    if path == "attend" and config.attention == "gqa":
+        check_attends_per_head(caches)
     return [
         None
         if cache is None
@@ -357,6 +472,18 @@ def record(caches: Iterable[LayerCache], config: ModelConfig, path: str = "appen
         )
         for layer, cache in enumerate(caches)
     ]
+
+
+def check_attends_per_head(caches: Iterable[LayerCache]) -> None:
+    """On the attend path a layer of per-head attention needs ``attend``: a cache that has
+    ``attend_latent`` alone would be run on the append path in disguise (section 10.2)."""
+    for cache in caches:
+        if cache is not None and "attend" not in capabilities(cache):
+            raise CacheContractError(
+                f"the cache built for {getattr(cache, 'spec', 'this spec')} has attend_latent() "
+                "but no attend(): on the attend path an ordinary (per-head) layer calls attend; "
+                "a cache that takes ordinary layers offers attend too"
+            )
 
 
 def recorded(factory: CacheFactory, spec: CacheSpec, path: str = "append") -> Recorder:
@@ -435,6 +562,7 @@ def assert_served(cache: Recorder, *, who: str, where: str) -> None:
         position_axis=2,
         first_position=cache.given_length - cache.new_tokens,
         failure=DataLoss,
+        lossy=kvassert.coarsest([cache]),  # rows in codes: their budget (contract, 10.1)
     )
 
 
@@ -442,8 +570,8 @@ def spec_on_path(spec: CacheSpec, path: str) -> CacheSpec:
     """The spec a cache-level plan runs at on ``path``: the attend path is judged at the
     dtype's tolerance, so a half-precision spec runs in float32 there (half precision is held
     to its budget through the model, by ``logits`` and ``reset``); and it takes values as
-    wide as the keys (``attend`` returns one row shaped like the query: a latent layer's has
-    no attend yet, contract section 10.2)."""
+    wide as the keys (``attend`` returns one row shaped like the query; a latent layer's own
+    attention, ``attend_latent``, is the property ``latent attend``'s, contract 10.2)."""
     from kvcheck.asserts import needs_reference
 
     if path != "attend":

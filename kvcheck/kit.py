@@ -25,6 +25,7 @@ from kvcheck import profiles as kvprofiles
 from kvcheck import reach
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
+from kvcheck.asserts import LOSSY_CAPABILITIES, lossy_capabilities
 from kvcheck.harness import PATHS, offers_attend
 from kvcheck.session import young_objects_only
 from kvref import BlockPool, CacheFactory, CacheSpec, LayerCache, PrefixCaching, capabilities
@@ -39,9 +40,16 @@ METHODS = {
     "offload": "offload() and restore()",
     "move": "export_rows() and import_rows()",
 }
-# Capabilities a cache declares in its sizes, not by a method, and why one is missing.
+# Capabilities a cache declares in its sizes or by an attribute, not by a method, and why one
+# is missing.
 DECLARED_CAPABILITIES = {
     "sinks": "the cache declares no attention sinks (its supports' sinks, contract 8.5)",
+    "latent": "the cache declares no latent (MLA) layers (its supports' latent, contract 10.2)",
+    "shift per row": (
+        "the cache declares no shift per row (shift_per_row = True beside append_rows and "
+        "shift, contract 8.4)"
+    ),
+    **LOSSY_CAPABILITIES,
 }
 
 
@@ -72,10 +80,13 @@ def paths_offered(factory: CacheFactory) -> tuple[str, ...]:
 def offered(factory: CacheFactory, cache: LayerCache | None = None) -> set[str]:
     """The optional capabilities of ``factory``'s caches (of ``cache``, one of them, where
     given; else of the probe's), and the factory's own."""
-    names = set(capabilities(factory(probe_spec()) if cache is None else cache))
+    probe = factory(probe_spec()) if cache is None else cache
+    names = set(capabilities(probe)) | lossy_capabilities(probe)  # storage declared: 10.1
     names.update(name for name, kind in FACTORY_CAPABILITIES.items() if isinstance(factory, kind))
     if kvsizes.domain().offers_sinks:
         names.add("sinks")
+    if kvst.latent_drawable():
+        names.add("latent")
     return names
 
 

@@ -293,6 +293,8 @@ SUPPORT_FIELDS = {
     "windows": "bool",
     "sinks": "ints",
     "latent": "bool",
+    "latent_dims": "ints",
+    "rope_dims": "ints",
 }
 
 

@@ -42,6 +42,8 @@ class Written:
 class PrefixBooks:
     """Per block id, the last write the kit saw; and how often each full prefix was written."""
 
+    HIT_IN_CODES = "a prefix hit on blocks in codes"  # an edge of prefix caching (10.1)
+
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.blocks: dict[int, Written] = {}
@@ -151,7 +153,12 @@ class PrefixBooks:
                         )
                 keys.append(_rows(self.blocks, table[: hit // size], "keys", recorder, hit))
                 values.append(_rows(self.blocks, table[: hit // size], "values", recorder, hit))
-            recorder.given = (torch.stack(keys), torch.stack(values)) if hit else None
+            # A published block holds codes where the storage declares them (contract, 10.1):
+            # every row of the hit may be, as the publisher's are.
+            rows = (torch.stack(keys), torch.stack(values)) if hit else None
+            recorder.hold_given(rows, in_codes=hit)
+            if hit and any(recorder.storage):
+                reach.note(self.HIT_IN_CODES)
 
     def least_hit(self, engine, request, tokens: Tensor) -> tuple[int, str]:
         """The fewest tokens a lookup of ``tokens`` by ``request`` must find, and who holds

@@ -28,6 +28,7 @@ import gc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
@@ -50,7 +51,7 @@ from kvref import (
     may_refuse_truncate,
 )
 from kvref.model import HeldRows, rows_laid_out, shifted_rows
-from kvref.protocol import Quantized, is_count, kept_rows, keys_stored, row_slots
+from kvref.protocol import Quantized, is_count, kept_rows, keys_stored, row_slots, rows_needed
 
 
 @dataclass
@@ -70,6 +71,9 @@ class Request:
     # model's dtype and in float64 (the truth half precision is judged by); no uncached pass
     # over the tokens left computes it, so every later step runs the model over these rows.
     shifted: tuple[list[tuple[Tensor, Tensor]], list[tuple[Tensor, Tensor]]] | None = None
+    # After a shift per row (section 8.4): for each row, alone at batch 1, what each layer
+    # should hold, in the model's dtype and in float64, as ``shifted`` is for the batch.
+    row_shifted: list[tuple[list[tuple[Tensor, Tensor]], list[tuple[Tensor, Tensor]]]] | None = None
     salt: object = None  # its tenant, for a prefix-caching pool (section 9.1)
     looked_up: int = 0  # the tokens its last prefix lookup declared
 
@@ -169,6 +173,7 @@ class Engine:
         and on the append path every layer must return exactly the rows given; without, the
         caller compares (the core properties hold one uncached pass over a whole session).
         Returns the cached logits."""
+        self._not_row_shifted(request, "feed (the batch as one)")
         start, end = request.held, request.held + new.shape[1]
         first = self._first(request)
         kind = "prefill" if start == 0 else "decode"
@@ -251,6 +256,13 @@ class Engine:
         request.rows = [torch.cat((row, tokens)) for row, tokens in zip(rows, new, strict=True)]
         request.steps += 1
         firsts = self._firsts(request)
+        if request.row_shifted is not None:  # each row against its own shifted rows
+            for b, count in enumerate(counts):
+                self._check_shifted_row_held(request, b, lengths, where)
+                got = logits[b : b + 1, row_slots(padding, width, count)]
+                self._compare_shifted_row(request, b, new[b], got, lengths, where)
+            self._check_row_lengths(request, f"rows fed {counts}{at}")
+            return
         for b, count in enumerate(counts):
             history = request.rows[b][None]
             if not history.shape[1]:  # an empty row: nothing to hold yet
@@ -284,11 +296,13 @@ class Engine:
                 rows = got[row][:, mask][None]  # (1, H_kv, held, D)
                 given = cache.rows_given[row][which][None]
                 kept = kept_rows(cache.sinks, held, given.shape[2])  # each one's index
-                if bad := kvassert.differing_rows(rows, given[:, :, kept]):
+                below = cache.rows_below[row][which]  # its own recent run (section 10.1)
+                bad, beyond = kvassert.rows_not_held(cache, which, rows, given, kept, below)
+                if bad:
                     raise failures.DataLoss(
                         f"{who}: {name} row {kept[bad[0]]} that append_rows marked "
-                        f"valid is not the row given there ({len(bad)} of {held} differ)\n  at "
-                        f"{where}"
+                        f"valid is not the row given there{beyond} ({len(bad)} of {held} "
+                        f"differ)\n  at {where}"
                     )
                 # The sinks and the recent run, each a run of positions the message can name.
                 sinks = min(cache.sinks, held)
@@ -328,6 +342,7 @@ class Engine:
         """Row b keeps its first ``keep[b]`` tokens (speculative acceptance per row); the
         widest window first, as ``ReferenceTransformer.truncate`` asks. True when done, False
         when a window layer refused as section 4 allows for some row (nothing changed)."""
+        self._not_row_shifted(request, "truncate_rows")
         rows = self._rows(request)
         windows = self._windows()
         what = f"truncate_rows to {keep}{at}"
@@ -358,6 +373,7 @@ class Engine:
 
     def select_rows(self, request: Request, indices: list[int], *, at: str = "") -> None:
         """The batch becomes rows ``indices``: the others finished and leave."""
+        self._not_row_shifted(request, "select_rows")
         rows = self._rows(request)
         chosen = torch.tensor(indices, dtype=torch.long, device=self.model.device)
         for cache in request.caches:
@@ -368,6 +384,8 @@ class Engine:
 
     def join(self, request: Request, other: Request, *, at: str = "") -> None:
         """The rows of ``other`` (its own caches, fed alone) join ``request`` after its last."""
+        self._not_row_shifted(request, "join")
+        self._not_row_shifted(other, "join")
         rows, theirs = self._rows(request), self._rows(other)
         firsts = [*self._firsts(request), *self._firsts(other)]
         for cache, joining in zip(request.caches, other.caches, strict=True):
@@ -385,6 +403,7 @@ class Engine:
             cache.reset_at(tuple(firsts) if rows else firsts[0])
         request.history = request.history[:, :0]
         request.firsts, request.steps, request.shifted = list(firsts), 0, None
+        request.row_shifted = None
         request.rows = [request.history[0]] * len(firsts) if rows else None
         if rows:
             self._check_row_lengths(request, f"reset_at {firsts}{at}")
@@ -420,6 +439,7 @@ class Engine:
             assert_logits(
                 logits, expected, reference, where=where, start=first + start, path=request.path,
                 lossy=kvassert.coarsest(request.caches),
+                budgets=kvassert.budgets_for(request.caches),
             )  # fmt: skip
         except failures.WrongResults as error:
             diagnose(error, self.model, request, first)
@@ -438,6 +458,7 @@ class Engine:
         down (``ReferenceTransformer.shift``); the oracle's rows do the same in float64. True
         when done, False when a window layer refused as ``kvref.may_refuse_shift`` allows
         (nothing changed)."""
+        self._not_row_shifted(request, "a whole-batch shift")
         held, what = request.held, f"shift({start}, {count}){at}"
         error = kvassert.raised_by(lambda: self.model.shift(request.caches, start, count))
         if error is not None:
@@ -463,6 +484,123 @@ class Engine:
         self._check_lengths(request, what)
         self._check_firsts(request, what)
         return True
+
+    def shift_rows(self, request: Request, starts: list[int], counts: list[int], *, at="") -> bool:
+        """Row b discards its tokens of indices ``starts[b]`` to ``starts[b] + counts[b] - 1``
+        and moves the rest down (a shift per row, ``ReferenceTransformer.shift`` with tuples);
+        each row's oracle, alone at batch 1, does the same in float64. True when done, False
+        when a window layer refused as ``kvref.may_refuse_shift`` allows for some row."""
+        rows, what = self._rows(request), f"shift({tuple(starts)}, {tuple(counts)}){at}"
+        if request.shifted is not None:
+            raise TypeError(f"a shift per row of {request.name} after a whole-batch shift")
+        error = kvassert.raised_by(
+            lambda: self.model.shift(request.caches, tuple(starts), tuple(counts))
+        )
+        if error is not None:
+            spans = zip(rows, starts, counts, strict=True)
+            may_refuse = any(
+                may_refuse_shift(self._windows(), len(row), start, count)
+                for row, start, count in spans
+                if count
+            )
+            self._refusal_allowed(request, error, may_refuse, what)
+            return False
+        if request.row_shifted is None:
+            request.row_shifted = [self._row_rows(request, b) for b in range(len(rows))]
+        stored, base = keys_stored(request.caches[0]), self.model.config.rope_base
+        for b, (start, count) in enumerate(zip(starts, counts, strict=True)):
+            if not count:
+                continue
+            request.row_shifted[b] = tuple(
+                [shifted_rows(keys, values, start, count, base, stored) for keys, values in held]
+                for held in request.row_shifted[b]
+            )
+            request.rows[b] = torch.cat((rows[b][:start], rows[b][start + count :]))
+        self._check_row_lengths(request, what)
+        self._check_firsts(request, what)
+        return True
+
+    def _row_rows(self, request: Request, row: int):
+        """What every layer holds for ``row`` so far, at batch 1, in the model's dtype and in
+        float64: the uncached pass over its history at its positions (none for an empty row)."""
+        history = request.rows[row][None]
+        kept = {
+            "start_position": self._firsts(request)[row],
+            "keys": keys_stored(request.caches[0]),
+        }
+        if history.shape[1]:
+            rows = [model.forward_with_kv(history, **kept)[1] for model in self._oracles()]
+            return rows[0], rows[-1]
+        return tuple(
+            [
+                tuple(part[None, :, :0].to(dtype) for part in cache.rows_given[row])
+                for cache in request.caches
+            ]
+            for dtype in (self.model.dtype, torch.float64)
+        )
+
+    def _oracles(self) -> tuple[ReferenceTransformer, ...]:
+        """The models a row's oracle runs: the float64 one beside the model only where it
+        judges (half precision, ``kvcheck.asserts.needs_reference``)."""
+        if kvassert.needs_reference(self.model.dtype):
+            return self.model, self.truth
+        return (self.model,)
+
+    def _compare_shifted_row(self, request, row, tokens, logits, lengths, where) -> None:
+        """``row``'s new logits against the model's over its shifted rows at batch 1 (both of
+        its oracles take the new rows)."""
+        first, stored = self._firsts(request)[row], keys_stored(request.caches[0])
+        if not tokens.shape[0]:
+            return
+        answers = []
+        for model, rows in zip(self._oracles(), request.row_shifted[row], strict=False):
+            held = [HeldRows(keys, values, first, stored) for keys, values in rows]
+            answers.append((model(tokens[None], caches=held), [(c.keys, c.values) for c in held]))
+        (expected, rows), (truth, truth_rows) = answers[0], answers[-1]
+        request.row_shifted[row] = (rows, truth_rows)
+        start = first + lengths[row]
+        assert_logits(
+            logits, expected, lambda: truth, start=start, path=request.path,
+            where=f"{row_said(row, first, lengths)}, its new positions {start}.."
+            f"{start + len(tokens) - 1}, after shifts per row\n  at {where}",
+            what="cached logits and the model's over the rows the row's shifts left",
+            lossy=kvassert.coarsest(request.caches), budgets=kvassert.SHIFTED_BUDGETS,
+        )  # fmt: skip
+
+    def _check_shifted_row_held(self, request, row, lengths, where) -> None:
+        """What ``append_rows`` marked valid for ``row`` after shifts per row: the rows given
+        as the shifts left them, values and unmoved keys bit for bit, moved keys within
+        their re-rotation's rounding (``kvcheck.asserts.shift_rounding``)."""
+        first = self._firsts(request)[row]
+        for layer, cache in enumerate(request.caches):
+            if cache.rows_returned is None:
+                continue
+            keys, values, valid = cache.rows_returned
+            mask, given_rows = valid[row], cache.rows_given[row]
+            held, total = int(mask.sum()), given_rows[0].shape[1]
+            who = f"{request.name}'s layer {layer}, {row_said(row, first, lengths)}"
+            if not rows_needed(cache.window, total) <= held <= total:
+                raise failures.DataLoss(
+                    f"{who}: append_rows marked {held} slots valid; the row holds {total} "
+                    f"tokens after its shifts\n  at {where}"
+                )
+            kept = kept_rows(cache.sinks, held, total)
+            moved = SimpleNamespace(rerotated=(cache.rows_rerotated or {row: {}})[row])
+            for which, (name, got) in enumerate((("keys", keys), ("values", values))):
+                rows, given = got[row][:, mask][None], given_rows[which][None]
+                bad = kvassert.differing_rows(rows, given[:, :, kept])
+                if which == 0:  # a key a shift moved: within its rounding
+                    bad = [
+                        i for i in bad if not kvassert.rerotated_within(moved, rows, given, kept, i)
+                    ]
+                if bad:
+                    counts = moved.rerotated.get(kept[bad[0]], ()) if which == 0 else ()
+                    said = f", moved by shifts of {list(counts)}" if counts else ""
+                    raise failures.DataLoss(
+                        f"{who}: {name} row {kept[bad[0]]} that append_rows marked valid is not "
+                        f"the row given there{said} ({len(bad)} of {held} differ: "
+                        f"{[kept[i] for i in bad[:8]]})\n  at {where}"
+                    )
 
     def _check_firsts(self, request: Request, what: str) -> None:
         """Where the caches say where their rows start, it is where the plan put them: a
@@ -558,8 +696,15 @@ class Engine:
     def _not_shifted(request: Request, call: str) -> None:
         # The oracle after a shift follows feeds only; a plan that edits a shifted history
         # otherwise would be compared against stale rows.
-        if request.shifted is not None:
+        if request.shifted is not None or request.row_shifted is not None:
             raise TypeError(f"{call} of {request.name} after a context shift: no plan does so")
+
+    @staticmethod
+    def _not_row_shifted(request: Request, call: str) -> None:
+        # Each row's oracle after a shift per row follows feeds by row and further shifts per
+        # row only (no plan does more).
+        if request.row_shifted is not None:
+            raise TypeError(f"{call} of {request.name} after a shift per row: no plan does so")
 
     def poison(self, request: Request, kind: str, rows: int) -> None:
         """Leave ``rows`` rows of nan, inf, -inf or huge values behind in every layer (what

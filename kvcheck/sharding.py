@@ -295,7 +295,7 @@ class _Moves:
         for rank in self._all_here("take_history"):
             heads = list(self.shards[rank].kv_heads)
             mine = None if given is None else tuple(rows[:, heads] for rows in given)
-            self.recorders[rank].given = mine
+            self.recorders[rank].hold_given(mine)  # codes move with them (contract, 10.1)
 
     def given_by_head(self) -> tuple[Tensor, Tensor] | None:
         """The rows every kv head was given since the reset, by global id (from the first

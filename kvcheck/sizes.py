@@ -123,6 +123,10 @@ class Domain:
     # Latent (MLA) layers (contract, section 10.2): values of another width than the keys.
     # Like sinks, None is "no": the kit draws MLA models and value_dim only for True.
     latent: bool | None = None
+    # The latent widths d_c and rope widths d_r of the latent layers it takes (section 10.2;
+    # a kernel such as FlashMLA is built for 512 and 64): None is any the kit draws.
+    latent_dims: tuple[int, ...] | None = None
+    rope_dims: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         def put(name, value):
@@ -166,9 +170,27 @@ class Domain:
                 raise ValueError("supports.sinks: sinks sit beside a window, and windows is False")
         if self.latent is not None and not isinstance(self.latent, bool):
             raise ValueError(f"supports.latent must be True or False, got {self.latent!r}")
+        self._check_latent_widths(put)
         for name in ("dtypes", "head_dims", "kv_heads", "groups", "pages", "devices", "sinks"):
             if getattr(self, name) == ():
                 raise ValueError(f"supports.{name} is empty: the cache supports nothing")
+
+    def _check_latent_widths(self, put) -> None:
+        """``latent_dims`` and ``rope_dims``: positive ints (the rope widths even), not
+        empty, and only beside ``latent: True``."""
+        for name in ("latent_dims", "rope_dims"):
+            if (values := getattr(self, name)) is None:
+                continue
+            if not self.latent:
+                raise ValueError(
+                    f"supports.{name} {values!r} without latent: True: latent widths are of "
+                    "latent (MLA) layers, which the cache does not declare"
+                )
+            if values == ():
+                raise ValueError(f"supports.{name} is empty: the cache supports nothing")
+            put(name, tuple(sorted(set(_positives(f"supports.{name}", values)))))
+        if self.rope_dims is not None:
+            _even("supports.rope_dims", self.rope_dims)
 
     @classmethod
     def of(cls, declared: object) -> Domain:
@@ -185,9 +207,10 @@ class Domain:
 
     def refuses(self, spec: CacheSpec) -> str | None:
         """What puts ``spec`` outside this domain, or None."""
+        latent = spec.value_dim is not None
         checks = (
             (self.dtypes, spec.dtype, "dtype"),
-            (self.head_dims, spec.head_dim, "head_dim"),
+            *self._width_checks(spec),
             (self.kv_heads, spec.kv_heads, "kv_heads"),
             (self.devices, torch.device(spec.device).type, "device"),
         )
@@ -205,9 +228,20 @@ class Domain:
         if spec.sinks not in self.sink_counts:
             takes = ", ".join(map(str, self.sink_counts))
             return f"{spec.sinks} attention sinks (supports {takes})"
-        if spec.value_dim is not None and not self.latent:
+        if latent and not self.latent:
             return f"value_dim {spec.value_dim} (supports values as wide as the keys only)"
         return None
+
+    def _width_checks(self, spec: CacheSpec) -> tuple:
+        """(supported, value, name) for the widths of ``spec``: an ordinary layer's head_dim,
+        or a latent layer's latent and rope widths where they are declared (the rope width
+        against head_dims where rope_dims is not, as before they could be)."""
+        if spec.value_dim is None:
+            return ((self.head_dims, spec.head_dim, "head_dim"),)
+        rope = (self.rope_dims, spec.head_dim, "rope width (head_dim)")
+        if self.rope_dims is None:
+            rope = (self.head_dims, spec.head_dim, "head_dim")
+        return (rope, (self.latent_dims, spec.value_dim, "latent width (value_dim)"))
 
     @property
     def sink_counts(self) -> tuple[int, ...]:
@@ -300,6 +334,8 @@ _LISTED = (
     ("groups", "query heads per kv head", "other query heads per kv head"),
     ("pages", "pages", "other pages"),
     ("devices", "devices", "other devices"),
+    ("latent_dims", "latent widths", "other latent widths"),
+    ("rope_dims", "rope widths", "other rope widths"),
 )
 
 

@@ -240,10 +240,15 @@ def latent_configs(draw, rope_dim: int, heads: int, layers, units: int) -> Model
     """An MLA model (contract, section 10.2) for a cache that declares latent layers: its
     cache's keys ``rope_dim`` wide, its values a latent mostly narrow, a share as wide as
     DeepSeek-V3's (512) where the budget has room, on either path."""
+    domain = kvsizes.domain()
+    if domain.rope_dims is not None:  # a kernel's rope widths (section 10.2), those alone
+        rope_dim = draw(st.sampled_from(domain.rope_dims), label="rope_dim")
     room = units // max(1, heads) - kvsizes.SCORE_COST - rope_dim
     latent = draw(st.sampled_from((2, 6, 16, 64)), label="latent_dim")
     if room >= 512 and kvsizes.large(draw, "latent_dim"):
         latent = 512
+    if domain.latent_dims is not None:
+        latent = draw(st.sampled_from(domain.latent_dims), label="declared latent_dim")
     return ModelConfig(
         **draw(any_attention(layers), label="model"),
         num_heads=heads,
@@ -418,8 +423,7 @@ def cache_specs(
     if latent and latent_drawable() and draw(st.booleans(), label="latent"):
         # An MLA layer's cache: one "head", its values a latent of another width.
         kv_heads = 1
-        widths = [w for w in (2, 6, 16, 64, 512) if w * max_length <= kvsizes.ROWS_BUDGET]
-        value_dim = draw(st.sampled_from(widths or [2]), label="value_dim")
+        value_dim, head_dim = draw(latent_widths(max_length, head_dim), label="latent widths")
     width = max(head_dim, value_dim or 0)  # of the widest rows
     return CacheSpec(
         batch=draw(kvsizes.batches(small_max=3, room=room // (width * kv_heads)), label="batch"),
@@ -431,6 +435,19 @@ def cache_specs(
         window=draw(windows, label="window"),
         value_dim=value_dim,
     )
+
+
+@st.composite
+def latent_widths(draw, max_length: int, head_dim: int) -> tuple[int, int]:
+    """A latent layer's cache widths (value_dim, head_dim): a latent within the rows
+    budget and the rope key ``head_dim`` wide, or the declared widths alone (section 10.2)."""
+    domain = kvsizes.domain()
+    if domain.rope_dims is not None:
+        head_dim = draw(st.sampled_from(domain.rope_dims), label="rope width")
+    if domain.latent_dims is not None:
+        return draw(st.sampled_from(domain.latent_dims), label="value_dim"), head_dim
+    widths = [w for w in (2, 6, 16, 64, 512) if w * max_length <= kvsizes.ROWS_BUDGET]
+    return draw(st.sampled_from(widths or [2]), label="value_dim"), head_dim
 
 
 @st.composite

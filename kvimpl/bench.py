@@ -21,6 +21,13 @@ Besides the caches there are two rows: `ideal`, the same step with the keys and 
 L tokens already in place and no bookkeeping at all (the floor a cache can approach), and
 `uncached`, the model recomputing all L tokens to decode the last one.
 
+Beside every built-in (no ``--kv-impl``), the compressed arm: ``quantized`` (int8 codes) on
+the same model, and ``latent`` on an MLA model of the same sizes (``latent_config``) with an
+ideal of its own, ``ideal (MLA)``. Each is held to the formula of what it declares
+(``kvref.min_nbytes`` with its storage, or the MLA model's spec: "x formula"), and before
+timing its logits must be within the budget the kit holds its storage to (the lossy one of
+``kvcheck.asserts`` for codes, 1e-4 for a latent kept as given).
+
 Then requests of batch 1 and different lengths are held side by side (requests.csv): on one
 paged pool, whose blocks in use are compared with the sum of the requests' own formulas, and
 on every other cache (``preallocated`` reserving the longest request's length for each); and
@@ -58,9 +65,13 @@ from torch import Tensor
 from torch.utils import benchmark
 
 import kvimpl
+from kvcheck import asserts as kvassert
 from kvcheck import selection
+from kvcheck.harness import coarser
+from kvimpl.latent import LatentCache
+from kvimpl.quantized import QuantizedCache
 from kvref import CacheFactory, LayerCache, ModelConfig, ReferenceTransformer, min_nbytes
-from kvref.protocol import keys_stored, row_slots
+from kvref.protocol import keys_stored, row_slots, storage
 
 
 @dataclass(frozen=True)
@@ -111,6 +122,14 @@ QUICK = Workload(
 )
 
 
+# The compressed arm (docs/compressed.md): caches that hold less than the full-precision
+# formula, each held to the formula of what it declares. Lossy storage on the grouped-query
+# model; a latent cache on an MLA model of the same sizes (``latent_config``).
+LOSSY: dict[str, CacheFactory] = {"quantized": QuantizedCache}
+LATENT: dict[str, CacheFactory] = {"latent": LatentCache}
+FULL_PRECISION, COMPRESSED = "full precision", "compressed"
+GQA, MLA = "grouped-query", "MLA"
+
 MIB = 2**20
 PREFILL_CHUNK = 64  # tokens per append when a cache is filled before a timed step
 BLOCK_SIZE = 256  # tokens per block (chunk) of the paged (chunked) built-in while timed
@@ -134,6 +153,21 @@ class Row:
     formula_bytes: int
     peak_rss_bytes: int  # the whole process's high-water mark (ru_maxrss) when the row was done
     note: str = ""
+    # The compressed arm's formula is its own: kvref.min_nbytes with the cache's declared
+    # storage (rows in codes but the recent run), or the MLA model's spec for a latent cache.
+    arm: str = FULL_PRECISION
+    model: str = GQA  # the model it decodes on; "x ideal" is against that model's ideal
+
+
+@dataclass
+class Timed:
+    """A row of the decode table, ready: its timer and caches, and what its row reports."""
+
+    timer: benchmark.Timer
+    caches: list[LayerCache]
+    formula_bytes: int
+    arm: str
+    model: str
 
 
 @dataclass
@@ -244,11 +278,35 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def formula_bytes(model: ReferenceTransformer, batch: int, length: int) -> int:
+def formula_bytes(
+    model: ReferenceTransformer, batch: int, length: int, cache: LayerCache | None = None
+) -> int:
     """2 x layers x B x H_kv x rows x D x itemsize, rows being L or, with a window, W - 1:
-    what the model's caches must hold at least."""
+    what the model's caches must hold at least; under ``cache``'s declared lossy storage
+    (contract, 10.1), with every row in codes but the declared recent run."""
+    declared = storage(cache)
+    in_codes = tuple(part.coded_rows(length) if part else 0 for part in declared)
     layers = range(model.config.num_layers)
-    return sum(min_nbytes(model.cache_spec(batch, length, layer=layer), length) for layer in layers)
+    return sum(
+        min_nbytes(model.cache_spec(batch, length, layer=layer), length, declared, in_codes)
+        for layer in layers
+    )
+
+
+def latent_config(config: ModelConfig) -> ModelConfig:
+    """An MLA model of the benchmark's sizes (contract, 10.2) in DeepSeek-V3's proportions:
+    each head's no-rope key channels as wide as its value, a rope key half that, a latent 4
+    heads wide; cached calls on the absorbed path, the one decode kernels take."""
+    width = config.head_dim
+    return replace(
+        config,
+        attention="mla",
+        num_kv_heads=1,
+        latent_dim=4 * width,
+        rope_dim=width // 2,
+        nope_dim=width,
+        mla_path="absorbed",
+    )
 
 
 def fill(cache: LayerCache, key: Tensor, value: Tensor) -> None:
@@ -347,38 +405,54 @@ class Bench:
             self._kept_unrotated = self._prefill(kvimpl.UnrotatedCache)
         return self._kept_unrotated
 
-    def decode_rows(
-        self, factories: dict[str, CacheFactory], length: int, progress: Progress
-    ) -> list[Row]:
-        """Time decoding token ``length`` on the ideal and every cache, taking turns."""
+    def decode_setup(
+        self, factories: dict[str, CacheFactory], length: int, ideal: str = "ideal"
+    ) -> dict[str, Timed]:
+        """The ideal (labelled ``ideal``) and every cache of ``factories``, filled with the
+        first ``length - 1`` tokens and checked (``_check_against_ideal``), each with a timer
+        of decoding token ``length``."""
         caches = {
             label: self.model.new_caches(factory, batch=self.workload.batch, max_length=length)
             for label, factory in factories.items()
         }
-        caches = {"ideal": self._ideal_caches(length), **caches}
+        caches = {ideal: self._ideal_caches(length), **caches}
         restores = {label: self._restore(layers, length) for label, layers in caches.items()}
-        self._check_against_ideal(caches, restores, length)
-        timers = {
-            label: self._timer(
-                partial(self.model, self.tokens[:, length - 1 : length], layers), restores[label]
+        self._check_against_ideal(caches, restores, length, ideal)
+        model = MLA if self.model.config.attention == "mla" else GQA
+        step = partial(self.model, self.tokens[:, length - 1 : length])
+        setups = {}
+        for label, layers in caches.items():
+            lossy = storage(layers[0]) != (None, None)
+            setups[label] = Timed(
+                self._timer(partial(step, layers), restores[label]),
+                layers,
+                formula_bytes(self.model, self.workload.batch, length, layers[0]),
+                COMPRESSED if lossy or model == MLA else FULL_PRECISION,
+                model,
             )
-            for label, layers in caches.items()
-        }
+        return setups
+
+    def decode_rows(self, setups: dict[str, Timed], length: int, progress: Progress) -> list[Row]:
+        """Time decoding token ``length`` on every row of ``setups`` (of this bench and of
+        others), taking turns."""
         rounds = self.workload.rounds
-        parts: dict[str, list[benchmark.Measurement]] = {label: [] for label in timers}
+        parts: dict[str, list[benchmark.Measurement]] = {label: [] for label in setups}
         for round_number in range(1, rounds + 1):
-            for label, timer in timers.items():
+            for label, setup in setups.items():
                 share = self.workload.min_run_time / rounds
-                parts[label].append(timer.blocked_autorange(min_run_time=share))
+                parts[label].append(setup.timer.blocked_autorange(min_run_time=share))
             progress.advance(f"{length} tokens, round {round_number} of {rounds}")
         return [
             self._row(
                 label,
                 length,
                 benchmark.Measurement.merge(parts[label])[0],
-                nbytes=sum(cache.nbytes for cache in caches[label]),
+                nbytes=sum(cache.nbytes for cache in setup.caches),
+                formula=setup.formula_bytes,
+                arm=setup.arm,
+                model=setup.model,
             )
-            for label in timers
+            for label, setup in setups.items()
         ]
 
     def _check_against_ideal(
@@ -386,23 +460,40 @@ class Bench:
         caches: dict[str, list[LayerCache]],
         restores: dict[str, Callable[[], None]],
         length: int,
+        ideal: str = "ideal",
     ) -> None:
         """A fast wrong cache is no result: each must decode token ``length`` as the ideal does,
-        from its first fill and again after being put back as before every timed call."""
+        from its first fill and again after being put back as before every timed call; at
+        1e-4, or for a cache that declares lossy storage within its budget as the kit holds
+        it (``kvcheck.asserts``, contract 10.1)."""
         new_token = self.tokens[:, length - 1 : length]
-        expected = self.model(new_token, caches["ideal"])
+        expected = self.model(new_token, caches[ideal])
         for label, layers in caches.items():
+            declared = coarser(*storage(layers[0]))
             for when in ("after its prefill", "after being put back"):
-                torch.testing.assert_close(
-                    self.model(new_token, layers),
-                    expected,
-                    rtol=1e-4,
-                    atol=1e-4,
-                    msg=lambda report, label=label, when=when: (
-                        f"{label} decodes token {length} unlike the ideal row ({when}), so its "
-                        f"timing would mean nothing; run the test suite on it.\n{report}"
-                    ),
+                what = (
+                    f"{label} decodes token {length} unlike the ideal row ({when}), so its "
+                    f"timing would mean nothing; run the test suite on it."
                 )
+                decoded = self.model(new_token, layers)
+                if declared is None:
+                    torch.testing.assert_close(
+                        decoded,
+                        expected,
+                        rtol=1e-4,
+                        atol=1e-4,
+                        msg=lambda report, what=what: f"{what}\n{report}",
+                    )
+                else:
+                    kvassert.assert_within_budget(
+                        decoded,
+                        expected,
+                        None,
+                        what=what,
+                        where=f"the logits of token {length}",
+                        position_axis=1,
+                        lossy=declared,
+                    )
                 restores[label]()
 
     def request_rows(self, factories: dict[str, CacheFactory], block_size: int) -> list[RequestRow]:
@@ -798,7 +889,11 @@ class Bench:
         measurement: benchmark.Measurement | None,
         nbytes: int,
         note: str = "",
+        formula: int | None = None,
+        arm: str = FULL_PRECISION,
+        model: str = GQA,
     ) -> Row:
+        """A row of the decode table; ``formula`` by default the full-precision one."""
         samples = 0 if measurement is None else len(measurement.times)
         if samples == 1:
             note = "one sample: no spread"
@@ -809,9 +904,11 @@ class Bench:
             ms_spread=measurement.iqr * 1e3 if samples > 1 else None,
             samples=samples,
             nbytes=nbytes,
-            formula_bytes=formula_bytes(self.model, self.workload.batch, length),
+            formula_bytes=formula or formula_bytes(self.model, self.workload.batch, length),
             peak_rss_bytes=peak_rss_bytes(),
             note=note,
+            arm=arm,
+            model=model,
         )
 
 
@@ -820,10 +917,19 @@ def run(
 ) -> tuple[list[Row], list[RequestRow], list[BatchRow], list[PrefixRow]]:
     progress = Progress(total=len(workload.lengths) * (workload.rounds + 1) + 2)
     progress.show(f"prefill of {max(workload.lengths)} tokens")
-    bench = Bench(workload, torch.device(args.device), args.threads)
+    device = torch.device(args.device)
+    bench = Bench(workload, device, args.threads)
+    latent = None
+    if args.compressed:  # an MLA model of the same sizes, its own prefill
+        latent = Bench(
+            replace(workload, config=latent_config(workload.config)), device, args.threads
+        )
     rows = []
     for length in workload.lengths:
-        rows += bench.decode_rows(caches, length, progress)
+        setups = bench.decode_setup({**caches, **(LOSSY if args.compressed else {})}, length)
+        if latent is not None:
+            setups |= latent.decode_setup(LATENT, length, ideal="ideal (MLA)")
+        rows += bench.decode_rows(setups, length, progress)
     progress.show("requests side by side")
     request_rows = bench.request_rows(caches, args.block_size)
     batch_rows = bench.batch_rows(caches)
@@ -850,27 +956,39 @@ def write_csv(rows: Sequence[object], path: Path) -> None:
 
 
 def markdown_table(rows: list[Row]) -> str:
-    """The results as a Markdown table: readable on a terminal, pasteable into the README."""
-    ideal = {row.length: row.ms_per_token for row in rows if row.cache == "ideal"}
-    header = "cache,length,ms/token,IQR ms,x ideal,samples,nbytes MiB,formula MiB,peak RSS MiB,note"
+    """The results as a Markdown table: readable on a terminal, pasteable into the README.
+    Each row's "x ideal" is against the ideal of the model it decodes on, its "x formula"
+    against its own formula (the compressed arm's: what it declares)."""
+    ideal = ideals(rows)
+    header = "cache,arm,length,ms/token,IQR ms,x ideal,samples,nbytes MiB,formula MiB,x formula"
+    header += ",peak RSS MiB,note"
     lines = []
     for row in sorted(rows, key=lambda row: row.length):
         ms, spread = row.ms_per_token, row.ms_spread
         lines.append(
             [
                 row.cache,
+                row.arm if row.model == GQA else f"{row.arm} ({row.model} model)",
                 str(row.length),
                 "-" if ms is None else f"{ms:.3f}",
                 "-" if spread is None else f"{spread:.3f}",
-                "-" if ms is None else f"{ms / ideal[row.length]:.2f}",
+                "-" if ms is None else f"{ms / ideal[row.model, row.length]:.2f}",
                 str(row.samples),
                 f"{row.nbytes / MIB:.1f}",
                 f"{row.formula_bytes / MIB:.1f}",
+                "-" if not row.nbytes else f"{row.nbytes / row.formula_bytes:.2f}",
                 f"{row.peak_rss_bytes / MIB:.0f}",
                 row.note,
             ]
         )
-    return markdown(header.split(","), lines, text_columns=(0, 9))
+    return markdown(header.split(","), lines, text_columns=(0, 1, 11))
+
+
+def ideals(rows: list[Row]) -> dict[tuple[str, int], float | None]:
+    """Each model's ideal ms per token, by (model, length)."""
+    return {
+        (row.model, row.length): row.ms_per_token for row in rows if row.cache.startswith("ideal")
+    }
 
 
 def requests_table(rows: list[RequestRow]) -> str:
@@ -957,16 +1075,18 @@ def plot(rows: list[Row], title: str, path: Path) -> None:
     figure = Figure(figsize=(11, 4.5))
     FigureCanvasAgg(figure)  # draw with Agg: no display, no global pyplot state
     absolute, relative = figure.subplots(1, 2)
-    ideal = {row.length: row.ms_per_token for row in rows if row.cache == "ideal"}
+    ideal = ideals(rows)
     for label in dict.fromkeys(row.cache for row in rows):
         timed = [row for row in rows if row.cache == label and row.ms_per_token is not None]
         lengths = [row.length for row in timed]
         # The floor, dashed and on top: a cache that reaches it would otherwise hide it.
         style = {"color": "black", "linestyle": "--", "zorder": 3} if label == "ideal" else {}
+        if label == "ideal (MLA)":
+            style = {"color": "grey", "linestyle": "--", "zorder": 3}
         ms = [row.ms_per_token for row in timed]
         absolute.plot(lengths, ms, marker="o", label=label, **style)
         if label != "uncached":  # hundreds of times the floor: it would flatten the rest
-            ratios = [row.ms_per_token / ideal[row.length] for row in timed]
+            ratios = [row.ms_per_token / ideal[row.model, row.length] for row in timed]
             relative.plot(lengths, ratios, marker="o", label=label, **style)
     lengths = sorted({row.length for row in rows})
     for axes in (absolute, relative):
@@ -1085,6 +1205,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str
         parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
     # Named as for the kit (kvcheck.selection): --kv-impl, else KV_IMPL, else every built-in.
     names = selection.names_given(args.kv_impl, os.environ.get("KV_IMPL"), list(kvimpl.CACHES))
+    # The compressed arm beside every built-in; a cache named is timed alone.
+    args.compressed = not args.kv_impl and not os.environ.get("KV_IMPL")
     try:
         selected = selection.select(names)
     except ValueError as error:

@@ -8,6 +8,11 @@ of that buffer, the rope keys and the latents, neither of them contiguous. The c
 any spec, of one head or many, of one width or two, and declares the latent layout so that
 the kit draws MLA models for it. Its rows move (contract, section 11.2) from
 ``kvimpl.moves``: rope keys as the keys, latents as the values, as ``append`` returns them.
+
+It computes attention itself too: ``attend_latent`` (MLA's absorbed path, contract section
+10.2) is one matmul of the absorbed query (latent channels, then rope channels) over the
+buffer rows as they lie, the latent part of the same rows the values; ``attend`` the same
+for an ordinary layer's spec, over its keys and values.
 """
 
 from __future__ import annotations
@@ -18,7 +23,15 @@ import torch
 from torch import Tensor
 
 from kvimpl.moves import MovableMixin
-from kvref.protocol import CacheSpec, check_append, check_reorder, check_truncate
+from kvimpl.streaming import grouped_softmax_attention
+from kvref.protocol import (
+    CacheSpec,
+    check_append,
+    check_attend,
+    check_attend_latent,
+    check_reorder,
+    check_truncate,
+)
 
 
 class LatentCache(MovableMixin):
@@ -49,6 +62,33 @@ class LatentCache(MovableMixin):
         self.rows[:, :, start:end, latent:] = key
         self._length = end
         return self._held()
+
+    def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        start = self._length
+        check_attend(self.spec, start, query, key, value, capacity=self.spec.max_length)
+        keys, values = self.append(key, value)
+        return grouped_softmax_attention(query, keys, values, self._visible(start))
+
+    def attend_latent(self, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
+        start = self._length
+        check_attend_latent(
+            self.spec, start, query, key, value, scale, capacity=self.spec.max_length
+        )
+        self.append(key, value)
+        rows = self.rows[:, :, : self._length]  # [latent ; rope key], as the query is laid out
+        latents = rows[..., : self.spec.value_width]
+        return grouped_softmax_attention(query, rows, latents, self._visible(start), scale)
+
+    def _visible(self, start: int) -> Tensor:
+        """(T, length): whether the query at each position from ``start`` sees each row held
+        (every row since the reset, at its index): causal, the window, and the sinks."""
+        device = self.rows.device
+        keys = torch.arange(self._length, device=device)[None, :]
+        queries = torch.arange(start, self._length, device=device)[:, None]
+        visible = keys <= queries
+        if self.spec.window is not None:
+            visible &= (keys > queries - self.spec.window) | (keys < self.spec.sinks)
+        return visible
 
     def _held(self) -> tuple[Tensor, Tensor]:
         """The rope keys and the latents of every token held: views of the buffer."""

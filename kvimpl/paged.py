@@ -125,6 +125,12 @@ class _Segment:
     first_id: int
     key: Tensor  # (blocks, kv_heads, block_size, head_dim)
     value: Tensor
+    extra: tuple[Tensor, ...] = ()  # a coded layout's scales (kvimpl.quantized_paged)
+
+    @property
+    def planes(self) -> tuple[Tensor, ...]:
+        """Every tensor holding a part of each block, blocks first."""
+        return (self.key, self.value, *self.extra)
 
 
 class PagedPool:
@@ -274,8 +280,33 @@ class PagedPool:
         key = (spec.kv_heads, spec.head_dim, spec.value_width, spec.dtype, device)
         if key not in self._groups:
             shape = (spec.kv_heads, self._block_size, spec.head_dim)
-            self._groups[key] = _Group(shape, spec.value_width, spec.dtype, device)
+            self._groups[key] = self._make_group(shape, spec.value_width, spec.dtype, device)
         return self._groups[key]
+
+    # The block layout: rows as given here; a coded layout overrides these five
+    # (kvimpl.quantized_paged), and everything else reads and writes blocks through them.
+    def _make_group(self, shape, value_width: int, dtype, device) -> _Group:
+        return _Group(shape, value_width, dtype, device)
+
+    def _allocate(self, group: _Group, blocks: int) -> tuple[Tensor, ...]:
+        """The planes of a new segment of ``blocks`` blocks: keys, values (and extras)."""
+        storage = (blocks, *group.shape)
+        key = torch.zeros(storage, dtype=group.dtype, device=group.device)
+        value = torch.zeros(
+            (*storage[:-1], group.value_width), dtype=group.dtype, device=group.device
+        )
+        return key, value
+
+    def _write_slots(self, block: int, at: slice, key: Tensor, value: Tensor) -> None:
+        """Store ``key`` and ``value`` (H_kv, n, D) at token slots ``at`` of ``block``."""
+        segment, slot = self._locate(block)
+        segment.key[slot, :, at] = key
+        segment.value[slot, :, at] = value
+
+    def _block_rows(self, block: int) -> tuple[Tensor, Tensor]:
+        """The keys and values of every slot of ``block``, (H_kv, block_size, D), as rows."""
+        segment, slot = self._locate(block)
+        return segment.key[slot], segment.value[slot]
 
     def _refuse_unless_free(self, needed: int, doing: str) -> None:
         if needed > self.blocks_free:
@@ -305,13 +336,9 @@ class PagedPool:
         # could ever be in use at once.
         doubling = max(group.reserved, FIRST_SEGMENT_BLOCKS)
         blocks = max(min(doubling, self.num_blocks - group.reserved), at_least)
-        storage = (blocks, *group.shape)
-        key = torch.zeros(storage, dtype=group.dtype, device=group.device)
-        value = torch.zeros(
-            (*storage[:-1], group.value_width), dtype=group.dtype, device=group.device
-        )
+        key, value, *extra = self._allocate(group, blocks)
         first = self._next_id
-        self._segments.append(_Segment(group, first, key, value))
+        self._segments.append(_Segment(group, first, key, value, tuple(extra)))
         self._segment_starts.append(first)
         self._next_id += blocks
         group.reserved += blocks
@@ -370,15 +397,15 @@ class PagedPool:
         view = self._column_view(ids)
         if view is not None:
             return view
-        places = [self._locate(block) for block in ids]
-        keys = torch.stack([segment.key[slot] for segment, slot in places])
-        values = torch.stack([segment.value[slot] for segment, slot in places])
+        blocks = [self._block_rows(block) for block in ids]
+        keys = torch.stack([key for key, _ in blocks])
+        values = torch.stack([value for _, value in blocks])
         return keys, values
 
     def _copy_block(self, source: int, target: int) -> None:
         (from_segment, from_slot), (to_segment, to_slot) = map(self._locate, (source, target))
-        to_segment.key[to_slot] = from_segment.key[from_slot]
-        to_segment.value[to_slot] = from_segment.value[from_slot]
+        for to_plane, from_plane in zip(to_segment.planes, from_segment.planes, strict=True):
+            to_plane[to_slot] = from_plane[from_slot]
 
 
 class PagedCache(TreeDraftsMixin, RowBook, MovableMixin):  # RowBook's _movable first
@@ -567,10 +594,9 @@ class PagedCache(TreeDraftsMixin, RowBook, MovableMixin):  # RowBook's _movable 
         table += self.pool._take(self._group, -(-end // size) - len(table))
         for index in range(start // size, -(-end // size)):
             low, high = max(start, index * size), min(end, (index + 1) * size)
-            segment, slot = self.pool._locate(table[index])
             at = slice(low - index * size, high - index * size)
-            segment.key[slot, :, at] = key[:, low - start : high - start]
-            segment.value[slot, :, at] = value[:, low - start : high - start]
+            rows = slice(low - start, high - start)
+            self.pool._write_slots(table[index], at, key[:, rows], value[:, rows])
         self._lengths[row] = end
 
     def _held_rows(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -582,10 +608,10 @@ class PagedCache(TreeDraftsMixin, RowBook, MovableMixin):  # RowBook's _movable 
         values = torch.zeros((*shape[:3], s.value_width), dtype=s.dtype, device=s.device)
         for row, (table, held) in enumerate(zip(self._tables, self._lengths, strict=True)):
             for index, block in enumerate(table):
-                segment, slot = self.pool._locate(block)
+                block_keys, block_values = self.pool._block_rows(block)
                 low, high = index * size, min(held, (index + 1) * size)
-                keys[row, :, low:high] = segment.key[slot, :, : high - low]
-                values[row, :, low:high] = segment.value[slot, :, : high - low]
+                keys[row, :, low:high] = block_keys[:, : high - low]
+                values[row, :, low:high] = block_values[:, : high - low]
         lengths = torch.tensor(self._lengths, device=keys.device)
         valid = torch.arange(longest, device=keys.device)[None, :] < lengths[:, None]
         return keys, values, valid
@@ -784,9 +810,7 @@ class PagedCache(TreeDraftsMixin, RowBook, MovableMixin):  # RowBook's _movable 
             view[1][:, :, low:high] = value
             return
         for batch_row, block in enumerate(ids):
-            segment, slot = self.pool._locate(block)
-            segment.key[slot, :, low:high] = key[batch_row]
-            segment.value[slot, :, low:high] = value[batch_row]
+            self.pool._write_slots(block, slice(low, high), key[batch_row], value[batch_row])
 
     def _joined(self) -> tuple[Tensor, Tensor]:
         """Every row held, oldest first, joined into (B, H_kv, length, D) copies: only the

@@ -7,7 +7,8 @@ the start of its buffer row, ``valid`` marking them; rows leave (``select_rows``
 
 A context shift (section 8.4) moves the rows after the discarded span down the buffer, each
 key re-rotated back by the span's length, as llama.cpp shifts its cache when it fills: the
-session then runs on past ``max_length`` tokens.
+session then runs on past ``max_length`` tokens. With a tuple of starts and of counts each
+row shifts on its own (llama.cpp's ``llama_memory_seq_rm`` and ``seq_add`` of one sequence).
 
 Its rows move to and from other layouts (section 11.2, ``kvimpl.moves``) while every row
 holds one length from position 0; an import past ``max_length`` is refused, as an append is.
@@ -27,12 +28,15 @@ from kvref.protocol import (
     check_append_rows,
     check_reorder,
     check_shift,
+    check_shift_rows,
     check_truncate,
+    is_row_shift,
 )
 
 
 class PreallocatedCache(RowBook, MovableMixin):  # RowBook's _movable first
     keys_stored = "rotated"  # shift re-rotates the keys it moves
+    shift_per_row = True  # shift also takes a tuple of starts and of counts (section 8.4)
 
     def __init__(self, spec: CacheSpec) -> None:
         self.spec = spec
@@ -92,7 +96,10 @@ class PreallocatedCache(RowBook, MovableMixin):  # RowBook's _movable first
     def truncate_rows(self, lengths) -> None:
         self._lengths = list(self._checked_lengths(lengths))
 
-    def shift(self, start: int, count: int) -> None:
+    def shift(self, start, count) -> None:
+        if is_row_shift(start, count):
+            self._shift_rows(*check_shift_rows(self._lengths, start, count))
+            return
         self._one_length("shift", "a shift per row")
         check_shift(self.length, start, count)
         end, rows = self.length, self._rows()
@@ -103,6 +110,19 @@ class PreallocatedCache(RowBook, MovableMixin):  # RowBook's _movable first
         )
         self.value[:rows, :, start : end - count] = self.value[:rows, :, moved].clone()
         self._lengths = [end - count] * rows
+
+    def _shift_rows(self, starts: tuple[int, ...], counts: tuple[int, ...]) -> None:
+        """Row b's span of ``counts[b]`` tokens from ``starts[b]`` gone, its later rows moved
+        down its own buffer row and re-rotated by its own count."""
+        for row, (start, count) in enumerate(zip(starts, counts, strict=True)):
+            if not count:
+                continue
+            end = self._lengths[row]
+            moved = slice(start + count, end)
+            keys = self._moved_keys(self.key[row, :, moved].clone(), count)
+            self.key[row, :, start : end - count] = keys
+            self.value[row, :, start : end - count] = self.value[row, :, moved].clone()
+            self._lengths[row] = end - count
 
     def _moved_keys(self, keys: Tensor, count: int) -> Tensor:
         """The keys a shift moves down by ``count`` positions, re-rotated to their new ones."""

@@ -13,6 +13,12 @@ rows oldest first: rule 7's recent run, as ``kvref.protocol.kept_rows`` lays it 
 keep the positions they were given, whichever positions the model gives the sinks (contract,
 section 8.5).
 
+``attend`` appends, then computes attention itself over the sinks and the ring in one pass
+(scores, softmax and sums in float32 or wider, rounded once), each key at the position it
+was given: a query at p sees the sinks and p - W + 1 to p, the window counted from the
+query alone (section 8.5's "original" positions; the model attends itself under "in
+cache").
+
 With ``sinks = 0`` it is a plain ring-buffer window cache; with no window the ring keeps
 every row and doubles when full.
 
@@ -30,7 +36,14 @@ import torch
 from torch import Tensor
 
 from kvimpl.moves import RecentRunMixin
-from kvref.protocol import CacheSpec, check_append, check_reorder, check_truncate
+from kvref.protocol import (
+    CacheSpec,
+    check_append,
+    check_attend,
+    check_reorder,
+    check_truncate,
+    kept_rows,
+)
 
 
 class StreamingCache(RecentRunMixin):
@@ -69,6 +82,27 @@ class StreamingCache(RecentRunMixin):
         self._length += new_tokens
         self._recent = min(self._recent + past_sinks, self.ring)
         return self._rows_to_move()
+
+    def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """Append ``key`` and ``value``, then attend ``query`` (B, H, T, D) over the rows
+        held: the sinks and the ring, masked by the positions they were given."""
+        first = self._length
+        check_attend(self.spec, first, query, key, value)  # before anything changes
+        keys, values = self.append(key, value)
+        held = kept_rows(self.sinks, keys.shape[2], self._length)
+        key_positions = torch.tensor(held, device=query.device)
+        query_positions = torch.arange(first, self._length, device=query.device)
+        visible = self._visible(query_positions, key_positions)
+        return grouped_softmax_attention(query, keys, values, visible)
+
+    def _visible(self, query_positions: Tensor, key_positions: Tensor) -> Tensor:
+        """(T, rows): whether each query sees each key held: causal, and with a window the
+        last W positions up to the query's own, or a sink."""
+        keys, queries = key_positions[None, :], query_positions[:, None]
+        visible = keys <= queries
+        if self.spec.window is not None:
+            visible &= (keys > queries - self.spec.window) | (keys < self.sinks)
+        return visible
 
     def _rows_to_move(self) -> tuple[Tensor, Tensor]:
         return self._read(self.key), self._read(self.value)
@@ -149,3 +183,21 @@ class StreamingCache(RecentRunMixin):
         s = self.spec
         shape = (s.batch, s.kv_heads, rows, s.head_dim)
         return torch.zeros(shape, dtype=s.dtype, device=s.device)
+
+
+def grouped_softmax_attention(
+    query: Tensor, keys: Tensor, values: Tensor, visible: Tensor, scale: float | None = None
+) -> Tensor:
+    """softmax(q k^T x scale) v of ``query`` (B, H, T, D) over ``keys`` (B, H_kv, rows, D)
+    and ``values`` (B, H_kv, rows, D_v), the query heads grouped onto their kv head (no
+    copies of the keys), only where ``visible`` (T, rows); ``scale`` 1/sqrt(D) unless
+    given; accumulated in float32 or wider, rounded once."""
+    batch, heads, new_tokens, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    wide = torch.promote_types(query.dtype, torch.float32)
+    grouped = query.to(wide).reshape(batch, kv_heads, heads // kv_heads, new_tokens, head_dim)
+    scale = 1 / math.sqrt(head_dim) if scale is None else scale
+    scores = grouped @ keys.to(wide)[:, :, None].transpose(-2, -1) * scale
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    mixed = weights @ values.to(wide)[:, :, None]
+    return mixed.reshape(batch, heads, new_tokens, -1).to(query.dtype)

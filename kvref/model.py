@@ -35,13 +35,16 @@ from kvref.protocol import (
     check_counts,
     check_reorder,
     check_shift,
+    check_shift_rows,
     check_tree,
     check_truncate,
     is_count,
+    is_row_shift,
     kept_rows,
     keys_stored,
     row_slots,
     rows_needed,
+    shifts_per_row,
     tree_depths,
 )
 
@@ -407,6 +410,52 @@ def attention(
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def varlen_attention(
+    attend,
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    query_positions: Tensor,
+    key_positions: Tensor,
+    *args,
+    valid: Tensor,
+    sink_end: int | Tensor | None = None,
+    sink_query: Tensor | None = None,
+    **kwargs,
+) -> Tensor:
+    """``attend`` (``attention``, or MLA's over latents) as a varlen kernel computes it
+    (flash-attn's ``cu_seqlens``, contract section 8.2): batch row b over only the rows
+    ``valid[b]`` marks, (B, rows), taken as a slice where they are one run (right or left
+    padding) and gathered where they are not, the other slots never read. The result of
+    ``attend(..., valid=valid)``, the dense masked path, within rounding (the sums run over
+    fewer terms), at each row's own cost: the dense path attends every row over the longest
+    row's slots. A row with no valid rows takes the dense path: its queries see no key (nan).
+    ``sink_end`` (B,) and ``sink_query`` are split by row with the rest."""
+    per_row = []
+    for row in range(query.shape[0]):
+        one = slice(row, row + 1)
+        own = {"sink_query": None if sink_query is None else sink_query[one], **kwargs}
+        per_row_sinks = isinstance(sink_end, Tensor) and sink_end.ndim
+        own["sink_end"] = sink_end[one] if per_row_sinks else sink_end
+        slots = valid_slots(valid[row])
+        if slots is None:
+            slots, own["valid"] = slice(None), valid[one]
+        keys_seen, values_seen = keys[one, :, slots], values[one, :, slots]
+        seen_at = (query_positions[one], key_positions[one, slots])
+        per_row.append(attend(query[one], keys_seen, values_seen, *seen_at, *args, **own))
+    return torch.cat(per_row)
+
+
+def valid_slots(valid: Tensor) -> slice | Tensor | None:
+    """The slots ``valid`` (rows,) marks: a slice where they are one run (a view, no copy),
+    else their indices; None where there are none."""
+    slots = valid.nonzero().flatten()
+    if not slots.numel():
+        return None
+    first, last = int(slots[0]), int(slots[-1])
+    return slice(first, last + 1) if last - first + 1 == slots.numel() else slots
+
+
 def latent_attention(
     layer: Attention,
     path: str,
@@ -466,14 +515,17 @@ def absorbed_attention(query, rope_keys, latents, up_key, up_value, *args, **kwa
 
 class SharedRows:
     """A layer's cache as the model hands it to that layer where later layers read it
-    (contract, section 10.3): appends pass through, and what the append returned is kept
-    for this step's readers. In an uncached pass there is no cache, and the rows are the
+    (contract, section 10.3): appends (``append``, ``append_rows``, ``append_tree``) pass
+    through, and what the call returned is kept for this step's readers, the very tensors
+    (rule 2 keeps them valid until the cache's next call), with the length, or each row's,
+    the cache held before it. In an uncached pass there is no cache, and the rows are the
     pass's own keys and values."""
 
     def __init__(self, cache: LayerCache | None) -> None:
         self.cache = cache
         self.before = 0  # the cache's length before this step's append
-        self.rows: tuple[Tensor, Tensor] | None = None
+        self.rows_before: tuple[int, ...] = ()  # each row's, before this step's append_rows
+        self.rows: tuple[Tensor, ...] | None = None
 
     @property
     def keys_stored(self) -> str:
@@ -489,9 +541,25 @@ class SharedRows:
         positions this step's new rows were given, the length before the append."""
         return self.before
 
+    @property
+    def row_offsets(self) -> tuple[int, ...]:
+        """Where each row's reader queries start, after that row's first position: at the
+        positions this step's new rows were given, the row lengths before ``append_rows``."""
+        return self.rows_before
+
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         self.before = self.length
         self.rows = (key, value) if self.cache is None else self.cache.append(key, value)
+        return self.rows
+
+    def append_rows(self, key: Tensor, value: Tensor, counts) -> tuple[Tensor, Tensor, Tensor]:
+        self.rows_before = tuple(self.cache.row_lengths)
+        self.rows = self.cache.append_rows(key, value, counts)
+        return self.rows
+
+    def append_tree(self, key: Tensor, value: Tensor, parents) -> tuple[Tensor, Tensor]:
+        self.before = self.length
+        self.rows = self.cache.append_tree(key, value, parents)
         return self.rows
 
 
@@ -513,6 +581,29 @@ class SharedReader:
 
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         return self.shared.rows
+
+    def append_rows(self, key: Tensor, value: Tensor, counts) -> tuple[Tensor, Tensor, Tensor]:
+        return self.shared.rows  # the source's keys, values and valid, each row masked by its own
+
+    def append_tree(self, key: Tensor, value: Tensor, parents) -> tuple[Tensor, Tensor]:
+        return self.shared.rows
+
+    def row_positions(self, firsts: Sequence[int], real: Tensor) -> Tensor:
+        """(B, T) positions of this reader's queries in ``forward_rows``: row b's from its
+        first position plus its source's row length before this step's ``append_rows``."""
+        offsets = self.shared.row_offsets
+        starts = [first + offset for first, offset in zip(firsts, offsets, strict=True)]
+        return row_positions(torch.tensor(starts, device=real.device), real)
+
+    def tree_positions(self, first: int, depths: Tensor) -> Tensor:
+        """(T,) positions of this reader's draft nodes: node i at its source's length before
+        ``append_tree`` plus its depth, as the source's node i."""
+        return first + self.shared.offset + depths
+
+    def tree_batch(self, tree: TreeBatch) -> TreeBatch:
+        """The draft as this reader verifies it: its source's, under the same tree mask (a
+        sibling seen would leak another branch into a node's logits)."""
+        return tree
 
 
 def is_cached(cache: object) -> bool:
@@ -666,6 +757,13 @@ class Attention(nn.Module):
             # The cache computes attention itself (a paged kernel, say): no rows come back.
             mixed = cache.attend(q, k, v)
             self._check_attended(mixed, q)
+        elif (
+            stored == "rotated"
+            and sink_query is None
+            and c.attention == "mla"
+            and callable(getattr(cache, "attend_latent", None))
+        ):
+            mixed = self._attend_latent(q, k, v, cache)
         else:
             # Rows, not positions: a cache's first position need not be 0 (section 8.3).
             before = 0 if cache is None else cache.length
@@ -755,15 +853,19 @@ class Attention(nn.Module):
         if keys_stored(cache) == "unrotated":  # each row's keys at its own positions
             all_k = apply_rope(all_k, key_positions.clamp(min=0), self.config.rope_base)
         sink_end = firsts + self.sinks
-        return self._attention(
-            True,
+        # Ragged rows attend as a varlen kernel does, each over its own rows alone (section
+        # 8.2: the dense masked path would attend every row over the longest row's slots);
+        # rows of one length, no slot a pad, in one batched call.
+        attend = functools.partial(self._attention, True)
+        if not bool(valid.all()):
+            attend = functools.partial(varlen_attention, attend, valid=valid)
+        return attend(
             q,
             all_k,
             all_v,
             positions,
             key_positions,
             self.window,
-            valid=valid,
             sink_end=sink_end,
             sink_query=sink_query,
         )
@@ -846,6 +948,31 @@ class Attention(nn.Module):
                     f"append_rows must mark {want} of its rows valid; it marked {int(held[row])}"
                 )
         return held
+
+    def _attend_latent(self, q: Tensor, k: Tensor, v: Tensor, cache) -> Tensor:
+        """MLA's absorbed path computed by the cache (section 10.2): the no-rope query folded
+        into the latent space beside the rope channels, in the model's dtype; the weighted
+        latents the cache returns, up-projected per head in float64."""
+        c = self.config
+        wide = torch.float32 if q.device.type == "mps" else torch.float64
+        up_key = self.up_key.weight.to(wide).view(c.num_heads, c.nope_dim, c.latent_dim)
+        up_value = self.up_value.weight.to(wide).view(c.num_heads, c.head_dim, c.latent_dim)
+        nope, rope = q.split((c.nope_dim, c.rope_dim), dim=-1)
+        folded = torch.einsum("bhtn,hnc->bhtc", nope.to(wide), up_key).to(q.dtype)
+        query = torch.cat((folded, rope), dim=-1)
+        latents = cache.attend_latent(query, k, v, 1 / math.sqrt(c.query_width))
+        expected = (*q.shape[:3], c.latent_dim)
+        if not isinstance(latents, Tensor) or latents.shape != expected or latents.dtype != q.dtype:
+            got = (
+                f"{tuple(latents.shape)} {latents.dtype}"
+                if isinstance(latents, Tensor)
+                else type(latents).__name__
+            )
+            raise CacheContractError(
+                f"layer {self.layer}: attend_latent must return the weighted latents shaped "
+                f"{expected} in {q.dtype}; it returned {got}"
+            )
+        return torch.einsum("bhtc,hdc->bhtd", latents.to(wide), up_value).to(q.dtype)
 
     def _check_attended(self, mixed: object, query: Tensor) -> None:
         if (
@@ -1069,9 +1196,10 @@ class ReferenceTransformer(nn.Module):
         in the slots of ``token_ids`` the caches' ``padding`` says (the first ``counts[b]``,
         or with ``"left"`` the last), at positions from its ``first_position`` plus its
         ``row_lengths`` on. Pad slots give nan logits, and their keys and values reach the
-        caches as ``pad``, so that a pad let into attention shows."""
+        caches as ``pad``, so that a pad let into attention shows. A layer that reads another's
+        cache (``kv_sources``) attends over what its source's ``append_rows`` returned, each
+        row at its own positions (section 10.3)."""
         self._check_token_ids(token_ids)
-        self._check_unshared("forward_rows")
         batch, new_tokens = token_ids.shape
         lengths, firsts, padding = self._check_row_caches(caches, batch)
         counts = check_counts(counts, batch, new_tokens)
@@ -1082,10 +1210,27 @@ class ReferenceTransformer(nn.Module):
         positions = row_positions(starts.to(self.device), real)
         rows = RowBatch(counts, real, lengths, firsts, pad)
         x = self.embedding(token_ids)
-        for layer, block in enumerate(self.blocks):
-            x, _, _ = block(x, positions, caches[layer], rows)
+        for cache, block in zip(self._shared_caches(caches), self.blocks, strict=True):
+            at = cache.row_positions(firsts, real) if isinstance(cache, SharedReader) else positions
+            x, _, _ = block(x, at, cache, rows)
         logits = self.final_norm(x) @ self.embedding.weight.T
         return logits.masked_fill(~real[..., None], float("nan"))
+
+    def _shared_caches(self, caches: Sequence[LayerCache | None]) -> list:
+        """Each layer's cache as its block is handed it (section 10.3): its own; wrapped in
+        ``SharedRows`` where later layers read it; for a reader, a ``SharedReader`` of its
+        source's in place of its None."""
+        c = self.config
+        read = {c.source_of(layer) for layer in range(c.num_layers)} - {None}
+        handed: list = []
+        for layer, cache in enumerate(caches):
+            source = c.source_of(layer)
+            if source is not None:
+                cache = SharedReader(handed[source])
+            elif layer in read:
+                cache = SharedRows(cache)
+            handed.append(cache)
+        return handed
 
     def _check_row_caches(
         self, caches: Sequence[LayerCache], batch: int
@@ -1097,6 +1242,8 @@ class ReferenceTransformer(nn.Module):
         self._check_offered(caches, "append_rows")
         seen = []
         for layer, cache in enumerate(caches):
+            if cache is None:  # a layer that reads another's cache (kv_sources)
+                continue
             lengths = tuple(getattr(cache, "row_lengths", ()))
             first = getattr(cache, "first_position", 0)
             firsts = (first,) * batch if isinstance(first, int) else tuple(first)
@@ -1130,7 +1277,6 @@ class ReferenceTransformer(nn.Module):
         committed tokens and its path's (``forward_tree_uncached``). The caches then hold L + T
         rows until ``commit_tree``."""
         self._check_token_ids(token_ids)
-        self._check_unshared("forward_tree")
         batch, nodes = token_ids.shape
         parents = check_tree(parents, nodes)
         held = self._check_caches(caches, batch=batch)
@@ -1139,8 +1285,11 @@ class ReferenceTransformer(nn.Module):
         depths = torch.tensor(tree_depths(parents), device=self.device)
         tree = TreeBatch(parents, held, tree_mask(parents, self.device))
         x = self.embedding(token_ids)
-        for layer, block in enumerate(self.blocks):
-            x, _, _ = block(x, first + held + depths, caches[layer], tree, first)
+        for cache, block in zip(self._shared_caches(caches), self.blocks, strict=True):
+            at, drafted = first + held + depths, tree
+            if isinstance(cache, SharedReader):  # at its source's nodes, under the same mask
+                at, drafted = cache.tree_positions(first, depths), cache.tree_batch(tree)
+            x, _, _ = block(x, at, cache, drafted, first)
         return self.final_norm(x) @ self.embedding.weight.T
 
     @torch.no_grad()
@@ -1185,16 +1334,35 @@ class ReferenceTransformer(nn.Module):
         for layer in self.widest_window_first():
             caches[layer].truncate(length)
 
-    def shift(self, caches: Sequence[LayerCache], start: int, count: int) -> None:
+    def shift(self, caches: Sequence[LayerCache], start, count) -> None:
         """Discard the tokens of indices ``start`` to ``start + count - 1`` in every layer's
-        cache and move the later ones down (a context shift, contract section 8.4). Checks
-        the caches and the span before touching any layer; a window layer may refuse where
-        the next query needs a row it was not bound to keep, the widest asked first."""
-        held = self._check_caches(caches, batch=None)
-        self._check_offered(caches, "shift")
-        check_shift(held, start, count)
+        cache and move the later ones down (a context shift, contract section 8.4); with a
+        tuple each, row b's ``start[b]`` and ``count[b]`` (a shift per row). Checks the caches
+        and the span before touching any layer; a window layer may refuse where the next
+        query needs a row it was not bound to keep, the widest asked first."""
+        if is_row_shift(start, count):
+            start, count = self._checked_row_shift(caches, start, count)
+        else:
+            held = self._check_caches(caches, batch=None)
+            self._check_offered(caches, "shift")
+            check_shift(held, start, count)
         for layer in self.widest_window_first():
             caches[layer].shift(start, count)
+
+    def _checked_row_shift(self, caches: Sequence[LayerCache], starts, counts):
+        """A shift per row's tuples, checked against every layer's rows (each declaring
+        ``shift_per_row``) before any is touched."""
+        self._check_offered(caches, "shift")
+        first = next((cache for cache in caches if cache is not None), None)
+        batch = len(getattr(first, "row_lengths", ()))
+        lengths, _, _ = self._check_row_caches(caches, batch)
+        for layer, cache in enumerate(caches):
+            if cache is not None and not shifts_per_row(cache):
+                raise CacheContractError(
+                    f"layer {layer}: {type(cache).__name__} declares no shift per row "
+                    f"(shift_per_row = True beside append_rows and shift, section 8.4)"
+                )
+        return check_shift_rows(lengths, starts, counts)
 
     def widest_window_first(self) -> list[int]:
         """The layers, widest window first and global layers last: a window layer that must
@@ -1222,12 +1390,6 @@ class ReferenceTransformer(nn.Module):
         check_reorder(self.cache_spec(batch, 1), indices)
         for layer in self.config.cache_layers:
             caches[layer].reorder(indices)
-
-    def _check_unshared(self, call: str) -> None:
-        if self.config.kv_sources is not None:
-            raise ValueError(
-                f"{call}: layers that share a cache (kv_sources) run through forward() only"
-            )
 
     @staticmethod
     def _check_offered(caches: Sequence[LayerCache], capability: str) -> None:

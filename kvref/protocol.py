@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import threading
 import types
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -389,6 +390,51 @@ def check_attend(
     return new_tokens
 
 
+def check_attend_latent(
+    spec: CacheSpec,
+    length: int,
+    query: object,
+    key: object,
+    value: object,
+    scale: object,
+    *,
+    capacity: int | None = None,
+) -> int:
+    """Validate one ``attend_latent(query, key, value, scale)`` (contract, section 10.2):
+    ``key`` and ``value`` as ``check_append`` does, ``query`` shaped (batch, heads, T,
+    value_width + head_dim) of the key's dtype and device, ``scale`` a positive finite
+    number. Returns T; only reads."""
+    new_tokens = check_append(spec, length, key, value, capacity=capacity)
+    if not isinstance(query, Tensor):
+        raise TypeError(f"attend_latent: query must be a torch.Tensor, got {type(query).__name__}")
+    width = spec.value_width + spec.head_dim
+    if query.ndim != 4 or (query.shape[0], query.shape[2], query.shape[3]) != (
+        key.shape[0],
+        key.shape[2],
+        width,
+    ):
+        raise ValueError(
+            f"attend_latent: query must be shaped ({key.shape[0]}, heads, {key.shape[2]}, "
+            f"{width}: the latent's {spec.value_width} channels, then the rope key's "
+            f"{spec.head_dim}), got {tuple(query.shape)}"
+        )
+    if query.shape[1] == 0:
+        raise ValueError("attend_latent: query has 0 heads")
+    if query.dtype != key.dtype or query.device != key.device:
+        raise ValueError(
+            f"attend_latent: query is {query.dtype} on {query.device}, key is {key.dtype} on "
+            f"{key.device}; they must agree"
+        )
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, int | float)
+        or not math.isfinite(scale)
+        or scale <= 0
+    ):
+        raise ValueError(f"attend_latent: scale must be a positive finite number, got {scale!r}")
+    return new_tokens
+
+
 def _same_device(actual: torch.device, wanted: torch.device) -> bool:
     # A spec that says "cuda" accepts "cuda:0"; one that says "cuda:1" does not.
     return actual.type == wanted.type and wanted.index in (None, actual.index)
@@ -418,6 +464,61 @@ def check_shift(length_now: int, start: object, count: object) -> None:
             f"shift: discarding {count} tokens from index {start} needs count >= 1, start >= 0 "
             f"and start + count <= {length_now} (the tokens held)"
         )
+
+
+def is_row_shift(start: object, count: object) -> bool:
+    """Whether ``shift(start, count)`` is a shift per row (section 8.4): either argument a
+    tuple or list (a mix with an int is then refused by ``check_shift_rows``)."""
+    return isinstance(start, (tuple, list)) or isinstance(count, (tuple, list))
+
+
+def check_shift_rows(
+    row_lengths: Sequence[int], starts: object, counts: object
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Refuse ``shift(starts, counts)`` per row (section 8.4) on a cache whose rows hold
+    ``row_lengths`` unless both are tuples (or lists) of one int per row, every row's
+    0 <= start, 0 <= count and start + count <= its own length, and some count >= 1.
+    Returns them as tuples; only reads."""
+    rows = len(row_lengths)
+    given = {"starts": starts, "counts": counts}
+    ints = [name for name, arg in given.items() if not isinstance(arg, (tuple, list))]
+    if ints:
+        raise ValueError(
+            f"shift: {' and '.join(ints)} must be a tuple of {rows} ints (one per row) beside "
+            f"the other; got starts {starts!r} and counts {counts!r} (two ints shift every row "
+            f"alike, an int beside a tuple is neither)"
+        )
+    for name, arg in given.items():
+        if len(arg) != rows:
+            raise ValueError(
+                f"shift: {name} must have one entry per row ({rows}), got {len(arg)}: "
+                f"{tuple(arg)!r}"
+            )
+        wrong = [row for row, n in enumerate(arg) if isinstance(n, bool) or not isinstance(n, int)]
+        if wrong:
+            raise ValueError(
+                f"shift: {name}[{wrong[0]}] must be an int, got {type(arg[wrong[0]]).__name__} "
+                f"{arg[wrong[0]]!r}"
+            )
+    for row, (start, count, held) in enumerate(zip(starts, counts, row_lengths, strict=True)):
+        if count < 0 or start < 0 or start + count > held:
+            raise ValueError(
+                f"shift: row {row} holds {held} tokens; discarding {count} from index {start} "
+                f"needs count >= 0, start >= 0 and start + count <= {held}"
+            )
+    if not any(counts):
+        raise ValueError(f"shift: every count is 0 ({tuple(counts)!r}): the call moves no row")
+    return tuple(starts), tuple(counts)
+
+
+def shifts_per_row(cache: object) -> bool:
+    """Whether ``cache`` declares a shift per row (section 8.4): rows of their own,
+    ``shift`` and ``shift_per_row = True``."""
+    return (
+        getattr(cache, "shift_per_row", False) is True
+        and isinstance(cache, RowsOfTheirOwn)
+        and isinstance(cache, Shiftable)
+    )
 
 
 def check_reorder(spec: CacheSpec, indices: object) -> None:
@@ -603,6 +704,18 @@ class Attending(Protocol):
 
 
 @runtime_checkable
+class AttendingLatent(Protocol):
+    def attend_latent(self, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
+        """An MLA layer's absorbed attention (contract, section 10.2): append the rope keys
+        ``key`` (batch, 1, T, d_r) and latents ``value`` (batch, 1, T, d_c) as ``append``
+        would, then return, for each head of ``query`` (batch, heads, T, d_c + d_r: the
+        folded no-rope query, then the rotated rope channels), softmax(``scale`` x query
+        [latent ; rope key]^T) latents over the rows kept, masked as ``attend`` masks,
+        shaped (batch, heads, T, d_c) in the query's dtype."""
+        ...
+
+
+@runtime_checkable
 class Shiftable(Protocol):
     def shift(self, start: int, count: int) -> None:
         """Forget the tokens of indices start .. start + count - 1 and move every later one
@@ -752,6 +865,7 @@ CAPABILITIES = {
     "reorder": Reorderable,
     "fork": Forkable,
     "attend": Attending,
+    "attend_latent": AttendingLatent,
     "append_rows": RowsOfTheirOwn,
     "shift": Shiftable,
     "tree": TreeDrafts,
@@ -891,7 +1005,10 @@ def capabilities(cache: object) -> set[str]:
     ``attend`` on a cache that keeps keys unrotated, whose keys the model rotates as it reads
     them: section 8.4)."""
     names = {name for name, protocol in CAPABILITIES.items() if isinstance(cache, protocol)}
-    return names - {"attend"} if keys_stored(cache) == "unrotated" else names
+    attending = {"attend", "attend_latent"}
+    if shifts_per_row(cache):  # declared, not a method of its own (section 8.4)
+        names.add("shift per row")
+    return names - attending if keys_stored(cache) == "unrotated" else names
 
 
 # How a cache keeps keys (section 8.4): rotated at their positions as the model hands them (the
@@ -907,18 +1024,36 @@ def keys_stored(cache: object) -> str:
 # --- Lossy storage (section 10.1) -------------------------------------------------------
 
 
+# Float codes a declaration may state (section 10.1): a float8 format by its torch dtype. Its
+# error is relative (half an ulp at the scaled number), and it saturates at the format's max.
+FLOAT8_CODES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# What a group of numbers sharing one scale spans: channels of one token (the default), or
+# tokens of one channel (keys per channel, as in KIVI).
+GROUPED_ALONG = ("channels", "tokens")
+
+
 @dataclass(frozen=True)
 class Quantized:
-    """How a cache stores rows in integer codes (contract, section 10.1): ``bits`` per
-    number, one scale (and, unless ``symmetric``, one zero point) per ``group`` channels of
-    a row (None: the whole head_dim of one token), and its ``recent`` most recent rows kept
-    as given, never quantized. Declared as ``kv_storage``; a pair declares keys and values
-    apart."""
+    """How a cache stores rows in codes (contract, section 10.1): ``bits`` per number, one
+    scale (and, unless ``symmetric``, one zero point) per ``group`` channels of a row (None:
+    the whole head_dim of one token), and its ``recent`` most recent rows kept as given,
+    never quantized. Declared as ``kv_storage``; a pair declares keys and values apart.
+
+    Beside them (section 10.1, float codes, groups along tokens, a floor): ``codes`` a
+    float8 dtype (``FLOAT8_CODES``) for float codes (8 bits, symmetric), their scale per group
+    or one fixed ``scale`` per tensor; ``along="tokens"`` for a scale per channel over each
+    ``group`` tokens (the first ``group`` rows since the reset, the next ...); ``min_step``
+    the least step integer codes take (HQQ's floor). Left at their defaults, a declaration
+    means what it always did."""
 
     bits: int
     group: int | None = None
     symmetric: bool = False
     recent: int = 0
+    codes: torch.dtype | None = None
+    along: str = "channels"
+    scale: float | None = None
+    min_step: float = 0.0
 
     def __post_init__(self) -> None:
         if not is_count(self.bits) or not 2 <= self.bits <= 8:
@@ -927,31 +1062,119 @@ class Quantized:
             raise ValueError(f"Quantized: group must be None or an int >= 1, got {self.group!r}")
         if not is_count(self.recent):
             raise ValueError(f"Quantized: recent must be an int >= 0, got {self.recent!r}")
+        self._check_codes()
+        self._check_along()
+        self._check_scale()
+        self._check_min_step()
+
+    def _check_codes(self) -> None:
+        if self.codes is None:
+            return
+        if self.codes not in FLOAT8_CODES:
+            raise ValueError(
+                f"Quantized: codes must be None (integers) or one of {FLOAT8_CODES}, got "
+                f"{self.codes!r}"
+            )
+        if self.bits != 8 or not self.symmetric:
+            raise ValueError(
+                f"Quantized: {self.codes} codes are 8 bits scaled by absmax, with no zero point "
+                f"(the code carries its sign): declare bits=8, symmetric=True; got "
+                f"bits={self.bits!r}, symmetric={self.symmetric!r}"
+            )
+
+    def _check_along(self) -> None:
+        if self.along not in GROUPED_ALONG:
+            raise ValueError(f"Quantized: along must be one of {GROUPED_ALONG}, got {self.along!r}")
+        if self.along == "tokens" and self.group is None:
+            raise ValueError(
+                "Quantized: along='tokens' shares a scale per channel over `group` tokens: "
+                "declare group as that number of tokens (an int >= 1), not None"
+            )
+
+    def _check_scale(self) -> None:
+        if self.scale is None:
+            return
+        if (
+            isinstance(self.scale, bool)
+            or not isinstance(self.scale, (int, float))
+            or not math.isfinite(self.scale)
+            or self.scale <= 0
+        ):
+            raise ValueError(f"Quantized: scale must be a finite float > 0, got {self.scale!r}")
+        if self.codes is None or self.group is not None:
+            raise ValueError(
+                f"Quantized: a fixed scale ({self.scale!r}) is one per tensor, for float8 codes "
+                f"(a calibrated k_scale or v_scale): declare codes= a float8 dtype and "
+                f"group=None; got codes={self.codes!r}, group={self.group!r}"
+            )
+
+    def _check_min_step(self) -> None:
+        step = self.min_step
+        if (
+            isinstance(step, bool)
+            or not isinstance(step, (int, float))
+            or not math.isfinite(step)
+            or step < 0
+        ):
+            raise ValueError(f"Quantized: min_step must be a finite float >= 0, got {step!r}")
+        if step and self.codes is not None:
+            raise ValueError(
+                f"Quantized: min_step ({step!r}) floors the step of integer codes; {self.codes} "
+                f"codes have no uniform step"
+            )
 
     def describe(self) -> str:
-        grouping = "per token" if self.group is None else f"per group of {self.group}"
+        if self.along == "tokens":
+            grouping = f"per channel over groups of {self.group} tokens"
+        elif self.scale is not None:
+            grouping = f"with one fixed scale {self.scale:g}"
+        else:
+            grouping = "per token" if self.group is None else f"per group of {self.group}"
         kind = "symmetric" if self.symmetric else "with zero point"
+        name = f"int{self.bits}" if self.codes is None else str(self.codes).removeprefix("torch.")
+        floor = f", step at least {self.min_step:g}" if self.min_step else ""
         recent = f", the last {self.recent} rows as given" if self.recent else ""
-        return f"int{self.bits} {grouping}, {kind}{recent}"
+        return f"{name} {grouping}, {kind}{floor}{recent}"
 
     @property
     def relative_step(self) -> float:
-        """A step of the codes as a share of its group's largest magnitude, at most."""
-        return 2 / (2**self.bits - 2) if self.symmetric else 2 / (2**self.bits - 1)
+        """A step of the codes as a share of its group's largest magnitude, at most (a float
+        code's: its ulp at the group's magnitude; the floor counted as a share of 1, as the
+        budget counts magnitudes of at least 1)."""
+        if self.codes is not None:
+            return torch.finfo(self.codes).eps
+        step = 2 / (2**self.bits - 2) if self.symmetric else 2 / (2**self.bits - 1)
+        return max(step, self.min_step)
 
     def group_size(self, width: int) -> int:
-        """The numbers that share a scale in a row ``width`` wide (the last group may have
-        fewer)."""
+        """The numbers of one row that share a scale in a row ``width`` wide (the last group
+        may have fewer); along tokens, one."""
+        if self.along == "tokens":
+            return 1
         return width if self.group is None else min(self.group, width)
 
+    def coded_rows(self, length: int) -> int:
+        """How many of the first rows may be in codes once ``length`` were given since the
+        reset: all but the recent run; along tokens, only whole groups of them."""
+        settled = max(0, length - self.recent)
+        return settled if self.along == "channels" else settled - settled % self.group
+
     def allowed_error(self, given: Tensor, dtype: torch.dtype) -> Tensor:
-        """How far each number of ``given`` (rows (..., D)) may come back, in float64: half
-        the step of its group's codes, plus ``QUANTIZED_ROUNDINGS`` roundings of ``dtype``
-        over the group's magnitude and range (the scale, the zero point, the product, the
-        sum, each held in a float). A nan or inf given allows anything (nothing to bound)."""
+        """How far each number of ``given`` (rows (..., D); along tokens (..., T, D), the T
+        rows given since the reset from the first) may come back, in float64: half the step of
+        its group's codes (a float code's: half its ulp at the number, or what saturation
+        takes), plus ``QUANTIZED_ROUNDINGS`` roundings of ``dtype`` over the group's magnitude
+        and range (the scale, the zero point, the product, the sum, each held in a float). A
+        nan or inf given allows anything (nothing to bound)."""
         rows = given.double()
+        if self.along == "tokens":  # the same computation, a channel's tokens as its row
+            return self._allowed_in_groups(rows.transpose(-1, -2), self.group, dtype).transpose(
+                -1, -2
+            )
+        return self._allowed_in_groups(rows, self.group_size(rows.shape[-1]), dtype)
+
+    def _allowed_in_groups(self, rows: Tensor, size: int, dtype: torch.dtype) -> Tensor:
         width = rows.shape[-1]
-        size = self.group_size(width)
         groups = -(-width // size)
         padded = torch.nn.functional.pad(rows, (0, groups * size - width))
         grouped = padded.unflatten(-1, (groups, size))
@@ -960,22 +1183,47 @@ class Quantized:
         top = grouped.masked_fill(pad, -torch.inf).amax(-1)
         bottom = grouped.masked_fill(pad, torch.inf).amin(-1)
         magnitude = torch.maximum(top.abs(), bottom.abs())
+        unit = torch.finfo(dtype).eps / 2
+        roundings = QUANTIZED_ROUNDINGS * unit * (magnitude + (top - bottom))
+        if self.codes is not None:
+            per_number = self._float_code_error(grouped, magnitude) + roundings[..., None]
+            allowed = per_number.masked_fill(~finite[..., None], torch.inf).flatten(-2)
+            return allowed[..., :width]
         if self.symmetric:
             step = 2 * magnitude / (2**self.bits - 2)
         else:
             step = (top - bottom) / (2**self.bits - 1)
-        unit = torch.finfo(dtype).eps / 2
-        allowed = step / 2 + QUANTIZED_ROUNDINGS * unit * (magnitude + (top - bottom))
+        allowed = step.clamp_min(self.min_step) / 2 + roundings
         allowed = allowed.masked_fill(~finite, torch.inf)
         return allowed.repeat_interleave(size, dim=-1)[..., :width]
 
+    def _float_code_error(self, grouped: Tensor, magnitude: Tensor) -> Tensor:
+        """Per number of ``grouped`` (..., groups, size): half the float8 ulp at it once
+        scaled (a subnormal's below the smallest normal), and beyond the format's max, what
+        the clamp to it takes."""
+        finfo = torch.finfo(self.codes)
+        if self.scale is None:
+            scale = (magnitude / finfo.max)[..., None]
+        else:
+            scale = torch.full_like(magnitude, self.scale)[..., None]
+        size = grouped.abs()
+        half_ulp = torch.maximum(size, scale * finfo.smallest_normal) * (finfo.eps / 2)
+        saturated = (size - scale * finfo.max).clamp_min(0)
+        return torch.maximum(half_ulp, saturated)
+
     def nbytes(self, rows: int, width: int) -> int:
         """The least one of keys or values quantized can reserve per (batch row, kv head)
-        for ``rows`` quantized rows of ``width`` numbers: the codes, packed, and one scale per
-        group (and a zero point) in the smallest float, 2 bytes."""
-        groups = -(-width // self.group_size(width))
+        for ``rows`` quantized rows of ``width`` numbers: the codes, packed (a float8 code a
+        byte), and one scale per group (and a zero point) in the smallest float, 2 bytes
+        (along tokens, one per channel per whole group of rows; a fixed scale, none)."""
         per_group = 2 if self.symmetric else 4
-        return rows * (-(-width * self.bits // 8) + groups * per_group)
+        codes = rows * -(-width * self.bits // 8)
+        if self.scale is not None:
+            return codes
+        if self.along == "tokens":
+            return codes + (rows // self.group) * width * per_group
+        groups = -(-width // self.group_size(width))
+        return codes + rows * groups * per_group
 
 
 # Roundings of the storage dtype a dequantized number may carry beyond half a step: the

@@ -27,10 +27,20 @@ def test_quick_run_writes_results_and_plot(tmp_path):
         reader = csv.DictReader(file)
         assert set(reader.fieldnames) >= COLUMNS, f"missing columns in {reader.fieldnames}"
         rows = list(reader)
-    labels = [*kvimpl.CACHES, "ideal", "uncached"]
+    labels = [*kvimpl.CACHES, *bench.LOSSY, *bench.LATENT, "ideal", "ideal (MLA)", "uncached"]
     expected = {(label, length) for label in labels for length in LENGTHS}
     got = [(row["cache"], int(row["length"])) for row in rows]
     assert sorted(got) == sorted(expected), f"want one row per (cache, length), got {got}"
+    # The compressed arm, each row held to the formula of what it declares.
+    by_label = {(row["cache"], int(row["length"])): row for row in rows}
+    for length in LENGTHS:
+        full = int(by_label["ideal", length]["formula_bytes"])
+        quantized, latent = by_label["quantized", length], by_label["latent", length]
+        assert quantized["arm"] == latent["arm"] == "compressed", (quantized, latent)
+        # Rows in int8 codes but the last 16, kept as given: at 8 tokens, none in codes.
+        assert int(quantized["formula_bytes"]) <= full, quantized
+        assert (int(quantized["formula_bytes"]) < full) == (length > 16), quantized
+        assert (latent["model"], int(latent["formula_bytes"])) == ("MLA", latent_formula(length))
     for row in rows:
         where = f"row {row['cache']} at {row['length']}"
         assert float(row["ms_per_token"]) > 0, f"{where}: ms_per_token {row['ms_per_token']}"
@@ -74,6 +84,13 @@ def test_quick_run_writes_results_and_plot(tmp_path):
     with (tmp_path / "shared_prefix.csv").open(newline="") as file:
         shared = [row["scenario"] for row in csv.DictReader(file)]
     assert shared == ["prefix caching", "one pool, no lookups", "separate caches"], shared
+
+
+def latent_formula(length: int) -> int:
+    """The MLA model's full-precision formula: a latent and a rope key per token and layer."""
+    config = bench.latent_config(bench.QUICK.config)
+    width = config.latent_dim + config.rope_dim
+    return config.num_layers * bench.QUICK.batch * length * width * 4  # float32
 
 
 # 3 requests, each a system prompt of two 16-token blocks, 4 tokens of its own, 2 decoded.
@@ -162,7 +179,7 @@ def test_without_matplotlib_the_table_and_csv_are_still_written(tmp_path, monkey
     argv = ["--quick", "--lengths", "8", "--min-run-time", "0.005", "--out", str(tmp_path)]
     bench.main([*argv, "--kv-impl", "concat"])
     out = capsys.readouterr().out
-    assert "| concat | 8 |" in out, out
+    assert "| concat | full precision | 8 |" in out, out
     assert "for the plot, pip install 'kvcache-verify[bench]'" in out, out
     assert (tmp_path / "results.csv").exists(), "no results.csv without matplotlib"
     assert not (tmp_path / "decode.png").exists()

@@ -15,10 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvimpl
-from kvcheck import CacheTests, CoreTests, ForkTests, PoolTests, Sizes
+from kvcheck import CacheTests, CoreTests, ForkTests, PoolTests, ServingTests, Sizes
 from kvcheck import strategies as kvst
+from kvcheck.kit import KitTests
 from kvcheck.properties import core
-from kvimpl import ChunkedCache, sdpa
+from kvimpl import ChunkedCache, quantized_paged, sdpa
 from kvimpl.latent import LatentCache
 from kvimpl.quantized import QuantizedCache
 from kvref import ModelConfig, ReferenceTransformer, min_nbytes
@@ -42,6 +43,19 @@ class TestQuantizedCache(CacheTests):
 
     factory = QuantizedCache
     examples_scale = depth.pick(0.05, soak=0.5)
+
+
+class TestQuantizedPagedPool(*depth.written_for(KitTests)):
+    """The paged pool with blocks in int8 codes (contract, section 10.1): offload of codes in
+    the default run (its prefix sessions cost seconds), and under --soak every property:
+    prefix caching, pools, rows of their own, trees, moves and shards on codes; out of
+    kvimpl.CACHES for the same reason as the int8 cache."""
+
+    factory = quantized_paged.pool
+    cache_name = "quantized_paged"
+    examples_scale = depth.pick(0.05, soak=0.5)
+    if not depth.SOAK:
+        test_offloaded_rows_come_back = ServingTests.test_offloaded_rows_come_back
 
 
 class TestLatentCache(CacheTests):

@@ -25,6 +25,8 @@ TABLES = {
     "bad truncate": kvbad.BAD_TRUNCATES,
     "bad reorder": kvbad.BAD_REORDERS,
     "bad import": kvbad.BAD_IMPORTS,
+    "bad shift per row": kvbad.BAD_ROW_SHIFTS,
+    "bad latent attend": kvbad.BAD_LATENT_ATTENDS,
 }
 CASES = [case for table in TABLES.values() for case in table]
 
@@ -222,6 +224,13 @@ def test_the_versions_on_record_change_only_on_purpose():
         **dict.fromkeys(["prefix caching", "offload", "tree drafts"], "1.3"),
         "shared layers": "1.4",
         **dict.fromkeys(["move", "bad import", "sharded", "sharded runtime"], "1.5"),
+        **dict.fromkeys(
+            [
+                *("context shift per row", "bad shift per row", "shared layers through rows"),
+                *("shared layers under a tree", "latent attend", "bad latent attend"),
+            ],
+            "1.6",
+        ),
     } == SINCE
     cases = {prop: (len(table), {c.since for c in table}) for prop, table in TABLES.items()}
     assert cases == {
@@ -230,6 +239,8 @@ def test_the_versions_on_record_change_only_on_purpose():
         "bad truncate": (3, {"1.0"}),
         "bad reorder": (8, {"1.0"}),
         "bad import": (12, {"1.5"}),
+        "bad shift per row": (7, {"1.6"}),
+        "bad latent attend": (9, {"1.6"}),
     }
 
 

@@ -91,6 +91,36 @@ def test_kv_supports_options_read_as_a_domain():
             read_supports(bad)
 
 
+@pytest.mark.parametrize(
+    ("declared", "problem"),
+    [
+        ({"latent_dims": (512,)}, "latent_dims .* without latent: True"),
+        ({"rope_dims": (64,), "latent": False}, "rope_dims .* without latent: True"),
+        ({"latent": True, "latent_dims": ()}, "latent_dims is empty"),
+        ({"latent": True, "rope_dims": (63,)}, "rope_dims must be even"),
+        ({"latent": True, "latent_dims": ("512",)}, "latent_dims"),
+        ({"latent": True, "latent_dims": (0,)}, "latent_dims"),
+    ],
+)
+def test_a_bad_declaration_of_latent_widths_is_refused_naming_the_field(declared, problem):
+    with pytest.raises((ValueError, TypeError), match=problem):
+        Domain(**declared)
+
+
+def test_declared_latent_widths_bound_latent_specs_alone():
+    domain = Domain(**read_supports(["latent=true", "latent_dims=512", "rope_dims=64"]))
+    assert (domain.latent_dims, domain.rope_dims) == ((512,), (64,))
+    assert "not tested: other latent widths, other rope widths" in domain.describe()
+
+    def spec(head_dim: int, value_dim: int | None) -> CacheSpec:
+        return CacheSpec(1, 1, head_dim, 8, torch.float32, "cpu", value_dim=value_dim)
+
+    assert domain.refuses(spec(64, 512)) is None
+    assert domain.refuses(spec(8, None)) is None  # ordinary layers: any head width
+    assert "latent width (value_dim) 16" in domain.refuses(spec(64, 16))
+    assert "rope width (head_dim) 32" in domain.refuses(spec(32, 512))
+
+
 def test_a_domain_that_depends_on_the_device_is_read_for_the_kits_device():
     assert not kvsizes.declared_by(sdpa.SdpaCache).supports.declared  # cpu: the math backend
     on_cuda = Sizes.of(sdpa.supported(torch.device("cuda"))).supports

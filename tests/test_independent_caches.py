@@ -17,22 +17,29 @@ from kvcheck import (
     SharedLayersTests,
 )
 from kvcheck import badinput as kvbad
+from kvcheck.kit import KitTests, property_test
+from kvcheck.properties.shared import SHARED_ROWS, SHARED_TREE
 from kvcheck.properties.shift import ShiftTests
 from kvcheck.properties.sinks import SinksTests
 from kvcheck.properties.tree import TreeTests
 from tests import depth
 from tests.independent.aside_tree_cache import AsideTreeCache, AsideTreeRowsCache
+from tests.independent.coded_radix_pool import CodedRadixPool
 from tests.independent.deque_window_cache import DequeWindowCache
 from tests.independent.fifo_paged_pool import FifoPagedPool
+from tests.independent.fp8_segment_cache import Fp8SegmentCache
 from tests.independent.group_int4_cache import GroupInt4Cache
 from tests.independent.half_kernel_cache import HalfKernelCache
 from tests.independent.head_keyed_cache import HeadKeyedCache
+from tests.independent.kivi_group_cache import KiviGroupCache
 from tests.independent.left_padded_batch_cache import LeftPaddedBatchCache
+from tests.independent.left_padded_shifting_cache import LeftPaddedShiftingCache
 from tests.independent.list_cache import ListCache
 from tests.independent.paged_cache import PagedCache
 from tests.independent.paged_latent_cache import PagedLatentCache
 from tests.independent.pooled_ring_cache import RingCache
 from tests.independent.radix_prefix_pool import RadixPrefixPool
+from tests.independent.residual_rows_cache import ResidualRowsCache
 from tests.independent.sdpa_cache import SdpaCache
 from tests.independent.shifting_list_cache import ShiftingListCache
 from tests.independent.sink_list_cache import SinkListCache
@@ -160,6 +167,17 @@ class TestLeftPaddedBatchCache(*depth.written_for(CoreTests, RowsTests)):
     examples_scale = EXAMPLES_SCALE
 
 
+class TestLeftPaddedShiftingCache(*depth.written_for(ShiftTests)):
+    """The left-padded batch with a context shift per row (contract, section 8.4), each row's
+    moved keys re-rotated in the storage dtype with float32 angles, written from the contract
+    alone: the default run holds it to context shift (per row and, on rows of one length, of
+    the batch; its rows are the left-padded cache's, held to theirs above), --soak to every
+    property."""
+
+    factory = LeftPaddedShiftingCache
+    examples_scale = EXAMPLES_SCALE
+
+
 class TestGroupInt4Cache(*depth.written_for(CoreTests, MemoryTests)):
     """Symmetric 4-bit codes packed two to a byte, a scale per group of 32 channels, the last
     8 rows as given, in lists of per-token chunks (contract, section 10.1): held to the bound
@@ -169,10 +187,29 @@ class TestGroupInt4Cache(*depth.written_for(CoreTests, MemoryTests)):
     examples_scale = EXAMPLES_SCALE
 
 
-class TestPagedLatentCache(*depth.written_for(CoreTests, SharedLayersTests)):
+class TestFp8SegmentCache(*depth.written_for(CoreTests, MemoryTests)):
+    """float8 codes (e4m3fn on even head_dims, e5m2 on odd), a scale per token, per block of
+    8 channels or one fixed per tensor by the spec, one segment per append (contract,
+    section 10.1's float codes): held to the relative bound it declares, saturation included."""
+
+    factory = Fp8SegmentCache
+    examples_scale = EXAMPLES_SCALE
+
+
+class TestKiviGroupCache(*depth.written_for(CoreTests, MemoryTests)):
+    """KIVI's layout: 2-bit keys per channel over groups of 4 or 8 tokens, 4-bit values per
+    token with a floor on the step (HQQ's), a full-precision residual of the last len % group
+    tokens, in a dict of flushed groups (contract, section 10.1's groups along tokens)."""
+
+    factory = KiviGroupCache
+    examples_scale = EXAMPLES_SCALE
+
+
+class TestPagedLatentCache(*depth.written_for(CoreTests, SharedLayersTests, AttendTests)):
     """A latent (MLA) cache in pages of 8 tokens allocated on demand, rope keys and latents
-    in lists of their own, gathered by torch.cat (contract, section 10.2): held to every
-    property on MLA models and latent specs."""
+    in lists of their own, gathered by torch.cat, attending page by page with an online
+    softmax (contract, section 10.2): held to every property on MLA models and latent
+    specs, attend_latent among them."""
 
     factory = PagedLatentCache
     examples_scale = EXAMPLES_SCALE
@@ -202,6 +239,24 @@ class TestRadixPrefixPoolServing(ServingTests):
 class TestRadixPrefixPool(Independent):
     factory = RadixPrefixPool()
     cache_name = "RadixPrefixPool"
+
+
+@pytest.mark.soak  # a second per-row check beside TestLeftPaddedBatchCache's: a second
+class TestResidualRowsCache(Independent):
+    """Rows of their own, each row's tokens coded in place once they leave its own residual
+    of the last 3 (contract, section 10.1)."""
+
+    factory = ResidualRowsCache
+
+
+@pytest.mark.soak  # its prefix sessions cost seconds: the built-in coded pool runs by default
+class TestCodedRadixPool(Independent):
+    """The radix pool with blocks in symmetric int8 codes, a scale per 4 channels of each
+    token (contract, section 10.1), coding on write and decoding on read: prefix hits on the
+    publisher's codes, offload and restore of codes."""
+
+    factory = CodedRadixPool()
+    cache_name = "CodedRadixPool"
 
 
 BY_NAME = {case.name: case for case in kvbad.BAD_APPENDS}
@@ -260,6 +315,24 @@ class TestAsideTreeRowsCacheTree(TreeTests):
 
     factory = AsideTreeRowsCache
     examples_scale = depth.pick(0.15, soak=1.0)
+
+
+class SharedReaders(KitTests):
+    """Layers that share a cache through rows of their own and under a tree (contract,
+    section 10.3), in the default run too: a reader reads these caches' returned rows after
+    the layers between it and its source wrote theirs."""
+
+    examples_scale = EXAMPLES_SCALE
+    test_shared_layers_through_rows_of_their_own = property_test(SHARED_ROWS)
+    test_shared_layers_under_a_tree = property_test(SHARED_TREE)
+
+
+class TestLeftPaddedBatchCacheSharedReaders(SharedReaders):
+    factory = LeftPaddedBatchCache
+
+
+class TestAsideTreeRowsCacheSharedReaders(SharedReaders):
+    factory = AsideTreeRowsCache
 
 
 @pytest.mark.soak

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvimpl
@@ -15,8 +15,12 @@ from kvcheck import asserts as kvassert
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.properties.shared import kv_sources
+from kvimpl.latent import LatentCache
 from kvref import CacheContractError, ModelConfig, ReferenceTransformer
 from kvref import attention as kvref_attention
+from kvref.model import rows_laid_out, varlen_attention
+from kvref.protocol import row_slots
+from tests import depth
 
 # Built on the kit's device (--kv-device): skipped where this machine lacks it.
 pytestmark = pytest.mark.kv_device
@@ -396,7 +400,8 @@ def test_a_reader_must_share_its_sources_window():
 
 def test_sharing_is_allowed_exactly_where_declared():
     shared = ReferenceTransformer(ModelConfig(num_layers=3, kv_sources=(None, None, 0)))
-    caches = shared.new_caches(kvimpl.ConcatCache, batch=1, max_length=4)
+    caches = shared.new_caches(kvimpl.PreallocatedCache, batch=1, max_length=4)
+    spec = shared.cache_spec(1, 4)
     assert [cache is None for cache in caches] == [False, False, True]
     tokens = torch.zeros(1, 2, dtype=torch.long)
     own = [*caches[:2], kvimpl.ConcatCache(shared.cache_spec(1, 4))]
@@ -406,9 +411,222 @@ def test_sharing_is_allowed_exactly_where_declared():
         shared(tokens, caches=[caches[0], None, None])
     with pytest.raises(CacheContractError, match="same cache object"):
         shared(tokens, caches=[caches[0], caches[0], None])
-    with pytest.raises(ValueError, match="forward\\(\\) only"):
-        shared.forward_rows(tokens, [2], caches)
+    with pytest.raises(CacheContractError, match="layer 2 reads layer 0's cache"):
+        shared.forward_rows(tokens, [2], [*caches[:2], kvimpl.PreallocatedCache(spec)])
+    with pytest.raises(CacheContractError, match="layer 2 reads layer 0's cache"):
+        shared.forward_tree(tokens, [-1, 0], [*caches[:2], kvimpl.ChunkedCache(spec)])
     unshared = ReferenceTransformer(ModelConfig(num_layers=2))
     with pytest.raises(CacheContractError, match="layer 1: no cache"):
         unshared(tokens, caches=[kvimpl.ConcatCache(unshared.cache_spec(1, 4)), None])
     assert all(cache.length == 0 for cache in caches if cache is not None)  # nothing written
+
+
+@st.composite
+def shared_configs(draw) -> ModelConfig:
+    """A model of 2 to 4 layers, some reading an earlier layer's cache (windows, MLA)."""
+    config = draw(any_configs(max_layers=4).filter(lambda config: config.num_layers > 1))
+    if config.kv_sources is None:
+        config = replace(config, kv_sources=draw(kv_sources(config), label="kv_sources"))
+    return config
+
+
+# A pinned model of each kind: MLA layers reading the first's latents beside a window, and
+# grouped-query window layers alternating with global ones, each reading its own kind.
+SHARED_MLA = ModelConfig(
+    vocab_size=11, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=4, attention="mla",
+    latent_dim=6, rope_dim=4, nope_dim=2, window=3, kv_sources=(None, None, 0, 1),
+)  # fmt: skip
+SHARED_WINDOWS = ModelConfig(
+    vocab_size=13, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=4, window=4,
+    window_layers="alternate", kv_sources=(None, None, 0, 1),
+)  # fmt: skip
+
+
+def assert_rows_equal_each_row_alone(config: ModelConfig, feeds, seed: int) -> None:
+    """``forward_rows`` on a shared model, fed ``feeds`` (counts per row) on paged caches:
+    each row's new logits are the uncached model's on that row alone (contract, 10.3)."""
+    model = kvst.build_model(config, torch.float64)
+    batch = len(feeds[0])
+    caches = model.new_caches(kvimpl.CACHES["paged"], batch=batch, max_length=64)
+    generator = torch.Generator().manual_seed(seed)
+    rows = [torch.empty(0, dtype=torch.long)] * batch
+    for step, counts in enumerate(feeds):
+        new = [torch.randint(0, config.vocab_size, (n,), generator=generator) for n in counts]
+        laid, counts = rows_laid_out(new, "right")
+        logits = model.forward_rows(laid, counts, caches)
+        rows = [torch.cat((row, tokens)) for row, tokens in zip(rows, new, strict=True)]
+        for row, count in enumerate(counts):
+            if count:
+                kvassert.assert_close_at(
+                    logits[row : row + 1, :count],
+                    model(rows[row][None])[:, -count:],
+                    what=f"row {row}'s logits and that row's alone, uncached",
+                    where=f"step {step}, rows fed {list(counts)}, {kvst.describe_config(config)}",
+                    position_axis=1,
+                    first_position=len(rows[row]) - count,
+                )
+
+
+def assert_tree_equals_each_path(config: ModelConfig, prefix: int, parents, path) -> None:
+    """``forward_tree`` on a shared model after a prefix: each node's logits are the uncached
+    model's on the prefix and the node's path; after ``commit_tree(path)`` on the source
+    layers, a decode step is the uncached model's on the prefix, the path and the step."""
+    model = kvst.build_model(config, torch.float64)
+    caches = model.new_caches(kvimpl.CACHES["paged"], batch=2, max_length=64)
+    history = kvst.random_tokens(config, 2, prefix, seed=prefix)
+    nodes = kvst.random_tokens(config, 2, len(parents), seed=len(parents))
+    model(history, caches=caches)
+    model_said = kvst.describe_config(config)
+    where = f"a tree of parents {list(parents)} after {prefix} tokens, {model_said}"
+    kvassert.assert_close_at(
+        model.forward_tree(nodes, parents, caches),
+        model.forward_tree_uncached(history, nodes, parents),
+        what="each node's logits and the uncached model's on the prefix and its path",
+        where=where,
+        position_axis=1,
+    )
+    for layer in config.cache_layers:  # a reader has no cache: it reads the commit
+        caches[layer].commit_tree([path, path])
+    step = kvst.random_tokens(config, 2, 1, seed=99)
+    kvassert.assert_close_at(
+        model(step, caches=caches),
+        model(torch.cat((history, nodes[:, list(path)], step), dim=1))[:, -1:],
+        what="the step after the commit and the uncached model's on the accepted tokens",
+        where=f"{where}, path {list(path)} committed",
+        position_axis=1,
+    )
+
+
+@pytest.mark.parametrize("config", [SHARED_MLA, SHARED_WINDOWS], ids=["mla", "windows"])
+def test_shared_rows_and_trees_of_a_pinned_model_equal_the_uncached_pass(config):
+    assert_rows_equal_each_row_alone(config, [(3, 5, 0), (1, 0, 2), (4, 1, 1), (1, 1, 1)], 1)
+    assert_tree_equals_each_path(config, 5, (-1, 0, 0, 1, -1, 4), (0, 1, 3))
+
+
+# A few draws in the default run (the pinned models above hold MLA and windows), more in soak.
+@settings(max_examples=depth.pick(2, soak=40), deadline=None)
+@given(data=st.data())
+def test_shared_rows_and_trees_equal_the_uncached_pass(data):
+    # Contract 10.3: a reader attends over its source's append_rows rows at each row's own
+    # positions, and over its append_tree rows under the same tree mask.
+    config = data.draw(shared_configs(), label="config")
+    counts = st.lists(st.integers(0, 5), min_size=2, max_size=3)
+    feeds = data.draw(st.lists(counts, min_size=1, max_size=3), label="feeds")
+    feeds = [feed[: len(feeds[0])] + [1] * (len(feeds[0]) - len(feed)) for feed in feeds]
+    assert_rows_equal_each_row_alone(config, feeds, seed=len(feeds))
+    trees = {(-1,): [(), (0,)], (-1, 0, 0): [(0,), (0, 2)], (-1, -1, 1, 2): [(1, 2, 3), (0,)]}
+    parents = data.draw(st.sampled_from(sorted(trees)), label="parents")
+    path = data.draw(st.sampled_from(trees[parents]), label="path")
+    prefix = data.draw(st.integers(1, 6), label="prefix")
+    assert_tree_equals_each_path(config, prefix, parents, path)
+
+
+@st.composite
+def ragged_rows(draw):
+    """What ``_attend_rows`` hands attention: B rows of slots, each row's valid ones a run at
+    the start (right padding), at the end (left padding) or scattered (a cache that keeps
+    its pads among its rows), at its own positions, with a window and sinks or without."""
+    batch, slots = draw(st.integers(1, 4), label="batch"), draw(st.integers(1, 12), label="slots")
+    kv_heads = draw(st.sampled_from((1, 2)), label="kv_heads")
+    heads = kv_heads * draw(st.sampled_from((1, 2)), label="group")
+    new = draw(st.integers(1, slots), label="new tokens")
+    dtype = draw(st.sampled_from((torch.float32, torch.float64, torch.bfloat16)), label="dtype")
+    layout = draw(st.sampled_from(("right", "left", "scattered")), label="layout")
+    valid = torch.zeros(batch, slots, dtype=torch.bool)
+    for row in range(batch):
+        count = draw(st.integers(0, slots), label=f"row {row}'s valid slots")
+        if layout == "scattered":
+            chosen = draw(st.permutations(range(slots)), label=f"row {row}'s order")[:count]
+            valid[row, list(chosen)] = True
+        else:
+            valid[row, row_slots(layout, slots, count)] = True
+    window = draw(st.sampled_from((None, 2, 5)), label="window")
+    sinks = draw(st.integers(0, 2), label="sinks") if window else 0
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 99), label="seed"))
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype)
+
+    keys, values = rand(batch, kv_heads, slots, 4), rand(batch, kv_heads, slots, 4)
+    keys[~valid[:, None, :, None].expand_as(keys)] = float("nan")  # pads poisoned
+    starts = torch.randint(0, 20, (batch,), generator=generator)
+    key_positions = starts[:, None] + valid.cumsum(dim=1) - 1
+    query_positions = key_positions[:, -1:] + 1 - new + torch.arange(new)
+    sink_end = starts + sinks if sinks else None
+    sink_query = rand(batch, heads, new, 4) if sinks else None
+    query = rand(batch, heads, new, 4)
+    return (query, keys, values, query_positions, key_positions, window), {
+        "valid": valid,
+        "sink_end": sink_end,
+        "sink_query": sink_query,
+    }
+
+
+@given(case=ragged_rows())
+def test_the_varlen_path_computes_what_the_dense_masked_path_does(case):
+    args, kwargs = case
+    dense = kvref_attention(*args, **kwargs)
+    varlen = varlen_attention(kvref_attention, *args, **kwargs)
+    # The same sums over fewer terms (no -inf scores, no zeroed values): equal within the
+    # dtype's rounding, not always bit for bit (a reduction's blocking follows its length).
+    # In bfloat16 the reference sums in float64 and rounds once, so there they agree bitwise.
+    tolerance = {torch.bfloat16: 0, torch.float32: 1e-6, torch.float64: 1e-12}[dense.dtype]
+    torch.testing.assert_close(varlen, dense, rtol=tolerance, atol=tolerance, equal_nan=True)
+
+
+def test_the_varlen_path_never_reads_a_slot_that_is_not_valid():
+    # A valid run from slot 1 to 2, a pad of nan before it and after it and one of inf in
+    # another row's slots: the varlen path reads none of them, so nothing is masked to hide.
+    valid = torch.tensor([[False, True, True, False], [True, True, True, True]])
+    keys = torch.randn(2, 1, 4, 2, dtype=torch.float64)
+    values = keys.clone()
+    keys[0, :, [0, 3]], values[0, :, [0, 3]] = float("nan"), float("inf")
+    positions = torch.tensor([[0, 0, 1, 0], [0, 1, 2, 3]])
+    query = torch.randn(2, 1, 1, 2, dtype=torch.float64)
+    seen = []
+
+    def recording(query, keys, values, *args, **kwargs):
+        seen.append(keys)
+        return kvref_attention(query, keys, values, *args, **kwargs)
+
+    at = (torch.tensor([[2], [4]]), positions)
+    mixed = varlen_attention(recording, query, keys, values, *at, valid=valid)
+    assert [tuple(k.shape) for k in seen] == [(1, 1, 2, 2), (1, 1, 4, 2)], seen
+    assert mixed.isfinite().all(), mixed
+    torch.testing.assert_close(mixed, kvref_attention(query, keys, values, *at, valid=valid))
+
+
+class _CountsLatentAttends(LatentCache):
+    calls = 0
+
+    def attend_latent(self, query, key, value, scale):
+        type(self).calls += 1
+        return super().attend_latent(query, key, value, scale)
+
+
+class _ReturnsTheQuery(LatentCache):
+    def attend_latent(self, query, key, value, scale):
+        super().attend_latent(query, key, value, scale)
+        return query  # d_c + d_r wide: the rope channels too
+
+
+MLA = ModelConfig(
+    attention="mla", num_kv_heads=1, num_heads=4, head_dim=4, latent_dim=6, rope_dim=4,
+    window=5, mla_path="absorbed",
+)  # fmt: skip
+
+
+def test_an_mla_layer_attends_through_attend_latent_and_checks_what_comes_back():
+    model = kvst.build_model(MLA, torch.float64)
+    tokens = kvst.random_tokens(MLA, 2, 12, seed=1)
+    caches = model.new_caches(_CountsLatentAttends, batch=2, max_length=12)
+    cached = torch.cat([model(tokens[:, :7], caches), model(tokens[:, 7:], caches)], dim=1)
+    assert _CountsLatentAttends.calls == 2 * MLA.num_layers
+    kvassert.assert_close_at(
+        cached, model(tokens), what="logits", where="attend_latent", position_axis=1
+    )
+    caches = model.new_caches(_ReturnsTheQuery, batch=2, max_length=12)
+    with pytest.raises(
+        CacheContractError, match=r"layer 0: attend_latent must return .*\(2, 4, 3, 6\)"
+    ):
+        model(tokens[:, :3], caches)

@@ -16,6 +16,7 @@ from kvref import (
     CacheContractError,
     ModelConfig,
     ReferenceTransformer,
+    capabilities,
     check_shift,
     may_refuse_shift,
     rerotate,
@@ -169,3 +170,57 @@ def test_the_budget_tells_a_half_precision_angle_from_a_float32_one_on_far_shift
     far = measure_shift.measure(torch.bfloat16, 64, 500_000.0, 128, seeds=1, keys=64)
     assert max(near["float32 angles"], near["angles in the storage dtype"]) < 1
     assert far["float32 angles"] < 1 < far["angles in the storage dtype"]
+
+
+# --- Shifts per row (section 8.4): shift(starts, counts) with a tuple each ---------------
+def rows_of(model: ReferenceTransformer, factory, lengths: list[int]) -> list:
+    """Every layer's cache from ``factory``, its rows fed ``lengths`` tokens each."""
+    caches = model.new_caches(factory, batch=len(lengths), max_length=16)
+    tokens = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    model.forward_rows(tokens, lengths, caches)
+    return caches
+
+
+@pytest.mark.parametrize(
+    ("starts", "counts", "says"),
+    [
+        ((0,), (1,), "one entry per row"),
+        ((0, 4), (1, 0), "row 1 holds 3"),  # within the longest row, past row 1's own
+        ((0, 0), (1, -1), "row 1"),
+        ((0, 0), (0, 4), "row 1 holds 3"),
+        (0, (1, 0), "an int beside a tuple"),
+        ((0, 0), (0, 0), "every count is 0"),
+        ((0, 0), (1.0, 0), "must be an int"),
+    ],
+)
+def test_a_shift_per_row_the_model_refuses_changes_no_row(starts, counts, says):
+    model = ReferenceTransformer(ModelConfig(num_layers=2))
+    caches = rows_of(model, PreallocatedCache, [6, 3])
+    with pytest.raises(ValueError, match=says):
+        model.shift(caches, starts, counts)
+    assert [cache.row_lengths for cache in caches] == [(6, 3), (6, 3)]
+
+
+def test_each_row_shifts_by_its_own_count_and_the_others_stay():
+    model = ReferenceTransformer(ModelConfig(num_layers=1), dtype=torch.float64)
+    cache = rows_of(model, PreallocatedCache, [6, 3])[0]
+    keys, values = cache.key.clone(), cache.value.clone()  # its buffers: row b's first rows
+    model.shift([cache], (1, 0), (2, 0))
+    assert cache.row_lengths == (4, 3)
+    want = shifted_rows(keys[:1, :, :6], values[:1, :, :6], 1, 2, model.config.rope_base)
+    torch.testing.assert_close(cache.key[:1, :, :4], want[0])
+    assert torch.equal(cache.value[:1, :, :4], want[1])
+    assert torch.equal(cache.key[1:, :, :3], keys[1:, :, :3])  # the untouched row, bit for bit
+
+
+def test_a_shift_per_row_needs_the_declaration():
+    class IntsOnly(PreallocatedCache):
+        shift_per_row = False
+
+    model = ReferenceTransformer(ModelConfig(num_layers=1))
+    caches = rows_of(model, IntsOnly, [6, 3])
+    with pytest.raises(CacheContractError, match="shift_per_row"):
+        model.shift(caches, (1, 0), (2, 0))
+    assert caches[0].row_lengths == (6, 3)
+    assert "shift per row" not in capabilities(caches[0])
+    assert "shift per row" in capabilities(PreallocatedCache(caches[0].spec))

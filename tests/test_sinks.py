@@ -126,3 +126,29 @@ def test_a_window_cache_declares_no_sinks_and_sink_declarations_are_checked():
         CacheSpec(1, 1, 2, 8, torch.float32, torch.device("cpu"), sinks=2)
     with pytest.raises(ValueError, match="sinks need a window"):
         ModelConfig(sinks=1)
+
+
+class _CountsAttends(StreamingCache):
+    calls = 0
+
+    def attend(self, query, key, value):
+        type(self).calls += 1
+        return super().attend(query, key, value)
+
+
+@pytest.mark.parametrize("sink_positions", ["original", "in cache"])
+def test_streaming_attends_itself_where_its_sinks_sit_at_their_original_positions(
+    sink_positions,
+):
+    config = ModelConfig(num_layers=2, window=3, sinks=2, sink_positions=sink_positions)
+    model = ReferenceTransformer(config)
+    tokens = torch.randint(
+        0, config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(3)
+    )
+    caches = model.new_caches(_CountsAttends, batch=2, max_length=8)
+    _CountsAttends.calls = 0
+    chunks = [model(tokens[:, :6], caches=caches)]
+    chunks += [model(tokens[:, i : i + 1], caches=caches) for i in range(6, 20)]
+    torch.testing.assert_close(torch.cat(chunks, 1), model(tokens), rtol=1e-12, atol=1e-12)
+    # Under "in cache" the sinks' scores need the model's rotation of the query: it appends.
+    assert _CountsAttends.calls == (15 * 2 if sink_positions == "original" else 0)

@@ -4,14 +4,17 @@ A plan warms a cache with appends and attend calls in any order, each of T rows,
 attend must return what the reference attention computes over every row given since the
 reset (the reference masks by absolute position, so a cache that keeps only a window gives
 the same answer): causal and window masks, grouped-query heads (H a multiple of H_kv), a
-chunk of several queries on a warm cache. Some plans scale queries and keys up until the
-scores pass exp's overflow (709 in float64, 88 in float32): a softmax that forgets to
-subtract its running maximum returns inf or nan there, where the reference does not.
+chunk of several queries on a warm cache, and for a cache that declares attention sinks
+(contract, 8.5) the sinks beside the window, at the positions they were given. Some plans
+scale queries and keys up until the scores pass exp's overflow (709 in float64, 88 in
+float32): a softmax that forgets to subtract its running maximum returns inf or nan there,
+where the reference does not.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,9 +24,10 @@ from kvcheck import asserts as kvassert
 from kvcheck import failures, reach
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
-from kvcheck.harness import SPEC_EDGES, build, note_spec
+from kvcheck.harness import SPEC_EDGES, build, coarser, note_spec
 from kvcheck.kit import KitTests, Property, property_test
 from kvref import CacheFactory, CacheSpec, attention
+from kvref.protocol import Quantized, storage
 
 # Queries and keys times this make scores of some hundreds, past exp's overflow in each
 # dtype, while the dot products keep enough precision for the dtype's tolerance.
@@ -63,6 +67,7 @@ def attend_plans(draw) -> AttendPlan:
     # At most LONG rows: a reference attention over a domain's largest max_length (4096
     # queries over 4096 keys) costs more than the edge is worth (the other properties hit it).
     spec = dataclasses.replace(spec, max_length=min(spec.max_length, kvsizes.LONG))
+    spec = draw(with_sinks(spec), label="sinks")
     group = draw(kvsizes.groups(room=3), label="query heads per kv head")
     sizes = draw(kvst.chunk_plans(spec.max_length, min_chunks=1, max_chunks=5), label="calls")
     # The last call attends, so that every plan attends at least once on a warm cache.
@@ -80,15 +85,32 @@ def attend_plans(draw) -> AttendPlan:
     )
 
 
-ATTEND_EDGES = tuple(
-    reach.Edge(name, needs=("attend",))
-    for name in (
-        *SPEC_EDGES[:3],
-        "grouped query heads",
-        "an attend of several rows on a warm cache",
-        "an attend after an append",
-        "large scores",
-    )
+@st.composite
+def with_sinks(draw, spec: CacheSpec) -> CacheSpec:
+    """``spec``, or for a window spec of a cache that declares sink counts (contract, 8.5),
+    half the time the same with one of them beside its window, at the positions given."""
+    counts = [count for count in kvsizes.domain().sink_counts if count]
+    if spec.window is None or not counts or not draw(st.booleans(), label="with sinks"):
+        return spec
+    return dataclasses.replace(spec, sinks=draw(st.sampled_from(counts), label="sink count"))
+
+
+SINKS_BESIDE_THE_WINDOW = "sinks beside the window"
+SINKS_LEFT_BY_THE_WINDOW = "an attend whose window has left the sinks"
+
+ATTEND_EDGES = (
+    *(
+        reach.Edge(name, needs=("attend",))
+        for name in (
+            *SPEC_EDGES[:3],
+            "grouped query heads",
+            "an attend of several rows on a warm cache",
+            "an attend after an append",
+            "large scores",
+        )
+    ),
+    reach.Edge(SINKS_BESIDE_THE_WINDOW, needs=("attend", "sinks")),
+    reach.Edge(SINKS_LEFT_BY_THE_WINDOW, needs=("attend", "sinks")),
 )
 
 
@@ -104,9 +126,22 @@ def note_attend(plan: AttendPlan) -> None:
         ),
         ("an attend after an append", "append" in kinds[:-1]),  # the last call attends
         ("large scores", plan.large),
+        (SINKS_BESIDE_THE_WINDOW, plan.spec.sinks > 0),
+        (SINKS_LEFT_BY_THE_WINDOW, plan.spec.sinks > 0 and sinks_left_behind(plan)),
     ):
         if reached:
             reach.note(name)
+
+
+def sinks_left_behind(plan: AttendPlan) -> bool:
+    """Whether some attend's query sits past its window's reach of the last sink: where the
+    sinks are seen only as sinks."""
+    window, end = plan.spec.window, 0
+    for kind, rows in plan.calls:
+        end += rows
+        if kind == "attend" and end - 1 - window + 1 > plan.spec.sinks:
+            return True
+    return False
 
 
 def check_attend(factory: CacheFactory, plan: AttendPlan) -> None:
@@ -136,11 +171,17 @@ def check_attend(factory: CacheFactory, plan: AttendPlan) -> None:
             query = query * scale
             got = cache.attend(query.clone(), key.clone(), value.clone())
             positions = torch.arange(start + rows, device=spec.device)
-            expected = attention(query, keys, values, positions[start:], positions, spec.window)
+            expected = attention(
+                query, keys, values, positions[start:], positions, spec.window, sink_end=spec.sinks
+            )
             if not isinstance(got, torch.Tensor):
                 raise failures.WrongResults(
                     f"attend returned a {type(got).__name__}, not a tensor\n  at {where}"
                 )
+            lossy = coarser(*storage(cache))  # rows in codes: their budget (contract, 10.1)
+            if lossy is not None and plan.large:
+                assert_averages_values(got, values, lossy, where=where)
+                continue
             kvassert.assert_close_at(
                 got,
                 expected,
@@ -148,8 +189,24 @@ def check_attend(factory: CacheFactory, plan: AttendPlan) -> None:
                 where=where,
                 position_axis=2,
                 first_position=start,
+                lossy=lossy,
             )
         kvassert.assert_length(cache, start + rows, who="the cache", where=where)
+
+
+def assert_averages_values(got, values: torch.Tensor, lossy: Quantized, *, where: str) -> None:
+    """Under lossy storage with large scores: a coded key's error grows with the score, so
+    no budget bounds the softmax there (contract, 10.1); what the plan is for still holds:
+    the output is finite and a weighted average of the values, no larger than the largest
+    (and a step of the codes: the values are coded too)."""
+    largest = values.double().abs().amax().item()
+    gap = got.double().abs().amax().item() if got.numel() else 0.0
+    if not got.isfinite().all() or gap > largest * (1 + lossy.relative_step) + 1e-6:
+        raise failures.WrongResults(
+            f"attend's output with large scores is not an average of the values: its largest "
+            f"|value| is {gap:.3g}, the values' {largest:.3g} (inf or nan: a softmax without its "
+            f"running maximum)\n  at {where}"
+        )
 
 
 ATTEND = Property(
@@ -165,7 +222,181 @@ ATTEND = Property(
 )
 
 
+@dataclass(frozen=True)
+class LatentAttendPlan:
+    """A latent layer's cache spec (contract, section 10.2: rope keys ``head_dim`` wide,
+    latents ``value_dim``), the query heads, the no-rope query width the scale is of, and
+    calls: ("append" or "attend_latent", T new rows)."""
+
+    spec: CacheSpec
+    heads: int
+    nope: int
+    calls: tuple[tuple[str, int], ...]
+    seed: int
+
+    @property
+    def scale(self) -> float:
+        """The model's: 1/sqrt of the width its scores are defined on (nope + rope)."""
+        return 1 / math.sqrt(self.nope + self.spec.head_dim)
+
+    def describe(self) -> str:
+        calls = ", ".join(f"{kind} {rows}" for kind, rows in self.calls)
+        return (
+            f"calls [{calls}] with {self.heads} query heads, scale 1/sqrt({self.nope} + "
+            f"{self.spec.head_dim}); built for {self.spec}"
+        )
+
+    def summary(self) -> tuple[str, str, str]:
+        return self.describe(), "1 cache", str(self.spec.batch)
+
+
+# The most a latent plan's attention may cost (heads x rows^2 x row width): a 512-wide
+# latent keeps to a few dozen rows, a narrow one goes long.
+LATENT_ATTEND_BUDGET = 2_000_000
+
+
+@st.composite
+def latent_attend_plans(draw) -> LatentAttendPlan:
+    """A latent spec (the declared widths, else narrow ones and DeepSeek's 512 now and
+    then), windows and sinks as ``attend`` draws them, 1 to 8 heads, a no-rope width whose
+    scale is not one of the widths the cache holds, and appends and attends in any order."""
+    spec = draw(
+        kvst.cache_specs(dtypes=kvst.DTYPES, judged=kvst.DTYPES, min_length=2, latent=False),
+        label="spec",
+    )
+    value_dim, head_dim = draw(kvst.latent_widths(spec.max_length, spec.head_dim))
+    groups = kvsizes.domain().groups or tuple(range(1, 9))
+    heads = draw(st.sampled_from(groups), label="query heads")
+    width = value_dim + head_dim
+    longest = max(2, math.isqrt(LATENT_ATTEND_BUDGET // (heads * width)))
+    spec = dataclasses.replace(
+        spec,
+        kv_heads=1,
+        head_dim=head_dim,
+        value_dim=value_dim,
+        max_length=max(2, min(spec.max_length, kvsizes.LONG, longest)),
+    )
+    spec = draw(with_sinks(spec), label="sinks")
+    # A scale of 1/sqrt(d_c) or 1/sqrt(d_c + d_r), what a cache could derive from what it
+    # holds, must not pass by luck.
+    nopes = [n for n in (2, 4, 8, 16, 128) if n + head_dim not in (value_dim, width)]
+    sizes = draw(kvst.chunk_plans(spec.max_length, min_chunks=1, max_chunks=5), label="calls")
+    kinds = draw(
+        st.lists(
+            st.sampled_from(("attend_latent", "append")), min_size=len(sizes), max_size=len(sizes)
+        ),
+        label="kinds",
+    )
+    return LatentAttendPlan(
+        spec=spec,
+        heads=heads,
+        nope=draw(st.sampled_from(nopes), label="nope width"),
+        calls=tuple(zip([*kinds[:-1], "attend_latent"], sizes, strict=True)),
+        seed=draw(st.integers(0, 2**16), label="seed"),
+    )
+
+
+LATENT_ON_A_WARM_CACHE = "an attend_latent of several rows on a warm cache"
+LATENT_AFTER_APPEND = "an attend_latent after an append"
+LATENT_WINDOW = "a window latent layer"
+LATENT_WIDE = "a 512-wide latent"
+LATENT_ATTEND_EDGES = tuple(
+    reach.Edge(name, needs=("attend_latent", "latent"))
+    for name in (LATENT_ON_A_WARM_CACHE, LATENT_AFTER_APPEND, LATENT_WINDOW, LATENT_WIDE)
+)
+
+
+def note_latent_attend(plan: LatentAttendPlan) -> None:
+    """Note which of ``LATENT_ATTEND_EDGES`` the plan reaches."""
+    kinds = [kind for kind, _ in plan.calls]
+    for name, reached in (
+        (
+            LATENT_ON_A_WARM_CACHE,
+            any(kind == "attend_latent" and rows > 1 for kind, rows in plan.calls[1:]),
+        ),
+        (LATENT_AFTER_APPEND, "append" in kinds[:-1]),
+        (LATENT_WINDOW, plan.spec.window is not None),
+        (LATENT_WIDE, plan.spec.value_dim >= 512),
+    ):
+        if reached:
+            reach.note(name)
+
+
+def check_latent_attend(factory: CacheFactory, plan: LatentAttendPlan) -> None:
+    """Every attend_latent returns the reference attention of its query over [latent ; rope
+    key] of every row given since the reset, the latents as values, at the scale given."""
+    spec = plan.spec
+    cache = build(factory, spec)
+    note_latent_attend(plan)
+    ropes, latents = kvst.random_rows(spec, 0, seed=0), kvst.random_rows(spec, 0, 0, values=True)
+    for index, (kind, rows) in enumerate(plan.calls):
+        seed = plan.seed + 10 * index
+        rope = kvst.random_rows(spec, rows, seed=seed)
+        latent = kvst.random_rows(spec, rows, seed=seed + 1, values=True)
+        start = ropes.shape[2]
+        ropes, latents = torch.cat((ropes, rope), dim=2), torch.cat((latents, latent), dim=2)
+        where = (
+            f"call #{index} ({kind} of {rows} rows at absolute positions {start}.."
+            f"{start + rows - 1}) of {plan.describe()}"
+        )
+        if kind == "append":
+            cache.append(rope.clone(), latent.clone())
+        else:
+            query = latent_query(plan, rows, seed + 2)
+            got = cache.attend_latent(query.clone(), rope.clone(), latent.clone(), plan.scale)
+            if not isinstance(got, torch.Tensor):
+                raise failures.WrongResults(
+                    f"attend_latent returned a {type(got).__name__}, not a tensor\n  at {where}"
+                )
+            positions = torch.arange(start + rows, device=spec.device)
+            keys = torch.cat((latents, ropes), dim=-1)
+            expected = attention(
+                query,
+                keys,
+                latents,
+                positions[start:],
+                positions,
+                spec.window,
+                sink_end=spec.sinks,
+                scale=plan.scale,
+            )
+            kvassert.assert_close_at(
+                got,
+                expected,
+                what="attend_latent's weighted latents and the reference attention",
+                where=where,
+                position_axis=2,
+                first_position=start,
+            )
+        kvassert.assert_length(cache, start + rows, who="the cache", where=where)
+
+
+def latent_query(plan: LatentAttendPlan, rows: int, seed: int) -> torch.Tensor:
+    """An absorbed query: (batch, heads, rows, d_c + d_r) of normal noise from ``seed``."""
+    spec = plan.spec
+    shape = (spec.batch, plan.heads, rows, spec.value_width + spec.head_dim)
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(shape, generator=generator, dtype=torch.float64)
+    return query.to(device=spec.device, dtype=spec.dtype)
+
+
+LATENT_ATTEND = Property(
+    "latent attend",
+    "attend_latent returns the reference attention over [latent ; rope key] of the rows "
+    "given, the latents as values, at the scale given: masks, heads, chunks",
+    check_latent_attend,
+    latent_attend_plans(),
+    failures.WRONG_RESULTS,
+    reaches=LATENT_ATTEND_EDGES,
+    requires=("attend_latent", "latent"),
+    dtypes=kvst.DTYPES,
+    since="1.6",
+)
+
+
 class AttendTests(KitTests):
-    """``attend(query, key, value)``, for caches that compute attention: run when offered."""
+    """``attend(query, key, value)``, for caches that compute attention, and
+    ``attend_latent`` for latent (MLA) caches that do: each run when offered."""
 
     test_attend_equals_the_reference_attention = property_test(ATTEND)
+    test_latent_attend_equals_the_reference_attention = property_test(LATENT_ATTEND)

@@ -143,7 +143,10 @@ AFTER_WRAP = "move after a window's ring wrapped"
 AFTER_REORDER = "move right after a reorder"
 AFTER_TRUNCATE = "move right after a truncate"
 BACK_TO_BACK = "two moves back to back"
+MOVES_CODES = "rows in codes moved to another layout"  # contract, 10.1
+
 MOVE_EDGES = (
+    reach.Edge(MOVES_CODES, needs=("move", "lossy storage")),
     reach.Edge(TO_BLOCK_SIZE, needs=("move", "block pool")),
     reach.Edge(AT_BLOCK_END, needs=("move", "block pool")),
     reach.Edge(INSIDE_BLOCK, needs=("move", "block pool")),
@@ -188,6 +191,8 @@ def check_moves(factory: CacheFactory, plan: MovePlan) -> None:
         before = plan.events[moves[layout - 1] - 1][0]  # a move is never the first event
         edges = move_edges(plan, ends, layout, request.held, before)
         reach.note(*(name for name, reached in edges.items() if reached))
+        if any(any(cache.quantized_below) for cache in request.caches):
+            reach.note(MOVES_CODES)
         made, path = ends[layout]
         if plan.through_cpu[layout - 1 : layout] == (True,):
             engine.move(request, made, path=path, carry=through_the_cpu, at=f"{at}, via the CPU")
@@ -222,7 +227,7 @@ def check_import_held_or_refused(factory, plan: kvst.CachePlan, case: kvbad.BadI
         kvassert.assert_unchanged(cache, plan.spec, who="the cache", where=where, case=case)
         kvassert.assert_clear_error(error, case, (rows,), where=where)
         return
-    cache.given = (rows.keys, rows.values)
+    cache.hold_given((rows.keys, rows.values))  # in codes, but for the recent, if it codes
     kvassert.assert_length(cache, rows.length, who="the cache", where=where)
     kvassert.assert_exported(cache, cache.cache.export_rows(), who="the cache", where=where)
 

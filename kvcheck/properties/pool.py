@@ -31,6 +31,7 @@ from kvcheck.harness import build, random_query
 from kvcheck.kit import KitTests, Property, offered, property_test
 from kvcheck.properties.requests import PINNED, REQUEST_EDGES, request_plans, serve
 from kvref import BlockTables, CacheFactory, CacheSpec
+from kvref.protocol import storage
 
 # Words a refusal for want of blocks may use; any one names the problem.
 WORDS = (
@@ -82,6 +83,13 @@ class _Given:
         self.cache = cache
         self.keys = kvst.random_rows(spec, 0, seed=0)
         self.values = kvst.random_rows(spec, 0, seed=0, values=True)
+        self.storage = storage(cache)  # read back within its bound (contract, 10.1)
+
+    @property
+    def quantized_below(self) -> list[int]:
+        """Keys' and values' rows that may be in codes: all but the declared recent run."""
+        held = self.keys.shape[2]
+        return [max(0, held - part.recent) if part else 0 for part in self.storage]
 
     def append(self, key, value):
         returned = self.cache.append(key.clone(), value.clone())
@@ -190,15 +198,18 @@ def check_exhausted_pool(factory: CacheFactory, plan: ExhaustionPlan) -> None:
     for name, given in caches.items():
         row = kvst.random_rows(spec, 1, seed=77)
         returned = given.append(row, kvst.as_values(spec, row, -1))
-        for part, got, want in zip(
-            ("keys", "values"), returned, (given.keys, given.values), strict=True
+        for which, (part, got, want) in enumerate(
+            zip(("keys", "values"), returned, (given.keys, given.values), strict=True)
         ):
-            bad = kvassert.differing_rows(got, want) if got.shape == want.shape else ["all"]
+            bad, beyond = ["all"], ""
+            if got.shape == want.shape:
+                every = list(range(want.shape[2]))
+                bad, beyond = kvassert.rows_not_held(given, which, got, want, every)
             if bad:
                 raise failures.RefusalChangedState(
                     f"cache {name}: after a refused {what}, reading it back returned {part} "
                     f"shaped {tuple(got.shape)} unlike the rows given, at rows {bad[:8]} "
-                    f"(expected {tuple(want.shape)})\n  at {where}"
+                    f"(expected {tuple(want.shape)}){beyond}\n  at {where}"
                 )
 
 

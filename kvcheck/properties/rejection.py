@@ -8,7 +8,12 @@ cache as it was: same length, and a read-back append returns the rows held befor
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
+
+import torch
+from hypothesis import strategies as st
 
 from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
@@ -84,6 +89,33 @@ def check_bad_append(factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.Ba
     check_refused(factory, plan, case, "append", lambda cache: case.make(good, value()))
 
 
+@st.composite
+def latent_cache_plans(draw, room: int = 3) -> kvst.CachePlan:
+    """A warm latent layer's cache (contract, section 10.2): one "head", rope keys and
+    latents of their own widths, the declared ones where there are some."""
+    plan = draw(kvst.cache_plans(room=room), label="plan")
+    value_dim, head_dim = draw(kvst.latent_widths(plan.spec.max_length, plan.spec.head_dim))
+    spec = dataclasses.replace(plan.spec, kv_heads=1, head_dim=head_dim, value_dim=value_dim)
+    return dataclasses.replace(plan, spec=spec)
+
+
+def check_bad_latent_attend(
+    factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.BadInput
+) -> None:
+    """``case`` applied to a warm latent cache's attend_latent is refused as the contract
+    says and changes nothing."""
+    spec = plan.spec
+    key = kvst.random_rows(spec, plan.new_tokens, seed=7)
+    value = kvst.as_values(spec, key)
+    shape = (spec.batch, 2, plan.new_tokens, spec.value_width + spec.head_dim)
+    query = torch.randn(shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    query = query.to(device=spec.device, dtype=spec.dtype)
+    scale = 1 / math.sqrt(spec.head_dim + 2)
+    check_refused(
+        factory, plan, case, "attend_latent", lambda cache: case.make(query, key, value, scale)
+    )
+
+
 def check_overflow(factory: CacheFactory, plan: kvst.CachePlan) -> None:
     """Past max_length a cache may refuse or grow, but never drop, wrap or overwrite."""
     cache = warm(factory, plan)
@@ -144,11 +176,25 @@ BAD_MODEL_CALL = Property(
     cases=tuple(kvbad.BAD_CALLS),
     examples_share=0.25,
 )
+BAD_LATENT_ATTEND = Property(
+    "bad latent attend",
+    "a bad attend_latent (query, scale or rows) is refused with a ValueError naming the "
+    "problem, changing nothing",
+    check_bad_latent_attend,
+    latent_cache_plans(),
+    failures.ACCEPTS_BAD_INPUT,
+    cases=tuple(kvbad.BAD_LATENT_ATTENDS),
+    requires=("attend_latent", "latent"),
+    reaches=STATE_EDGES[:4],  # a latent layer's cache has one kv head
+    examples_share=0.25,
+    since="1.6",
+)
 
 
 class RejectionTests(KitTests):
     """Bad input is refused as the contract says, and changes nothing."""
 
     test_bad_append_is_refused_and_changes_nothing = property_test(BAD_APPEND)
+    test_bad_latent_attend_is_refused_and_changes_nothing = property_test(BAD_LATENT_ATTEND)
     test_append_past_max_length_is_refused_or_held_exactly = property_test(OVERFLOW)
     test_bad_model_call_is_refused_before_any_cache_changes = property_test(BAD_MODEL_CALL)

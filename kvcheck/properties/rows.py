@@ -229,6 +229,7 @@ def check_mixed_lengths(factory: CacheFactory, plan: RowsPlan) -> None:
         if kind == "feed":
             engine.feed_rows(batch, [tokens(count) for count in arg], pad=plan.pad, at=at)
             note_feed(arg, held, batch.firsts or [0] * len(held), plan.pad)
+            note_attention_path(batch.caches[0].rows_returned)
         elif kind == "truncate":
             if engine.truncate_rows(batch, list(arg), at=at):
                 note_rollback(arg, held)
@@ -251,6 +252,8 @@ def check_mixed_lengths(factory: CacheFactory, plan: RowsPlan) -> None:
             note_join(arg, with_firsts=offers("reset_at"))
             moved = True
         engine.check(f"event #{index}")
+        if any(any(map(any, cache.rows_below or ())) for cache in batch.caches):
+            reach.note(ROWS_IN_CODES)
     engine.finish()
 
 
@@ -278,6 +281,10 @@ FIRSTS_OF_THEIR_OWN = "rows with different first positions"
 BELOW_A_POWER = "a first position one below a power of two"
 PAST_MAX_LENGTH = "a first position past max_length"
 CROSSES_TABLE_END = "a row fed across the end of the model's rotation table"
+ROWS_IN_CODES = "rows of their own held in codes"  # contract, 10.1
+# Which path of the model's attended the batch (contract, 8.2).
+VARLEN = "a ragged batch attended row by row over its valid slots (varlen)"
+ONE_CALL = "a batch with every slot valid attended in one call"
 
 EDGES = (
     reach.Edge(SAME_PROMPTS),
@@ -297,7 +304,17 @@ EDGES = (
     reach.Edge(BELOW_A_POWER, needs=("reset_at",)),
     reach.Edge(PAST_MAX_LENGTH, needs=("reset_at",)),
     reach.Edge(CROSSES_TABLE_END, needs=("reset_at",)),
+    reach.Edge(ROWS_IN_CODES, needs=("lossy storage",)),
+    reach.Edge(VARLEN),
+    reach.Edge(ONE_CALL),
 )
+
+
+def note_attention_path(returned) -> None:
+    """The model's path through the rows ``append_rows`` last returned (keys, values, valid):
+    varlen where some slot is not valid, else one call."""
+    if returned is not None and len(returned) == 3:
+        reach.note(ONE_CALL if bool(returned[2].all()) else VARLEN)
 
 
 def note_feed(counts, held: list[int], firsts: list[int], pad: str) -> None:

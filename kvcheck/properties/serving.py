@@ -40,8 +40,9 @@ from kvcheck import asserts as kvassert
 from kvcheck import failures, reach
 from kvcheck import strategies as kvst
 from kvcheck.devices import dtype_name
-from kvcheck.harness import PATHS, build
+from kvcheck.harness import PATHS, Recorder, build
 from kvcheck.kit import KitTests, Property, property_test
+from kvcheck.prefix_books import PrefixBooks
 from kvcheck.properties.pool import fill
 from kvcheck.properties.requests import run_plan
 from kvcheck.session import Engine, Request
@@ -694,7 +695,8 @@ def _restore_with_free(factory: CacheFactory, plan: ServingPlan, free: int) -> N
     cache = build(pool, spec)
     keys = kvst.random_rows(spec, 2 * size + 1, 1)
     values = kvst.random_rows(spec, 2 * size + 1, 2, values=True)
-    cache.append(keys.clone(), values.clone())
+    read = cache.append(keys.clone(), values.clone())
+    read = tuple(rows.clone() for rows in read)  # the codes it had, where it holds codes
     cache.offload()
     where = (
         f"a cache holding {2 * size + 1} rows in blocks of {size}, offloaded, restored with "
@@ -718,14 +720,41 @@ def _restore_with_free(factory: CacheFactory, plan: ServingPlan, free: int) -> N
         ) from error
     if free == RESTORE_NEEDS:
         reach.note("a restore with exactly the blocks it needs free")
-    returned = cache.append(keys[:, :, :1].clone(), values[:, :, :1].clone())
-    for part, got, given in zip(("keys", "values"), returned, (keys, values), strict=True):
-        want = torch.cat((given, given[:, :, :1]), dim=2)
-        bad = kvassert.differing_rows(got, want) if got.shape == want.shape else ["all"]
+    _restored_as_held(cache, (keys, values), read, where)
+
+
+def _restored_as_held(cache, given: tuple, read: tuple, where: str) -> None:
+    """After a restore, an append of the first row again returns the rows it held: the rows
+    given (within the declared bound, contract 10.1), and those it held in codes at the
+    offload bit for bit as it read them then (the codes it had, not the rows coded again)."""
+    recorder = Recorder(cache, None)
+    recorder.hold_given(given)
+    coded = list(recorder.quantized_below)  # may be in codes at the offload
+    if any(coded):
+        reach.note(RESTORE_IN_CODES)
+    returned = recorder.append(given[0][:, :, :1], given[1][:, :, :1])
+    parts = zip(("keys", "values"), returned, given, read, coded, strict=True)
+    for part, (name, got, rows, before, below) in enumerate(parts):
+        want = torch.cat((rows, rows[:, :, :1]), dim=2)
+        bad, beyond = ["all"], ""
+        if got.shape == want.shape:
+            every = list(range(want.shape[2]))
+            bad, beyond = kvassert.rows_not_held(recorder, part, got, want, every)
         if bad:
             raise failures.DataLoss(
-                f"the pool: after restore(), the cache returned {part} unlike the rows it "
-                f"held, at rows {bad[:8]}\n  at {where}"
+                f"the pool: after restore(), the cache returned {name} unlike the rows it "
+                f"held, at rows {bad[:8]}{beyond}\n  at {where}"
+            )
+        # Rows it read back other than given were in codes: a cache may code a row later
+        # than it may (a residual coded in batches), never code one twice.
+        in_codes = set(kvassert.differing_rows(before[:, :, :below], rows[:, :, :below]))
+        changed = set(kvassert.differing_rows(got[:, :, :below], before[:, :, :below]))
+        if changed := sorted(changed & in_codes):
+            raise failures.DataLoss(
+                f"the pool: after restore(), the cache returned {name} rows {changed[:8]} "
+                f"unlike it read them before the offload, though they were in codes then "
+                f"(declared {recorder.storage[part].describe()}): a restore gives back the "
+                f"codes it had, it does not code the rows again\n  at {where}"
             )
 
 
@@ -950,6 +979,10 @@ OFFLOAD_PINNED = (
     ),
 )
 
+# Rows in codes (contract, 10.1): a hit on blocks a coded pool published, a restore of codes.
+HIT_IN_CODES = PrefixBooks.HIT_IN_CODES
+RESTORE_IN_CODES = "a restore of rows in codes"
+
 _PREFIX_EDGES = tuple(
     reach.Edge(name, needs=("prefix caching", *needs))
     for name, *needs in (
@@ -966,6 +999,7 @@ _PREFIX_EDGES = tuple(
         ("blocks published after a reorder of rows of other tokens, probed", "reorder"),
         ("blocks published by a sample and its parent after the fork, probed", "fork"),
         ("a block written full, truncated into and written again", "truncate"),
+        (HIT_IN_CODES, "lossy storage"),
     )
 )
 _OFFLOAD_EDGES = tuple(
@@ -978,6 +1012,7 @@ _OFFLOAD_EDGES = tuple(
         ("a swap in after others took blocks while it was out", "block pool"),
         ("a swap in after others freed blocks while it was out", "block pool"),
         ("a swap in that must evict cached blocks", "prefix caching"),
+        (RESTORE_IN_CODES, "lossy storage"),
     )
 )
 

@@ -16,6 +16,12 @@ model's over those rows (``Engine.shift``). Each shift run notes the edges it re
 (``EDGES``, ``kvcheck.reach``).
 
 - ``context shift``: where ``shift`` is offered.
+- ``context shift per row``: a ``RowShiftPlan``, a batch whose rows have lengths of their
+  own, each row shifted by a span of its own (``shift(starts, counts)``), every row judged
+  alone at batch 1 against its own shifted rows (``Engine.shift_rows``); where a cache
+  declares ``shift_per_row``.
+- ``bad shift per row``: each bad call of ``kvcheck.badinput.BAD_ROW_SHIFTS``, refused and
+  changing nothing, there too.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
+from kvcheck import asserts as kvassert
+from kvcheck import badinput as kvbad
 from kvcheck import devices as kvdevices
 from kvcheck import failures, reach
 from kvcheck import sizes as kvsizes
@@ -33,9 +41,10 @@ from kvcheck import strategies as kvst
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
-from kvcheck.properties.rows import FIRST_POSITIONS
+from kvcheck.properties.rows import FIRST_POSITIONS, held_lengths, prompt_counts
 from kvcheck.session import Engine
 from kvref import CacheFactory, ModelConfig
+from kvref.model import ROPE_TABLE_POSITIONS
 
 EDGE = kvst.EDGE
 CAPACITIES = (EDGE, EDGE + 1, 2 * EDGE - 1, 2 * EDGE, 2 * EDGE + 1, 48)
@@ -357,9 +366,336 @@ CONTEXT_SHIFT = Property(
 )
 
 
+# --- Shifts per row (contract, section 8.4): ``shift(starts, counts)`` with a tuple each ---
+ROW_MAX_LENGTH = 2 * EDGE + 1  # per row: prompts and shifts drawn around the block edges below
+ROW_SPANS = ("untouched", "untouched", "from 0", "after kept", "whole tail", "any")
+
+
+@dataclass(frozen=True)
+class RowShiftPlan:
+    """One batch with rows of their own and its events: ``("feed", counts per row)`` or
+    ``("shift", (starts, counts))``, one per row each."""
+
+    config: ModelConfig
+    dtype: torch.dtype
+    batch: int
+    events: tuple[tuple[str, tuple], ...]
+    token_seed: int
+    firsts: tuple[int, ...] | None = None  # each row's first position (reset_at), else 0
+    pad: str = "nan"  # what the pad slots' keys and values hold (strategies.POISON_VALUES)
+
+    def describe(self) -> str:
+        said = {"feed": "rows fed {}", "shift": "shift({}, {})"}
+        events = "; ".join(
+            said[kind].format(*(arg if kind == "shift" else (list(arg),)))
+            for kind, arg in self.events
+        )
+        firsts = "" if self.firsts is None else f", first positions {list(self.firsts)}"
+        base = "" if self.config.rope_base == 10_000 else f", RoPE base {self.config.rope_base:g}"
+        return (
+            f"shift per row plan: batch {self.batch}, {dtype_name(self.dtype)}, max_length "
+            f"{ROW_MAX_LENGTH}, pads of {self.pad}{firsts}, events: {events}\n  model: "
+            f"{kvst.describe_config(self.config)}{base}"
+        )
+
+    def summary(self) -> tuple[str, str, str]:
+        fed = sum(sum(arg) for kind, arg in self.events if kind == "feed")
+        shifts = sum(kind == "shift" for kind, _ in self.events)
+        return f"{fed} ({shifts} shifts per row)", str(self.config.num_layers), str(self.batch)
+
+
+@st.composite
+def row_span(draw, held: int) -> tuple[int, int]:
+    """One row's part of a shift per row: untouched (count 0), from index 0, after a few
+    kept, its whole tail from some index, or anywhere."""
+    how = draw(st.sampled_from(ROW_SPANS), label="row's span")
+    if how == "untouched" or not held:
+        return 0, 0
+    if how == "from 0":
+        return 0, draw(st.integers(1, held), label="count")
+    if how == "after kept":
+        start = min(draw(st.integers(1, 4), label="kept"), held - 1)
+        return start, draw(st.integers(1, held - start), label="count")
+    start = draw(st.integers(0, held - 1), label="start")
+    count = held - start if how == "whole tail" else draw(st.integers(1, held - start))
+    return start, count
+
+
+@st.composite
+def row_shifts(draw, lengths: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A shift per row of rows holding ``lengths``, some row moved (its longest, from 0, by
+    one token where the draws moved none)."""
+    spans = [draw(row_span(held), label="span") for held in lengths]
+    if not any(count for _, count in spans):
+        spans[lengths.index(max(lengths))] = (0, 1)
+    starts, counts = zip(*spans, strict=True)
+    return tuple(starts), tuple(counts)
+
+
+def overflow_shift(lengths: list[int], counts: tuple[int, ...]):
+    """Before a feed of ``counts`` a row would overflow: each such row discards half its
+    history after 4 kept (llama.cpp's), or as much as the feed needs; the others untouched."""
+    starts, discarded = [], []
+    for held, count in zip(lengths, counts, strict=True):
+        over = held + count - ROW_MAX_LENGTH
+        if over <= 0:
+            starts.append(0)
+            discarded.append(0)
+            continue
+        start = min(4, held - over)
+        starts.append(start)
+        discarded.append(max(over, (held - start) // 2))
+    return tuple(starts), tuple(discarded)
+
+
+@st.composite
+def row_shift_plans(draw) -> RowShiftPlan:
+    """A batch of 2 or 3 rows: prompts of lengths of their own, decode steps and chunks
+    (some rows idle), shifts per row anywhere and before any feed that would overflow a
+    row, ending with a decode step after the last shift."""
+    batch = draw(kvsizes.batches(low=2, small_max=3), label="batch")
+    lengths = list(draw(prompt_counts(batch, ROW_MAX_LENGTH), label="prompts"))
+    events: list[tuple[str, tuple]] = [("feed", tuple(lengths))]
+    for _ in range(draw(st.integers(1, 6), label="events")):
+        kind = draw(st.sampled_from(("decode", "chunk", "shift", "shift")), label="event")
+        if kind == "shift":
+            shift = draw(row_shifts(lengths), label="shift per row")
+        else:
+            most = 1 if kind == "decode" else 9
+            counts = tuple(draw(st.integers(0, most), label="new tokens") for _ in lengths)
+            shift = overflow_shift(lengths, counts)
+        if any(shift[1]):
+            events.append(("shift", shift))
+            lengths = [n - count for n, count in zip(lengths, shift[1], strict=True)]
+        if kind != "shift" and any(counts):
+            events.append(("feed", counts))
+            lengths = [n + count for n, count in zip(lengths, counts, strict=True)]
+    if not any(kind == "shift" for kind, _ in events):
+        shift = draw(row_shifts(lengths), label="shift per row")
+        events.append(("shift", shift))
+        lengths = [n - count for n, count in zip(lengths, shift[1], strict=True)]
+    if events[-1][0] == "shift":  # what the last shift left is read back
+        events.append(("feed", tuple(int(n < ROW_MAX_LENGTH) for n in lengths)))
+    firsts = None
+    if draw(st.booleans(), label="first positions"):
+        firsts = tuple(draw(st.sampled_from(FIRST_POSITIONS), label="first") for _ in range(batch))
+    return RowShiftPlan(
+        config=draw(configs(max_layers=2, tokens=ROW_MAX_LENGTH + 8), label="config"),
+        dtype=draw(kvst.dtypes_on_device(kvst.WITH_HALF), label="dtype"),
+        batch=batch,
+        events=tuple(events),
+        token_seed=draw(st.integers(0, 2**16), label="token seed"),
+        firsts=firsts,
+        pad=draw(st.sampled_from(sorted(kvst.POISON_VALUES)), label="pad"),
+    )
+
+
+def check_row_shifts(factory: CacheFactory, plan: RowShiftPlan) -> None:
+    """Every row's new logits, before and after each shift per row, equal the model's over
+    that row's rows alone, at batch 1, as its own shifts left them; and every append_rows
+    returns them (re-rotated keys within rounding)."""
+    model = kvst.build_model(plan.config, plan.dtype)
+    engine = Engine(factory, model, max_length=ROW_MAX_LENGTH, describe=plan.describe)
+    generator = torch.Generator().manual_seed(plan.token_seed)
+    device = kvdevices.current()
+
+    def tokens(count: int) -> torch.Tensor:
+        drawn = torch.randint(0, plan.config.vocab_size, (count,), generator=generator)
+        return drawn.to(device)
+
+    batch = engine.start("the batch", plan.batch)
+    firsts = [0] * plan.batch
+    if plan.firsts is not None and callable(getattr(batch.caches[0].cache, "reset_at", None)):
+        engine.reset_at(batch, list(plan.firsts))
+        firsts = list(plan.firsts)
+    shifts = 0
+    for index, (kind, arg) in enumerate(plan.events):
+        at = f" (event #{index})"
+        if kind == "feed":
+            engine.feed_rows(batch, [tokens(count) for count in arg], pad=plan.pad, at=at)
+        else:
+            held = held_lengths(batch)
+            if not engine.shift_rows(batch, *arg, at=at):
+                break  # a window refused as it may: the rest was drawn for the shifted rows
+            shifts += 1
+            reach.note(*row_shift_edges(held, firsts, *arg, repeated=shifts > 1))
+        engine.check(f"event #{index}")
+    engine.finish()
+
+
+# The edges of the shift per row (section 8.4) the plans must reach, each noted as it runs.
+ROW_UNTOUCHED = "a row untouched (count 0) beside a shifted one"
+ROWS_OWN_COUNTS = "every row shifted by a different count"
+ROW_WHOLE_TAIL = "a shift of a row's whole tail"
+ROW_FULL = "a row full at max_length shifted"
+ROW_ACROSS_TABLE = "a row shifted across the end of the model's rotation table"
+ROW_OWN_FIRSTS = "shifts per row on rows with first positions of their own (reset_at)"
+ROW_REPEATED = "repeated shifts per row"
+ROW_EDGES = (
+    *(reach.Edge(name, needs=("shift per row",)) for name in (
+        ROW_UNTOUCHED, ROWS_OWN_COUNTS, ROW_WHOLE_TAIL, ROW_FULL, ROW_ACROSS_TABLE, ROW_REPEATED,
+    )),
+    reach.Edge(ROW_OWN_FIRSTS, needs=("shift per row", "reset_at")),
+)  # fmt: skip
+
+
+def row_shift_edges(
+    held: list[int], firsts: list[int], starts, counts, *, repeated: bool
+) -> list[str]:
+    """The edges a shift per row of ``counts`` from ``starts`` ran on rows holding ``held``
+    tokens from positions ``firsts``."""
+    spans = list(zip(held, firsts, starts, counts, strict=True))
+    shifted = [(n, first, start, count) for n, first, start, count in spans if count]
+    cases = {
+        ROW_UNTOUCHED: any(n and not count for n, _, _, count in spans),
+        ROWS_OWN_COUNTS: len(shifted) == len(spans) and len(set(counts)) == len(counts),
+        ROW_WHOLE_TAIL: any(start + count == n for n, _, start, count in shifted),
+        ROW_FULL: any(n == ROW_MAX_LENGTH for n, _, _, _ in shifted),
+        ROW_ACROSS_TABLE: any(
+            first + start < ROPE_TABLE_POSITIONS <= first + n - 1 for n, first, start, _ in shifted
+        ),
+        ROW_OWN_FIRSTS: len(set(firsts)) > 1,
+        ROW_REPEATED: repeated,
+    }
+    return [name for name, reached in cases.items() if reached]
+
+
+# Tried first on every run: three rows from positions 8180, 0 and 255 (row 0 across the end
+# of the rotation table), row 1 full; row 0 and 1 shifted by counts of their own beside row 2
+# untouched, a decode step, then every row's whole tail from an index of its own by a
+# different count, and decode steps after.
+ROW_PINNED = RowShiftPlan(
+    config=ModelConfig(
+        vocab_size=23, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+        rope_base=500_000.0,
+    ),
+    dtype=torch.float64,
+    batch=3,
+    events=(
+        ("feed", (20, ROW_MAX_LENGTH, 7)),
+        ("shift", ((4, 0, 0), (9, EDGE, 0))),
+        ("feed", (1, 1, 1)),
+        ("shift", ((2, 10, 5), (10, 8, 3))),
+        ("feed", (3, 0, 1)),
+        ("feed", (1, 1, 1)),
+    ),
+    token_seed=11,
+    firsts=(8180, 0, 255),
+)  # fmt: skip
+
+CONTEXT_SHIFT_PER_ROW = Property(
+    "context shift per row",
+    "after each row of a batch discards a span of its own and re-rotates what follows, every "
+    "row equals the model over its own rows left, alone",
+    check_row_shifts,
+    row_shift_plans(),
+    failures.WRONG_RESULTS,
+    requires=("shift per row",),
+    pinned=(ROW_PINNED,),
+    since="1.6",
+    reaches=ROW_EDGES,
+)
+
+
+# Every bad shift per row is followed by a read-back of one token per row.
+BAD_READS = len(kvbad.BAD_ROW_SHIFTS)
+
+
+@dataclass(frozen=True)
+class WarmRows:
+    """A batch of rows of their own, each fed ``lengths`` tokens, that bad shifts are sent
+    to."""
+
+    config: ModelConfig
+    dtype: torch.dtype
+    lengths: tuple[int, ...]
+    token_seed: int
+
+    def describe(self) -> str:
+        return (
+            f"rows of their own holding {list(self.lengths)} tokens, "
+            f"{dtype_name(self.dtype)}, max_length {ROW_MAX_LENGTH}\n  model: "
+            f"{kvst.describe_config(self.config)}"
+        )
+
+
+@st.composite
+def warm_rows(draw) -> WarmRows:
+    """2 or 3 rows of different lengths, none empty: a row's own length shows in a refusal."""
+    batch = draw(kvsizes.batches(low=2, small_max=3), label="batch")
+    lengths = draw(
+        st.lists(
+            st.integers(1, ROW_MAX_LENGTH - BAD_READS), min_size=batch, max_size=batch, unique=True
+        ),
+        label="row lengths",
+    )
+    return WarmRows(
+        config=draw(kvst.model_configs(max_layers=1, tokens=ROW_MAX_LENGTH + 8), label="config"),
+        dtype=draw(kvst.dtypes_on_device(kvst.DTYPES), label="dtype"),
+        lengths=tuple(lengths),
+        token_seed=draw(st.integers(0, 2**16), label="token seed"),
+    )
+
+
+def check_bad_row_shifts(factory: CacheFactory, state: WarmRows) -> None:
+    """Each bad shift per row (``kvcheck.badinput.BAD_ROW_SHIFTS``) sent to a warm batch's
+    caches is refused with a clear error, and every row then reads back through append_rows
+    as it was (one token more per row: the next case is made for the rows as they are)."""
+    model = kvst.build_model(state.config, state.dtype)
+    engine = Engine(factory, model, max_length=ROW_MAX_LENGTH, describe=state.describe)
+    generator = torch.Generator().manual_seed(state.token_seed)
+
+    def tokens(count: int) -> torch.Tensor:
+        drawn = torch.randint(0, state.config.vocab_size, (count,), generator=generator)
+        return drawn.to(kvdevices.current())
+
+    batch = engine.start("the batch", len(state.lengths))
+    engine.feed_rows(batch, [tokens(n) for n in state.lengths], at=" (warming up)")
+    for case in kvbad.BAD_ROW_SHIFTS:
+        check_bad_row_shift(engine, batch, case, tokens)
+
+
+def check_bad_row_shift(engine: Engine, batch, case: kvbad.BadInput, tokens) -> None:
+    """``case``, made for the rows ``batch`` holds, refused by every layer's cache and
+    changing nothing: every row reads back as it was."""
+    lengths = tuple(held_lengths(batch))
+    bad = case.make(lengths)
+    where = engine.where(f"shift{bad} sent to every layer's cache, the rows holding {lengths}")
+    # Straight to the caches, past the recorders: a refused call must record nothing.
+    errors = [
+        kvassert.raised_by(lambda r=recorder: r.cache.shift(*bad)) for recorder in batch.caches
+    ]
+    for error in errors:
+        kvassert.assert_refused(error, case, where=where)
+    try:  # whatever the error, a refusal changes nothing: every row reads back as it was
+        engine.feed_rows(batch, [tokens(1) for _ in lengths], at=f" (after {case})")
+    except (failures.DataLoss, failures.WrongResults) as changed:
+        raise failures.RefusalChangedState(
+            f'after refusing "{case}", reading every row back: {changed}'
+        ) from changed
+    for error in errors:
+        kvassert.assert_clear_error(error, case, bad, where=where)
+
+
+BAD_SHIFT_PER_ROW = Property(
+    "bad shift per row",
+    "a bad shift per row is refused with a ValueError naming the row and the problem, "
+    "changing nothing",
+    check_bad_row_shifts,
+    warm_rows(),
+    failures.ACCEPTS_BAD_INPUT,
+    requires=("shift per row",),
+    since="1.6",
+)
+
+
 class ShiftTests(KitTests):
     """Context shift (``shift``): run when offered."""
 
     test_after_a_context_shift_each_step_equals_the_model_over_the_rows_left = property_test(
         CONTEXT_SHIFT
     )
+    test_after_shifts_per_row_each_row_equals_the_model_over_its_rows_left = property_test(
+        CONTEXT_SHIFT_PER_ROW
+    )
+    test_bad_shift_per_row_is_refused_and_changes_nothing = property_test(BAD_SHIFT_PER_ROW)

@@ -275,6 +275,25 @@ def committed_rows(recorder: Recorder, like: tuple[Tensor, Tensor]) -> tuple[Ten
     return recorder.given
 
 
+def coded_with_nodes(recorder: Recorder, length: int) -> list[int]:
+    """Keys' and values' rows that may be in codes once a tree's nodes bring the rows given
+    to ``length``: a node is a row as any other, in codes once out of the declared recent
+    run (contract, 10.1); by row, the most any row may have."""
+    before = recorder.quantized_below
+    if recorder.rows_below:
+        before = [max(row[part] for row in recorder.rows_below) for part in (0, 1)]
+    return recorder.coded_below(before, length)
+
+
+def committed_below(recorder: Recorder, held: int, nodes: int, length: int) -> list[int]:
+    """The rows that may be in codes once a commit leaves ``length`` of the ``held`` and the
+    ``nodes``: any accepted node may be one the tree had in codes, so every row is where
+    some node may have been; else as the rows before the tree."""
+    with_nodes = coded_with_nodes(recorder, held + nodes)
+    after = coded_with_nodes(recorder, length)
+    return [length if tree > held else row for tree, row in zip(with_nodes, after, strict=True)]
+
+
 class TreeTap:
     """A layer's recorder as ``forward_tree`` sees it: ``append_tree`` goes to the cache with
     the poisoned nodes' keys and values replaced (per batch row) and lent as the recorder
@@ -326,13 +345,18 @@ class TreeTap:
             if not 0 < got.shape[2] <= given.shape[2]:
                 return
             kept = kept_rows(self.recorder.sinks, got.shape[2], given.shape[2])
-            if bad := kvassert.differing_rows(got, given[:, :, kept]):
+            below = coded_with_nodes(self.recorder, given.shape[2])[which]
+            if below > given.shape[2] - nodes.shape[2]:
+                reach.note(NODES_IN_CODES)
+            bad, beyond = kvassert.rows_not_held(self.recorder, which, got, given, kept, below)
+            if bad:
                 held = given.shape[2] - nodes.shape[2]
                 index = kept[bad[0]]
                 said = f"committed row {index}" if index < held else f"draft node {index - held}"
                 raise failures.DataLoss(
                     f"{self.who}: {name} row {index} that append_tree returned is not the "
-                    f"{said} given there ({len(bad)} of {got.shape[2]} rows returned differ: "
+                    f"{said} given there{beyond} ({len(bad)} of {got.shape[2]} rows returned "
+                    f"differ: "
                     f"{[kept[row] for row in bad[:8]]})\n  at {self.where}"
                 )
 
@@ -422,6 +446,7 @@ def draft(
                 path="append",  # append_tree returns rows: the model attends over them
                 what="the draft node's logits and the uncached model's on the committed tokens "
                 "and its path",
+                lossy=kvassert.coarsest(request.caches),  # rows in codes: their budget (10.1)
             )
         except failures.WrongResults as error:
             error.add_note(
@@ -465,10 +490,14 @@ def commit(
             )
             for row, path in enumerate(accepted)
         ]
+        held, count = committed[0].shape[2], nodes[0].shape[2]
+        below = [committed_below(recorder, held, count, row[0].shape[1]) for row in kept]
         if by_row:
             recorder.given, recorder.rows_given = None, kept  # fed by row from now on
+            recorder.rows_below = below
         else:
             recorder.given = tuple(torch.stack([row[which] for row in kept]) for which in (0, 1))
+            recorder.quantized_below = below[0]
     paths = [new[row, list(path)] for row, path in enumerate(accepted)]
     if by_row:
         request.rows = [torch.cat(both) for both in zip(histories(request), paths, strict=True)]
@@ -722,7 +751,10 @@ PINNED = (
     ),
 )
 
+NODES_IN_CODES = "draft nodes held in codes"  # contract, 10.1
+
 TREE_EDGES = (
+    reach.Edge(NODES_IN_CODES, needs=("tree", "lossy storage")),
     *(
         reach.Edge(name, needs=("tree",))
         for name in (

@@ -6,11 +6,20 @@ tokens arrive. Rope keys and latents live in pages of their own, laid out token-
 (8, batch, kv_heads, width), as a paged engine's block of slots is; ``append`` gathers the pages
 with ``torch.cat`` and returns (batch, kv_heads, length, width) views of that gather. Every
 check is written out here, in this cache's own words; it refuses T = 0 and refuses to go past
-``max_length``. A window is accepted and ignored: the model masks what lies outside it.
+``max_length``. A window is accepted and ignored by ``append``: the model masks what lies
+outside it.
+
+It computes attention too, page by page as a split-KV decode kernel does: ``attend`` over
+the rope-key and latent pages of an ordinary spec, ``attend_latent`` (MLA's absorbed path,
+section 10.2) over each page's latent and rope key joined, with a running maximum and sum
+carried from page to page in float64 (an online softmax), masking each slot by its position:
+causal, the window, and the sinks.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -123,7 +132,91 @@ class PagedLatentCache:
         twin._count = self._count
         return twin
 
+    def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        self._admit_query(query, key, self.spec.head_dim, "attend")
+        start = self._count
+        self.append(key, value)
+        scale = 1 / math.sqrt(self.spec.head_dim)
+        return self._over_pages(query, start, scale, lambda page: self._key_pages[page])
+
+    def attend_latent(self, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
+        width = self.spec.value_width + self.spec.head_dim
+        self._admit_query(query, key, width, "attend_latent")
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
+            raise ValueError(f"attend_latent: the scale should be a positive number, got {scale!r}")
+        start = self._count
+        self.append(key, value)
+
+        def joined(page: int) -> Tensor:  # the page's latent, then its rope key
+            return torch.cat((self._value_pages[page], self._key_pages[page]), dim=-1)
+
+        return self._over_pages(query, start, float(scale), joined)
+
     # --- internals ---------------------------------------------------------------------
+
+    def _over_pages(
+        self, query: Tensor, start: int, scale: float, keys_of: Callable[[int], Tensor]
+    ) -> Tensor:
+        """Softmax attention of ``query`` (the tokens from ``start``) over every page, its
+        values the value pages, merged page by page with a running maximum and sum."""
+        batch, heads, tokens, _ = query.shape
+        group = heads // self.spec.kv_heads
+        q = query.to(torch.float64)
+        positions = torch.arange(start, start + tokens, device=self._device)[:, None]
+        best = torch.full((batch, heads, tokens, 1), -math.inf, dtype=torch.float64)
+        best = best.to(self._device)
+        total = torch.zeros_like(best)
+        mixed = torch.zeros(batch, heads, tokens, self.spec.value_width, dtype=torch.float64)
+        mixed = mixed.to(self._device)
+        for page in range(len(self._key_pages)):
+            # Token-major (SLOTS, batch, kv_heads, width) to (batch, heads, SLOTS, width).
+            keys = keys_of(page).permute(1, 2, 0, 3).to(torch.float64)
+            values = self._value_pages[page].permute(1, 2, 0, 3).to(torch.float64)
+            keys, values = (t.repeat_interleave(group, dim=1) for t in (keys, values))
+            slots = torch.arange(page * SLOTS, (page + 1) * SLOTS, device=self._device)[None, :]
+            seen = self._sees(positions, slots) & (slots < self._count)
+            scores = (q @ keys.transpose(-2, -1) * scale).masked_fill(~seen, -math.inf)
+            new_best = torch.maximum(best, scores.amax(dim=-1, keepdim=True))
+            shift = torch.where(torch.isinf(new_best), 0.0, new_best)  # nothing seen yet
+            weights = torch.exp(scores - shift)
+            carried = torch.exp(best - shift)
+            total = total * carried + weights.sum(dim=-1, keepdim=True)
+            mixed = mixed * carried + weights @ values
+            best = new_best
+        return (mixed / total).to(query.dtype)
+
+    def _sees(self, queries: Tensor, keys: Tensor) -> Tensor:
+        """Whether the query at each position sees the key at each: causal, within the
+        window, or a sink."""
+        seen = keys <= queries
+        if self.spec.window is not None:
+            seen &= (keys > queries - self.spec.window) | (keys < self.spec.sinks)
+        return seen
+
+    def _admit_query(self, query: object, key: object, width: int, call: str) -> None:
+        """Look at the query before anything is written (the rows are looked at by append)."""
+        if not isinstance(query, Tensor):
+            raise TypeError(
+                f"{call}: the query should be a torch tensor; a {type(query).__name__} came"
+            )
+        if not isinstance(key, Tensor) or key.dim() != 4:
+            self._admit(key, key)  # refuses it, with this cache's own words
+        shape = (key.shape[0], query.shape[1] if query.dim() == 4 else 0, key.shape[2], width)
+        if query.dim() != 4 or tuple(query.shape) != shape:
+            raise ValueError(
+                f"{call}: the query should be (batch, heads, T, {width}) matching the key's "
+                f"batch and T, shape {list(shape)}; it is {list(query.shape)}"
+            )
+        if query.shape[1] == 0 or query.shape[1] % self.spec.kv_heads:
+            raise ValueError(
+                f"{call}: the query has {query.shape[1]} heads, not a multiple of the cache's "
+                f"{self.spec.kv_heads} kv heads"
+            )
+        if query.dtype != key.dtype or query.device != key.device:
+            raise ValueError(
+                f"{call}: the query is {query.dtype} on {query.device}, the key {key.dtype} on "
+                f"{key.device}: they should agree"
+            )
 
     def _blank(self, width: int) -> Tensor:
         s = self.spec

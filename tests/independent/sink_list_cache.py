@@ -21,7 +21,10 @@ immutable copies, and ``nbytes`` is the sum of what those copies hold.
 Without a window (``spec.window`` None, so no sinks either) nothing is evicted and every row
 is returned; the deque is folded into one chunk now and then to keep ``torch.cat`` short.
 It never refuses for length: windowed, it drops what no query can see, and without a window
-it keeps growing (rule 4 allows either). Offers ``truncate`` and ``reorder``.
+it keeps growing (rule 4 allows either). Offers ``truncate``, ``reorder`` and ``attend``:
+unlike the built-in streaming cache's one masked pass, its attention goes query by query,
+each gathering the positions it sees (its sinks, then its window) and a softmax over
+those alone, in float64.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvref import CacheSpec, check_append, check_reorder, check_truncate
+from kvref import CacheSpec, check_append, check_attend, check_reorder, check_truncate
 
 # Without a window the deque would get one chunk per append, and each return would cat them
 # all; past this many chunks they are folded into one (amortised, and still exact copies).
@@ -102,6 +105,42 @@ class SinkListCache:
         else:
             self._evict()
         return keys, values
+
+    # ---------------------------------------------------------------------------- attend
+
+    def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """Append, then for each query at position p: softmax attention over the keys at
+        the sinks' positions and p - W + 1 .. p (the window counted from p alone)."""
+        start = self._length
+        new_tokens = check_attend(self.spec, start, query, key, value)
+        keys, values = self.append(key, value)
+        positions = self._positions_of(keys.shape[2])
+        group = query.shape[1] // self.spec.kv_heads
+        keys = keys.to(torch.float64).repeat_interleave(group, dim=1)
+        values = values.to(torch.float64).repeat_interleave(group, dim=1)
+        outputs = []
+        for i in range(new_tokens):
+            seen = [
+                slot for slot, position in enumerate(positions) if self._sees(start + i, position)
+            ]
+            q = query[:, :, i].to(torch.float64)  # (B, H, D)
+            scores = torch.einsum("bhd,bhkd->bhk", q, keys[:, :, seen]) / query.shape[-1] ** 0.5
+            weights = torch.softmax(scores, dim=-1)
+            outputs.append(torch.einsum("bhk,bhkd->bhd", weights, values[:, :, seen]))
+        return torch.stack(outputs, dim=2).to(query.dtype)
+
+    def _positions_of(self, returned: int) -> list[int]:
+        """The positions of the rows ``append`` just returned: the sinks, then the chunks'
+        run, which ends at the last position given."""
+        sinks = list(range(self._sink_k.shape[2]))
+        return sinks + list(range(self._length - (returned - len(sinks)), self._length))
+
+    def _sees(self, query_position: int, key_position: int) -> bool:
+        if key_position > query_position:
+            return False
+        if self.spec.window is None or key_position < self.spec.sinks:
+            return True
+        return key_position > query_position - self.spec.window
 
     def _evict(self) -> None:
         """Drop every chunk row the next query (at position ``length``) cannot see: it sees

@@ -9,11 +9,14 @@ of ``tests/mutants/domain.py`` a bug inside the domain a cache declares, those o
 a bug in attention sinks, those of ``tests/mutants/shift.py`` a bug in context shift, those
 of ``tests/mutants/serving.py`` a bug in prefix caching or offload, those of
 ``tests/mutants/tree.py`` a bug in tree drafts, some of them patches of the model run on
-``ChunkedCache``, those of ``tests/mutants/quantized.py`` a bug in quantized storage, those
+``ChunkedCache``, those of ``tests/mutants/quantized.py`` a bug in quantized storage, those of
+``tests/mutants/lossy_pools.py`` a bug in a coded pool's shared, restored or hit codes, those
 of ``tests/mutants/latent.py`` a bug in a latent (MLA) cache or, run on ``LatentCache``, in
 the model's absorbed path), those of ``tests/mutants/shards.py`` a bug in tensor-parallel
 shards (a plan or a rank-aware cache), those of ``tests/mutants/moves.py`` a bug in moving a
-paged cache between layouts; a
+paged cache between layouts, those of ``tests/mutants/shared.py`` a bug in layers that share
+a cache through rows of their own or trees (its model mutants run on ``LeftPaddedBatchCache``
+and ``ChunkedCache``); a
 model mutant is a patch of the reference model with one bug, run on ``ConcatCache``.
 ``tests/test_mutants.py`` checks that some property catches each one, and
 ``python -m tests.mutants.report`` prints which property does and the shrunk counterexample.
@@ -34,6 +37,7 @@ from tests.mutants.caches import CACHE_MUTANTS
 from tests.mutants.domain import DOMAIN_MUTANTS
 from tests.mutants.interplay import INTERPLAY_MUTANTS
 from tests.mutants.latent import LATENT_MODEL_MUTANTS, LATENT_MUTANTS
+from tests.mutants.lossy_pools import LOSSY_POOL_MUTANTS
 from tests.mutants.model import MODEL_MUTANTS
 from tests.mutants.moves import MOVE_MUTANTS
 from tests.mutants.paged import PAGED_MUTANTS
@@ -41,6 +45,11 @@ from tests.mutants.quantized import QUANTIZED_MUTANTS
 from tests.mutants.rows import ROWS_MODEL_MUTANTS, ROWS_MUTANTS
 from tests.mutants.serving import SERVING_MUTANTS
 from tests.mutants.shards import SHARD_MUTANTS
+from tests.mutants.shared import (
+    SHARED_MUTANTS,
+    SHARED_ROWS_MODEL_MUTANTS,
+    SHARED_TREE_MODEL_MUTANTS,
+)
 from tests.mutants.shift import SHIFT_MUTANTS
 from tests.mutants.sinks import SINKS_MUTANTS
 from tests.mutants.sizes import SIZE_MUTANTS
@@ -80,11 +89,15 @@ MUTANTS = (
     *(Mutant(factory) for factory in SERVING_MUTANTS),
     *(Mutant(factory) for factory in TREE_MUTANTS),
     *(Mutant(factory) for factory in QUANTIZED_MUTANTS),
+    *(Mutant(factory) for factory in LOSSY_POOL_MUTANTS),
     *(Mutant(factory) for factory in LATENT_MUTANTS),
     *(Mutant(factory) for factory in SHARD_MUTANTS),
+    *(Mutant(factory) for factory in SHARED_MUTANTS),
     *(Mutant(factory) for factory in MOVE_MUTANTS),
     *(Mutant(ConcatCache, patch) for patch in MODEL_MUTANTS),
     *(Mutant(LeftPaddedBatchCache, patch) for patch in ROWS_MODEL_MUTANTS),
     *(Mutant(ChunkedCache, patch) for patch in TREE_MODEL_MUTANTS),
     *(Mutant(LatentCache, patch) for patch in LATENT_MODEL_MUTANTS),
+    *(Mutant(LeftPaddedBatchCache, patch) for patch in SHARED_ROWS_MODEL_MUTANTS),
+    *(Mutant(ChunkedCache, patch) for patch in SHARED_TREE_MODEL_MUTANTS),
 )

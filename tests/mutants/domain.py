@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from kvimpl import PreallocatedCache
+from kvimpl.latent import LatentCache
 from kvref import CacheSpec
 
 HALF = ("float16", "bfloat16")
@@ -115,10 +116,42 @@ class RefusesLongChunks(KernelShaped):
         return super().append(key, value)
 
 
+class LatentTileOf256(LatentCache):
+    """A latent (MLA) cache built for DeepSeek's widths alone (latents 512 wide, rope keys 64,
+    contract 10.2), refusing any other latent layer, whose latent copy moves 256 channels:
+    channels 256 to 511 of every latent stay zero.
+
+    Stands for a FlashMLA-shaped kernel whose tile loop bound was taken from a narrower
+    build: it is wrong at the one width it takes, so the kit must draw that width (and no
+    other latent width, which it refuses) to see it."""
+
+    kv_sizes: ClassVar[dict] = {
+        "supports": {"latent": True, "latent_dims": (512,), "rope_dims": (64,)}
+    }
+
+    def __init__(self, spec: CacheSpec) -> None:
+        if spec.value_dim is not None and (spec.value_dim, spec.head_dim) != (512, 64):
+            raise ValueError(
+                f"this kernel takes latents 512 wide beside rope keys 64 wide; got value_dim "
+                f"{spec.value_dim}, head_dim {spec.head_dim}"
+            )
+        super().__init__(spec)
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        if value.shape[-1] == 512:
+            value = torch.cat((value[..., :256], torch.zeros_like(value[..., 256:])), dim=-1)
+        return super().append(key, value)
+
+    def attend_latent(self, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
+        value = torch.cat((value[..., :256], torch.zeros_like(value[..., 256:])), dim=-1)
+        return super().attend_latent(query, key, value, scale)
+
+
 DOMAIN_MUTANTS = (
     WideHeadsHalfTile,
     LastRowAtLargestBatch,
     LastRowAtLargestMaxLength,
     DeclaresHeadDim256,
+    LatentTileOf256,
 )
 REFUSING_MUTANTS = (RefusesLongChunks,)

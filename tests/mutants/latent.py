@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from kvimpl.latent import LatentCache
+from kvimpl.streaming import grouped_softmax_attention
 from kvref import model
 from kvref.protocol import CacheSpec, check_append
 
@@ -122,5 +123,69 @@ def absorbed_without_rope_key() -> Iterator[None]:
         yield
 
 
-LATENT_MUTANTS = (RopeKeyOneSlotBack, LatentCutToHeadDim)
+class LatentAttendWithoutRope(LatentCache):
+    """``attend_latent`` scores each head's folded query against the latents alone: the
+    rope channels of the query and the rope keys take no part.
+
+    Stands for an absorbed decode kernel handed the latent part of each ``kv_c_and_k_pe``
+    row (d_c where d_c + d_r was meant), the decoupled rope key dropped (sglang 30433's
+    absorbed single-token path, right in extend mode over the same rows): ``append``'s rows
+    are right, so only the cache's own attention shows it.
+    """
+
+    def attend_latent(self, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
+        start = self._length
+        self.append(key, value)
+        latent = self.spec.value_width
+        latents = self.rows[:, :, : self._length, :latent]
+        return grouped_softmax_attention(
+            query[..., :latent], latents, latents, self._visible(start), scale
+        )
+
+
+class LatentAttendScaledByLatentWidth(LatentCache):
+    """``attend_latent`` scales its scores by 1/sqrt(d_c), the latent width it holds, not by
+    the scale given (1/sqrt of the query heads' nope + rope width).
+
+    Stands for MLA backends that derive ``softmax_scale`` from the tensors they see
+    (kv_lora_rank 512, or 576 with the rope key) instead of the model's qk_head_dim (192)
+    and its YaRN factor: every score is off by one factor, a softmax too flat or too sharp.
+    """
+
+    def attend_latent(self, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
+        return super().attend_latent(query, key, value, 1 / self.spec.value_width**0.5)
+
+
+class LatentAttendsOneRowTooMany(LatentCache):
+    """``attend_latent`` reads one row past the last one written, and each query sees the
+    row after its own: a prompt's tokens see their successors, a decode step the buffer's
+    next (zeroed, or truncated-away) slot.
+
+    Stands for a paged MLA kernel handed ``seq_lens`` one too long, the length counted with
+    a slot not yet written (the off-by-one ``+1`` class, LLamaSharp 714's ``seq_rm`` and
+    ``seq_add``): the rows ``append`` returns are right, so only the cache's own attention
+    shows it.
+    """
+
+    def attend_latent(self, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
+        start = self._length
+        self.append(key, value)
+        end = min(self._length + 1, self.spec.max_length)
+        rows = self.rows[:, :, :end]
+        keys = torch.arange(end, device=rows.device)[None, :]
+        queries = torch.arange(start, self._length, device=rows.device)[:, None]
+        visible = keys <= queries + 1
+        if self.spec.window is not None:
+            visible &= keys > queries - self.spec.window
+        latents = rows[..., : self.spec.value_width]
+        return grouped_softmax_attention(query, rows, latents, visible, scale)
+
+
+LATENT_MUTANTS = (
+    RopeKeyOneSlotBack,
+    LatentCutToHeadDim,
+    LatentAttendWithoutRope,
+    LatentAttendScaledByLatentWidth,
+    LatentAttendsOneRowTooMany,
+)
 LATENT_MODEL_MUTANTS = (absorbed_without_rope_key,)

@@ -9,6 +9,10 @@ from torch import Tensor
 
 from kvimpl import quantized
 from kvimpl.quantized import QuantizedCache, dequantize
+from kvref.protocol import Quantized
+from tests.independent import kivi_group_cache as kivi
+from tests.independent.fp8_segment_cache import Fp8SegmentCache
+from tests.independent.kivi_group_cache import KiviGroupCache
 
 
 class ScaleIgnoredOnRead(QuantizedCache):
@@ -122,6 +126,66 @@ class NbytesAtFullPrecision(QuantizedCache):
         return 2 * s.batch * s.kv_heads * self.length * s.head_dim * itemsize
 
 
+class KeysScaledPerToken(KiviGroupCache):
+    """Keys are coded with a min and a step per token over its head_dim, where the cache
+    declares them per channel over each group of tokens (KIVI's layout).
+
+    Stands for a scale applied on the wrong axis: transformers' quantized caches take an
+    ``axis_key`` whose meaning differs by backend (HQQ's axis 0 groups numbers across batch
+    rows, tests/test_found_in_the_wild_quantized.py), and KIVI's keys coded on its values'
+    per-token path let a key's outlier channel set every other channel's step.
+    """
+
+    def _flush(self) -> None:
+        keys = torch.stack(self._residual_keys, dim=2).to(self._wide)
+        super()._flush()
+        last = self._flushed[len(self._flushed) - 1]
+        last["keys"] = kivi.quantize(keys, kivi.KEY_BITS, dim=3, floor=0.0)
+
+
+class ScaleRedrawnPerFlush(KiviGroupCache):
+    """Each time a group of tokens is flushed into codes, every key coded before is decoded
+    and coded again with one min and step per channel drawn over all the coded tokens.
+
+    Stands for a scale recomputed per flush that drifts: transformers' quantized layers
+    dequantize and re-quantize every row at each residual flush (kvimpl/hf_quantized.py),
+    and where the new scale spans more than the row's own group, its error grows with the
+    history instead of staying within one group's step.
+    """
+
+    def _flush(self) -> None:
+        super()._flush()
+        order = sorted(self._flushed)
+        keys = torch.cat([kivi.dequantize(*self._flushed[g]["keys"]) for g in order], dim=2)
+        codes, low, step = kivi.quantize(keys, kivi.KEY_BITS, dim=2, floor=0.0)
+        for g, group_codes in zip(order, codes.split(self.group, dim=2), strict=True):
+            self._flushed[g]["keys"] = (group_codes, low, step)
+
+
+class Fp8CastUnclamped(Fp8SegmentCache):
+    """Under a fixed per-tensor scale, ``x / scale`` is cast to float8 e5m2 without the clamp
+    to the format's max: a number beyond max x scale becomes inf instead of saturating.
+
+    Stands for a saturating cast left to the hardware (fp8 overflow to inf or nan), the
+    class of shared/BUGS.md section 10: numbers beyond max x k_scale arise only under a
+    non-unit scale, which the engines' own tests did not draw ("the added tests only cover
+    identity-scale inputs", tokenspeed 759), and a cast without the clamp then writes inf.
+    """
+
+    SCALE = 2.0**-14  # e5m2's range is then +-3.5, which normal rows pass now and then
+
+    def __init__(self, spec) -> None:
+        super().__init__(spec)
+        self._codes = torch.float8_e5m2
+        self._top = torch.finfo(self._codes).max
+        self.kv_storage = Quantized(8, codes=self._codes, symmetric=True, scale=self.SCALE)
+
+    def _encode(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        wide = rows.to(self._wide)
+        scale = torch.full((*wide.shape[:3], 1), self.SCALE, dtype=self._wide, device=wide.device)
+        return (wide / scale).to(self._codes), scale
+
+
 QUANTIZED_MUTANTS = (
     ScaleIgnoredOnRead,
     ScalesOverPaddedWidth,
@@ -130,4 +194,7 @@ QUANTIZED_MUTANTS = (
     ReorderLeavesScales,
     AnotherRowsScale,
     NbytesAtFullPrecision,
+    KeysScaledPerToken,
+    ScaleRedrawnPerFlush,
+    Fp8CastUnclamped,
 )

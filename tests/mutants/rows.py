@@ -255,8 +255,50 @@ def positions_count_left_padding() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def varlen_ranges_from_counts() -> Iterator[None]:
+    """The varlen path takes each row's keys as its first ``valid.sum()`` slots, whatever
+    ``valid`` marks: right for right-packed rows, a left-padded row's pads read as its oldest
+    tokens (and as many of its newest left out).
+
+    Stands for a varlen kernel handed ranges rebuilt from the rows' counts (a dense cumsum of
+    lengths) where the storage puts each row's rows elsewhere: page-aligned per request
+    (sglang-jax 1297, the window sliding onto a neighbour's page-tail slots), or after left
+    padding (mlxcel 75/76, the mask started from the wrong base).
+    """
+
+    def first_slots(valid: Tensor) -> slice | None:
+        count = int(valid.sum())
+        return slice(0, count) if count else None
+
+    with mock.patch.object(model, "valid_slots", first_slots):
+        yield
+
+
+@contextmanager
+def varlen_reads_the_neighbours_rows() -> Iterator[None]:
+    """The varlen path attends row b's query over row b - 1's keys and values, at the slots
+    row b's ``valid`` marks: one batch row off in the offsets (cu_seqlens) it reads by.
+
+    Stands for a batched kernel that reads or writes another request's row: flash-attention
+    772 (``flash_attn_with_kvcache`` updating the wrong batch row), FlashInfer 353 (wrong when
+    some rows had an empty cache).
+    """
+    varlen = model.varlen_attention
+
+    def off_by_one_row(attend, query, keys, values, *args, **kwargs):
+        return varlen(attend, query, keys.roll(1, 0), values.roll(1, 0), *args, **kwargs)
+
+    with mock.patch.object(model, "varlen_attention", off_by_one_row):
+        yield
+
+
 # Bugs of the model's side of rows of their own, run on a correct left-padded cache.
-ROWS_MODEL_MUTANTS = (positions_count_left_padding,)
+ROWS_MODEL_MUTANTS = (
+    positions_count_left_padding,
+    varlen_ranges_from_counts,
+    varlen_reads_the_neighbours_rows,
+)
 
 
 ROWS_MUTANTS = (

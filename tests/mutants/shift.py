@@ -1,7 +1,7 @@
 """Broken context shifts and unrotated keys (docs/contract.md, section 8.4): each a
-``PreallocatedCache`` with one bug in ``shift``, an ``UnrotatedCache`` with one bug in how
-it keeps keys unrotated, or the independent ``ShiftingListCache`` with one bug in how it
-re-rotates."""
+``PreallocatedCache`` with one bug in ``shift`` (of the whole batch or per row), an
+``UnrotatedCache`` with one bug in how it keeps keys unrotated, or the independent
+``ShiftingListCache`` with one bug in how it re-rotates."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import torch
 from torch import Tensor
 
 from kvimpl import PreallocatedCache, UnrotatedCache
-from kvref import check_shift, rerotate
+from kvref import check_shift, check_shift_rows, rerotate
 from kvref.model import apply_rope
+from kvref.protocol import is_row_shift
 from tests.independent.shifting_list_cache import ShiftingListCache, rotate_in_dtype
 
 
@@ -180,6 +181,85 @@ class ShiftCountRoundedToHalfPrecision(_ListShifted):
         return super().rotate(keys, held)
 
 
+class RowShiftMovesTheWrongRow(PreallocatedCache):
+    """A shift per row cuts each row's span out of the buffer row in reverse order (row b's
+    from row B - 1 - b), the lengths following the right rows.
+
+    Stands for a per-sequence removal and K-shift resolved to the wrong sequence's cells (a
+    cell index taken for a position or a sequence id, llama.cpp 3840, 15226): one sequence
+    of the batch loses and re-rotates tokens another was told to discard.
+    """
+
+    def _shift_rows(self, starts: tuple[int, ...], counts: tuple[int, ...]) -> None:
+        rows = self._rows()
+        for row, (start, count) in enumerate(zip(starts, counts, strict=True)):
+            if not count:
+                continue
+            end, wrong = self._lengths[row], rows - 1 - row
+            moved = slice(start + count, end)
+            keys = self._moved_keys(self.key[wrong, :, moved].clone(), count)
+            self.key[wrong, :, start : end - count] = keys
+            self.value[wrong, :, start : end - count] = self.value[wrong, :, moved].clone()
+            self._lengths[row] = end - count
+
+
+class RowShiftRerotatesEveryRowByTheFirstDelta(PreallocatedCache):
+    """A shift per row re-rotates every row's moved keys by the first shifted row's count,
+    not by its own.
+
+    Stands for a K-shift run once for the batch with one sequence's delta (llama.cpp's
+    K-shift applied to the first stream's positions only, 14742): the other rows' moved keys
+    sit where that row's shift would have put them.
+    """
+
+    def _moved_keys(self, keys: Tensor, count: int) -> Tensor:
+        return rerotate(keys, -getattr(self, "_first_delta", count), self.spec.rope_base)
+
+    def _shift_rows(self, starts: tuple[int, ...], counts: tuple[int, ...]) -> None:
+        self._first_delta = next(count for count in counts if count)
+        try:
+            super()._shift_rows(starts, counts)
+        finally:
+            del self._first_delta
+
+
+class RowShiftShortensTheUntouchedRows(PreallocatedCache):
+    """A shift per row lowers every untouched row's length by the largest count too.
+
+    Stands for one position counter kept for the batch (n_past) lowered by a shift of one
+    sequence (ik_llama.cpp 2459: the removal and the token count drifting apart): the other
+    rows lose their newest tokens.
+    """
+
+    def _shift_rows(self, starts: tuple[int, ...], counts: tuple[int, ...]) -> None:
+        super()._shift_rows(starts, counts)
+        most = max(counts)
+        self._lengths = [
+            max(0, n - most) if not count else n
+            for n, count in zip(self._lengths, counts, strict=True)
+        ]
+
+
+class RowShiftChecksAgainstTheLongestRow(PreallocatedCache):
+    """A shift per row checks each row's span against the longest row's length, not its
+    own: a span past a short row's end is taken, cut to what the row holds.
+
+    Stands for a removal bounded by the batch's positions rather than the sequence's
+    (llama.cpp 12160: a miscomputed bound removes valid tokens): a caller's span past a
+    row's end silently discards that row's tail instead of being refused.
+    """
+
+    def shift(self, start, count) -> None:
+        if not is_row_shift(start, count):
+            return super().shift(start, count)
+        starts, counts = check_shift_rows((self.length,) * self._rows(), start, count)
+        # Each row's span cut to what it holds, as a bound from the batch leaves it.
+        fitted = [min(n, c) for n, c in zip(self._lengths, counts, strict=True)]
+        starts = [min(s, n - c) for s, n, c in zip(starts, self._lengths, fitted, strict=True)]
+        self._shift_rows(tuple(starts), tuple(fitted))
+        return None
+
+
 SHIFT_MUTANTS = (
     ShiftRotatesByTheWrongDelta,
     ShiftMovesKeysWithoutRotating,
@@ -190,4 +270,8 @@ SHIFT_MUTANTS = (
     ShiftRerotatesAtBase10000,
     ShiftAnglesInHalfPrecision,
     ShiftCountRoundedToHalfPrecision,
+    RowShiftMovesTheWrongRow,
+    RowShiftRerotatesEveryRowByTheFirstDelta,
+    RowShiftShortensTheUntouchedRows,
+    RowShiftChecksAgainstTheLongestRow,
 )

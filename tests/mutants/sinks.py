@@ -55,4 +55,47 @@ class TruncateKeepsSinks(SinkListCache):
         self._sink_k, self._sink_v = sinks
 
 
-SINKS_MUTANTS = (SinkEvictedOnWrap, SinksNotReordered, TruncateKeepsSinks)
+class SinksMaskedOnceWrapped(StreamingCache):
+    """``attend`` masks with the sliding window alone: the sinks are seen while the window
+    still covers them, and masked out once it has moved past them (the ring wrapped).
+
+    Stands for a sliding-window kernel handed a sink cache's rows without the sinks in its
+    mask (FlashAttention's ``window_size`` knows no sinks; gpt-oss and vLLM's sink support
+    came as a separate term): a model whose prompts fit in the window never shows it, and
+    ``append`` returns the sinks, so only the attend path does.
+    """
+
+    def _visible(self, query_positions: Tensor, key_positions: Tensor) -> Tensor:
+        keys, queries = key_positions[None, :], query_positions[:, None]
+        visible = keys <= queries
+        if self.spec.window is not None:
+            visible &= keys > queries - self.spec.window
+        return visible
+
+
+class WindowCountsTheSinks(StreamingCache):
+    """``attend``'s window counts the sinks: beside S sinks a query sees the last W - S
+    positions, not the last W (the window measured from the sinks' end of the buffer).
+
+    Stands for Hugging Face's ``SinkCache(window_length, num_sink_tokens)``, whose
+    window_length is sinks and recent tokens together: a cache sized that way, driven by a
+    model whose window is W without its sinks, attends S recent keys too few once the
+    session passes S + W.
+    """
+
+    def _visible(self, query_positions: Tensor, key_positions: Tensor) -> Tensor:
+        keys, queries = key_positions[None, :], query_positions[:, None]
+        visible = keys <= queries
+        if self.spec.window is not None:
+            recent = max(1, self.spec.window - self.sinks)
+            visible &= (keys > queries - recent) | (keys < self.sinks)
+        return visible
+
+
+SINKS_MUTANTS = (
+    SinkEvictedOnWrap,
+    SinksNotReordered,
+    TruncateKeepsSinks,
+    SinksMaskedOnceWrapped,
+    WindowCountsTheSinks,
+)
