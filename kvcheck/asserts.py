@@ -502,6 +502,17 @@ def _allowed_for(declared: Quantized, given: Tensor, indices: list[int], dtype) 
     return declared.allowed_error(given[:, :, :whole], dtype)[:, :, indices]
 
 
+def coded_bound(declared: Quantized | None, given: Tensor, dtype) -> Tensor:
+    """The declared bound of every number of ``given`` ((B, H, L, D), the rows given since
+    the reset), in float64: 0 where a row must come back as given (no storage declared, or
+    one of the recent run), its bound where it may be in codes (section 10.1)."""
+    bound = torch.zeros(given.shape, dtype=torch.float64, device=given.device)
+    coded = 0 if declared is None else declared.coded_rows(given.shape[2])
+    if coded:
+        bound[:, :, :coded] = _allowed_for(declared, given, list(range(coded)), dtype)
+    return bound
+
+
 # A key a context shift moved is re-rotated by the cache, perhaps in its storage dtype: up to
 # this many roundings of that dtype per shift (cosine, sine, the products, their sum), of the
 # row's largest magnitude, from the float64 re-rotation of the key given (contract, 8.4).
@@ -528,7 +539,28 @@ def _rerotated_within(cache, got: Tensor, given: Tensor, kept: list[int], row: i
     rounding = shift_rounding(got.dtype, counts)
     spacing = SHIFT_ROUNDINGS * len(counts) * finfo.tiny * finfo.eps
     allowed = rounding * want.abs().amax(dim=-1, keepdim=True) + spacing
+    allowed = allowed + _moved_codes_bound(cache, given, kept[row], got.dtype)
     return bool(((got[:, :, row].double() - want).abs() <= allowed).all())
+
+
+# A key in codes that a shift moved: its coding error rotated (each channel of a rotated
+# pair mixes two coded numbers: up to sqrt 2 x the larger bound) and, where the cache codes
+# the rotated key again (llama.cpp's quantized K), a second coding of a row up to sqrt 2 x as
+# wide: 3 x the row's largest bound covers both (contract, 10.1 and 8.4).
+MOVED_CODES = 3.0
+
+
+def _moved_codes_bound(cache, given: Tensor, index: int, dtype) -> Tensor | float:
+    """What a moved key given at ``index`` may carry from its codes, per (batch row, head):
+    0 where its row is not one the cache may hold in codes."""
+    from kvcheck.harness import coarser
+
+    parts = getattr(cache, "storage", (None, None))
+    declared = coarser(parts[0], getattr(cache, "carried", (None, None))[0])
+    if declared is None or index >= cache.quantized_below[0]:
+        return 0.0
+    bound = _allowed_for(declared, given, [index], dtype)[:, :, 0]
+    return MOVED_CODES * bound.amax(dim=-1, keepdim=True)
 
 
 # Public: the session engine checks the rows a shift per row moved with it (section 8.4).

@@ -455,8 +455,6 @@ def record(caches: Iterable[LayerCache], config: ModelConfig, path: str = "appen
     factory that hands the same object to every layer still meets the model's guard; None
     for a layer that reads another's cache (``ModelConfig.kv_sources``)."""
     recorders: dict[int, Recorder] = {}
-    if path == "attend" and config.attention == "gqa":
-        check_attends_per_head(caches)
     return [
         None
         if cache is None
@@ -472,18 +470,6 @@ def record(caches: Iterable[LayerCache], config: ModelConfig, path: str = "appen
         )
         for layer, cache in enumerate(caches)
     ]
-
-
-def check_attends_per_head(caches: Iterable[LayerCache]) -> None:
-    """On the attend path a layer of per-head attention needs ``attend``: a cache that has
-    ``attend_latent`` alone would be run on the append path in disguise (section 10.2)."""
-    for cache in caches:
-        if cache is not None and "attend" not in capabilities(cache):
-            raise CacheContractError(
-                f"the cache built for {getattr(cache, 'spec', 'this spec')} has attend_latent() "
-                "but no attend(): on the attend path an ordinary (per-head) layer calls attend; "
-                "a cache that takes ordinary layers offers attend too"
-            )
 
 
 def recorded(factory: CacheFactory, spec: CacheSpec, path: str = "append") -> Recorder:

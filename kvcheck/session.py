@@ -585,20 +585,31 @@ class Engine:
                     f"tokens after its shifts\n  at {where}"
                 )
             kept = kept_rows(cache.sinks, held, total)
-            moved = SimpleNamespace(rerotated=(cache.rows_rerotated or {row: {}})[row])
+            rows_below = cache.rows_below[row] if cache.rows_below else [0, 0]
+            moved = SimpleNamespace(  # the row's own record, as rerotated_within reads one
+                rerotated=(cache.rows_rerotated or {row: {}})[row],
+                storage=cache.storage,
+                carried=getattr(cache, "carried", (None, None)),
+                quantized_below=rows_below,
+            )
             for which, (name, got) in enumerate((("keys", keys), ("values", values))):
                 rows, given = got[row][:, mask][None], given_rows[which][None]
-                bad = kvassert.differing_rows(rows, given[:, :, kept])
+                # Under a declared storage, the rows this row may hold in codes (its own count:
+                # a shift of it may have re-coded all it moved, contract 10.1) to their bound.
+                below = rows_below[which]
+                bad, beyond = kvassert.rows_not_held(cache, which, rows, given, kept, below=below)
                 if which == 0:  # a key a shift moved: within its rounding
+                    first_bad = bad[:1]
                     bad = [
                         i for i in bad if not kvassert.rerotated_within(moved, rows, given, kept, i)
                     ]
+                    beyond = beyond if bad[:1] == first_bad else ""  # it spoke of another row
                 if bad:
                     counts = moved.rerotated.get(kept[bad[0]], ()) if which == 0 else ()
                     said = f", moved by shifts of {list(counts)}" if counts else ""
                     raise failures.DataLoss(
                         f"{who}: {name} row {kept[bad[0]]} that append_rows marked valid is not "
-                        f"the row given there{said} ({len(bad)} of {held} differ: "
+                        f"the row given there{said}{beyond} ({len(bad)} of {held} differ: "
                         f"{[kept[i] for i in bad[:8]]})\n  at {where}"
                     )
 

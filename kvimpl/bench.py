@@ -1069,12 +1069,15 @@ def markdown(header: list[str], lines: list[list[str]], text_columns: tuple[int,
 
 def plot(rows: list[Row], title: str, path: Path) -> None:
     """ms per token against context length (log-log), and each cache relative to the ideal."""
+    from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(11, 4.5))
     FigureCanvasAgg(figure)  # draw with Agg: no display, no global pyplot state
     absolute, relative = figure.subplots(1, 2)
+    for axes in (absolute, relative):  # more rows than the default cycle has colours
+        axes.set_prop_cycle(color=colormaps["tab20"].colors)
     ideal = ideals(rows)
     for label in dict.fromkeys(row.cache for row in rows):
         timed = [row for row in rows if row.cache == label and row.ms_per_token is not None]

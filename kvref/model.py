@@ -446,6 +446,14 @@ def varlen_attention(
     return torch.cat(per_row)
 
 
+def rotating_keys(attend, base: float, query: Tensor, keys: Tensor, *args, **kwargs) -> Tensor:
+    """``attend`` over ``keys`` kept unrotated (section 8.4), rotated first at
+    ``key_positions``: on the varlen path, each row's own rows alone, not its pads."""
+    values, query_positions, key_positions, *rest = args
+    rotated = apply_rope(keys, key_positions.clamp(min=0), base)  # a pad's position is any
+    return attend(query, rotated, values, query_positions, key_positions, *rest, **kwargs)
+
+
 def valid_slots(valid: Tensor) -> slice | Tensor | None:
     """The slots ``valid`` (rows,) marks: a slice where they are one run (a view, no copy),
     else their indices; None where there are none."""
@@ -850,13 +858,13 @@ class Attention(nn.Module):
         sinks = held.clamp(max=self.sinks)[:, None]
         kept = torch.where(index < sinks, index, (totals - held)[:, None] + index)
         key_positions = firsts[:, None] + kept
-        if keys_stored(cache) == "unrotated":  # each row's keys at its own positions
-            all_k = apply_rope(all_k, key_positions.clamp(min=0), self.config.rope_base)
         sink_end = firsts + self.sinks
         # Ragged rows attend as a varlen kernel does, each over its own rows alone (section
         # 8.2: the dense masked path would attend every row over the longest row's slots);
         # rows of one length, no slot a pad, in one batched call.
         attend = functools.partial(self._attention, True)
+        if keys_stored(cache) == "unrotated":  # each row's keys at its own positions
+            attend = functools.partial(rotating_keys, attend, self.config.rope_base)
         if not bool(valid.all()):
             attend = functools.partial(varlen_attention, attend, valid=valid)
         return attend(
