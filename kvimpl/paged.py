@@ -600,12 +600,13 @@ class PagedCache(TreeDraftsMixin, RowBook, MovableMixin):  # RowBook's _movable 
         self._lengths[row] = end
 
     def _held_rows(self) -> tuple[Tensor, Tensor, Tensor]:
-        """Every row's tokens joined from its blocks, padded with zeros to the longest row,
-        and which slots each row holds."""
+        """Every row's tokens joined from its blocks into one tensor as long as the longest
+        row, and which slots each row holds. The other slots are left unwritten: what they
+        hold is free (contract, 8.1), and filling them costs a write of every pad slot."""
         s, longest, size = self.spec, self.length, self.pool.block_size
         shape = (len(self._tables), s.kv_heads, longest, s.head_dim)
-        keys = torch.zeros(shape, dtype=s.dtype, device=s.device)
-        values = torch.zeros((*shape[:3], s.value_width), dtype=s.dtype, device=s.device)
+        keys = torch.empty(shape, dtype=s.dtype, device=s.device)
+        values = torch.empty((*shape[:3], s.value_width), dtype=s.dtype, device=s.device)
         for row, (table, held) in enumerate(zip(self._tables, self._lengths, strict=True)):
             for index, block in enumerate(table):
                 block_keys, block_values = self.pool._block_rows(block)

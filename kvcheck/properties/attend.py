@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from hypothesis import strategies as st
@@ -144,16 +146,29 @@ def sinks_left_behind(plan: AttendPlan) -> bool:
     return False
 
 
-def check_attend(factory: CacheFactory, plan: AttendPlan) -> None:
-    """Every attend returns the reference attention over the rows given since the reset."""
+class GivenRows(NamedTuple):
+    """One call of a plan's and the rows it gives: new (keys, values) and every row's since
+    the reset, these included; ``where`` says which call, at which positions, of which plan."""
+
+    kind: str
+    rows: int
+    seed: int  # of the keys; the values' is seed + 1, the query's seed + 2
+    start: int  # the absolute position of the first new row
+    new: tuple[torch.Tensor, torch.Tensor]
+    held: tuple[torch.Tensor, torch.Tensor]
+    where: str
+
+
+def given_rows(plan: AttendPlan | LatentAttendPlan, scale: float = 1.0) -> Iterator[GivenRows]:
+    """The rows of each of ``plan.calls`` in turn: normal noise from the plan's seed, the keys
+    (or rope keys) times ``scale``, the values (or latents) as drawn."""
     spec = plan.spec
-    cache = build(factory, spec)
-    note_attend(plan)
-    scale = LARGE[spec.dtype] if plan.large else 1.0
     keys, values = kvst.random_rows(spec, 0, seed=0), kvst.random_rows(spec, 0, 0, values=True)
     for index, (kind, rows) in enumerate(plan.calls):
         seed = plan.seed + 10 * index
-        key = kvst.random_rows(spec, rows, seed=seed) * scale
+        key = kvst.random_rows(spec, rows, seed=seed)
+        if scale != 1.0:  # x 1.0 is x: left out, for dtypes without a product
+            key = key * scale
         value = kvst.random_rows(spec, rows, seed=seed + 1, values=True)
         start = keys.shape[2]
         keys, values = torch.cat((keys, key), dim=2), torch.cat((values, value), dim=2)
@@ -161,6 +176,16 @@ def check_attend(factory: CacheFactory, plan: AttendPlan) -> None:
             f"call #{index} ({kind} of {rows} rows at absolute positions {start}.."
             f"{start + rows - 1}) of {plan.describe()}"
         )
+        yield GivenRows(kind, rows, seed, start, (key, value), (keys, values), where)
+
+
+def check_attend(factory: CacheFactory, plan: AttendPlan) -> None:
+    """Every attend returns the reference attention over the rows given since the reset."""
+    spec = plan.spec
+    cache = build(factory, spec)
+    note_attend(plan)
+    scale = LARGE[spec.dtype] if plan.large else 1.0
+    for kind, rows, seed, start, (key, value), (keys, values), where in given_rows(plan, scale):
         if kind == "append":
             cache.append(key.clone(), value.clone())
         else:
@@ -367,17 +392,7 @@ def check_latent_attend(factory: CacheFactory, plan: LatentAttendPlan) -> None:
     spec = plan.spec
     cache = build(factory, spec)
     note_latent_attend(plan)
-    ropes, latents = kvst.random_rows(spec, 0, seed=0), kvst.random_rows(spec, 0, 0, values=True)
-    for index, (kind, rows) in enumerate(plan.calls):
-        seed = plan.seed + 10 * index
-        rope = kvst.random_rows(spec, rows, seed=seed)
-        latent = kvst.random_rows(spec, rows, seed=seed + 1, values=True)
-        start = ropes.shape[2]
-        ropes, latents = torch.cat((ropes, rope), dim=2), torch.cat((latents, latent), dim=2)
-        where = (
-            f"call #{index} ({kind} of {rows} rows at absolute positions {start}.."
-            f"{start + rows - 1}) of {plan.describe()}"
-        )
+    for kind, rows, seed, start, (rope, latent), (ropes, latents), where in given_rows(plan):
         if kind == "append":
             cache.append(rope.clone(), latent.clone())
         else:

@@ -17,7 +17,9 @@ Events a cache does not offer (it has ``append_rows`` but no ``join``, say) are 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar, TypeVar
 
 import torch
 from hypothesis import strategies as st
@@ -41,6 +43,7 @@ FIRST_POSITIONS = (0, 1, 47, 48, 49, 255, 256, 1023, 1025, 4095, 4096, 8191, 819
 class RowsPlan:
     """One batch and its events, each ``(kind, per-row counts or rows)``."""
 
+    TITLE: ClassVar[str] = "rows plan"  # what describe() calls it (a subclass, its own)
     config: ModelConfig
     dtype: torch.dtype
     batch: int
@@ -60,9 +63,8 @@ class RowsPlan:
         events = "; ".join(said[kind].format(list(arg)) for kind, arg in self.events)
         firsts = "" if self.firsts is None else f", first positions {list(self.firsts)}"
         return (
-            f"rows plan: batch {self.batch}, {dtype_name(self.dtype)}, pads of {self.pad}{firsts}"
-            f", events: "
-            f"{events}\n  model: {kvst.describe_config(self.config)}"
+            f"{self.TITLE}: batch {self.batch}, {dtype_name(self.dtype)}, pads of {self.pad}"
+            f"{firsts}, events: {events}\n  model: {kvst.describe_config(self.config)}"
         )
 
     def summary(self) -> tuple[str, str, str]:
@@ -70,6 +72,9 @@ class RowsPlan:
         fed += sum(prompt for kind, arg in self.events if kind == "join" for prompt, _ in arg)
         kinds = ", ".join(dict.fromkeys(kind for kind, _ in self.events))
         return f"{fed} ({kinds})", str(self.config.num_layers), str(self.batch)
+
+
+P = TypeVar("P")  # a plan with a RowsPlan's fields (a RowsPlan, a subclass, a RowShiftPlan)
 
 
 @st.composite
@@ -135,20 +140,45 @@ def rows_plans(draw) -> RowsPlan:
     # Every plan ends with a decode step, so that what the last edit left is read back.
     if events[-1][0] != "feed" and any(n < MAX_LENGTH for n in lengths):
         events.append(("feed", tuple(int(n < MAX_LENGTH) for n in lengths)))
-    # Half the plans start their rows elsewhere than 0: near and past powers of two, past
-    # max_length, and where the reference model's table of rotations ends.
+    configs = kvst.model_configs(max_layers=2, tokens=MAX_LENGTH + 8)
+    return drawn_rows_plan(draw, RowsPlan, configs, batch=batch, events=events)
+
+
+def drawn_rows_plan(
+    draw, plan: type[P], configs, *, batch: int, events, config_label: str | None = "config"
+) -> P:
+    """A plan of ``plan``'s kind (one with a ``RowsPlan``'s fields) for ``batch`` rows and
+    their ``events``, the rest drawn in this order: first positions, a model of ``configs``
+    (its draw labelled ``config_label``), the dtype, the token seed and the pads. Half the
+    plans start their rows elsewhere than 0: near and past powers of two, past max_length,
+    and where the reference model's table of rotations ends."""
     firsts = None
     if draw(st.booleans(), label="first positions"):
         firsts = tuple(draw(st.sampled_from(FIRST_POSITIONS), label="first") for _ in range(batch))
-    return RowsPlan(
+    return plan(
         firsts=firsts,
-        config=draw(kvst.model_configs(max_layers=2, tokens=MAX_LENGTH + 8), label="config"),
+        config=draw(configs, label=config_label),
         dtype=draw(kvst.dtypes_on_device(kvst.WITH_HALF), label="dtype"),
         batch=batch,
         events=tuple(events),
         token_seed=draw(st.integers(0, 2**16), label="token seed"),
         pad=draw(st.sampled_from(sorted(kvst.POISON_VALUES)), label="pad"),
     )
+
+
+def rows_engine(factory: CacheFactory, plan: P, max_length: int) -> tuple[Engine, Callable]:
+    """An engine over ``plan``'s model, its caches built for ``max_length`` tokens a row, and
+    ``tokens(count)``: the next ``count`` tokens of the plan's seed, on the device."""
+    model = kvst.build_model(plan.config, plan.dtype)
+    engine = Engine(factory, model, max_length=max_length, describe=plan.describe)
+    generator = torch.Generator().manual_seed(plan.token_seed)
+    device = kvdevices.current()
+
+    def tokens(count: int) -> torch.Tensor:
+        drawn = torch.randint(0, plan.config.vocab_size, (count,), generator=generator)
+        return drawn.to(device)
+
+    return engine, tokens
 
 
 @st.composite
@@ -196,15 +226,7 @@ def joining_requests(draw, room: int) -> tuple[tuple[int, int], ...]:
 
 def check_mixed_lengths(factory: CacheFactory, plan: RowsPlan) -> None:
     """Every row's new logits, at every event, equal the uncached model on that row alone."""
-    model = kvst.build_model(plan.config, plan.dtype)
-    engine = Engine(factory, model, max_length=MAX_LENGTH, describe=plan.describe)
-    generator = torch.Generator().manual_seed(plan.token_seed)
-    device = kvdevices.current()
-
-    def tokens(count: int) -> torch.Tensor:
-        drawn = torch.randint(0, plan.config.vocab_size, (count,), generator=generator)
-        return drawn.to(device)
-
+    engine, tokens = rows_engine(factory, plan, MAX_LENGTH)
     batch = engine.start("the batch", plan.batch)
     # The names, not the cache (a pool must have every block back at the end), asked of the
     # cache itself (an adapter may offer them through __getattr__).

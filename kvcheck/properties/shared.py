@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import torch
 from hypothesis import strategies as st
@@ -248,38 +249,14 @@ SHARED_LAYERS = Property(
 # --- through rows of their own (section 8.1) and trees (section 9.2) --------------------
 
 ROWS_MAX_LENGTH = 24  # per row: prompts, chunks and rollbacks around a 16-row block
-ROWS_EVENTS_SAID = {
-    "feed": "rows fed {}",
-    "truncate": "truncate_rows to {}",
-    "select": "select_rows {}",
-}
 
 
 @dataclasses.dataclass(frozen=True)
-class SharedRowsPlan:
-    """A shared model's batch and its events, each ``(kind, per-row counts or rows)``:
-    ``feed`` (counts), ``truncate`` (the lengths kept) and ``select`` (the rows kept)."""
+class SharedRowsPlan(kvrows.RowsPlan):
+    """A shared model's batch and its events, a ``RowsPlan``'s of three kinds: ``feed``
+    (counts), ``truncate`` (the lengths kept) and ``select`` (the rows kept)."""
 
-    config: ModelConfig
-    dtype: torch.dtype
-    batch: int
-    events: tuple[tuple[str, tuple[int, ...]], ...]
-    token_seed: int
-    firsts: tuple[int, ...] | None = None  # each row's first position (reset_at), else 0
-    pad: str = "nan"  # what the pad slots' keys and values hold (strategies.POISON_VALUES)
-
-    def describe(self) -> str:
-        events = "; ".join(ROWS_EVENTS_SAID[kind].format(list(arg)) for kind, arg in self.events)
-        firsts = "" if self.firsts is None else f", first positions {list(self.firsts)}"
-        return (
-            f"shared rows plan: batch {self.batch}, {kvdevices.dtype_name(self.dtype)}, pads of "
-            f"{self.pad}{firsts}, events: {events}\n  model: {kvst.describe_config(self.config)}"
-        )
-
-    def summary(self) -> tuple[str, str, str]:
-        fed = sum(sum(arg) for kind, arg in self.events if kind == "feed")
-        kinds = ", ".join(dict.fromkeys(kind for kind, _ in self.events))
-        return f"{fed} ({kinds})", str(self.config.num_layers), str(self.batch)
+    TITLE: ClassVar[str] = "shared rows plan"
 
 
 @st.composite
@@ -304,18 +281,9 @@ def shared_rows_plans(draw) -> SharedRowsPlan:
             counts = tuple(int(room > 0) for room in most)
         events.append(("feed", counts))
         lengths = [n + c for n, c in zip(lengths, counts, strict=True)]
-    firsts = None
-    if draw(st.booleans(), label="first positions"):
-        drawn = st.sampled_from(kvrows.FIRST_POSITIONS)
-        firsts = tuple(draw(drawn, label="first") for _ in range(batch))
-    return SharedRowsPlan(
-        config=draw(shared_configs(ROWS_MAX_LENGTH + 8)),
-        dtype=draw(kvst.dtypes_on_device(kvst.WITH_HALF), label="dtype"),
-        batch=batch,
-        events=tuple(events),
-        token_seed=draw(st.integers(0, 2**16), label="token seed"),
-        firsts=firsts,
-        pad=draw(st.sampled_from(sorted(kvst.POISON_VALUES)), label="pad"),
+    models = shared_configs(ROWS_MAX_LENGTH + 8)
+    return kvrows.drawn_rows_plan(
+        draw, SharedRowsPlan, models, batch=batch, events=events, config_label=None
     )
 
 
@@ -606,17 +574,15 @@ def note_shared_tree(plan: SharedTreePlan) -> None:
         reach.note(READER_PAST_A_LAYER)
 
 
-# Tried first on every run: layer 2 reads layer 0 past a layer of its own; rows of their
-# own first positions and lengths, a rollback per row, then the two rows swapped.
+# The model of the plans tried first on every run: layer 2 reads layer 0 past a layer of
+# its own.
+MODEL_PAST_A_LAYER = ModelConfig(
+    vocab_size=19, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=4, kv_sources=(None, None, 0)
+)
+# Rows of their own first positions and lengths, a rollback per row, then the two rows
+# swapped.
 ROWS_PAST_A_LAYER = SharedRowsPlan(
-    config=ModelConfig(
-        vocab_size=19,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=4,
-        kv_sources=(None, None, 0),
-    ),
+    config=MODEL_PAST_A_LAYER,
     dtype=torch.float64,
     batch=2,
     events=(
@@ -632,14 +598,7 @@ ROWS_PAST_A_LAYER = SharedRowsPlan(
 )
 # A tree of two roots and siblings under a reader two layers after its source.
 TREE_PAST_A_LAYER = SharedTreePlan(
-    config=ModelConfig(
-        vocab_size=19,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=4,
-        kv_sources=(None, None, 0),
-    ),
+    config=MODEL_PAST_A_LAYER,
     dtype=torch.float64,
     batch=2,
     prefix=(3, 2),

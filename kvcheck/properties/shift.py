@@ -41,7 +41,13 @@ from kvcheck import strategies as kvst
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
-from kvcheck.properties.rows import FIRST_POSITIONS, held_lengths, prompt_counts
+from kvcheck.properties.rows import (
+    FIRST_POSITIONS,
+    drawn_rows_plan,
+    held_lengths,
+    prompt_counts,
+    rows_engine,
+)
 from kvcheck.session import Engine
 from kvref import CacheFactory, ModelConfig
 from kvref.model import ROPE_TABLE_POSITIONS
@@ -424,9 +430,9 @@ def row_span(draw, held: int) -> tuple[int, int]:
 @st.composite
 def row_shifts(draw, lengths: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """A shift per row of rows holding ``lengths``, some row moved (its longest, from 0, by
-    one token where the draws moved none)."""
+    one token where the draws moved none; none where every row is empty)."""
     spans = [draw(row_span(held), label="span") for held in lengths]
-    if not any(count for _, count in spans):
+    if not any(count for _, count in spans) and max(lengths):
         spans[lengths.index(max(lengths))] = (0, 1)
     starts, counts = zip(*spans, strict=True)
     return tuple(starts), tuple(counts)
@@ -471,38 +477,23 @@ def row_shift_plans(draw) -> RowShiftPlan:
             events.append(("feed", counts))
             lengths = [n + count for n, count in zip(lengths, counts, strict=True)]
     if not any(kind == "shift" for kind, _ in events):
+        if not max(lengths):  # shifts emptied every row: one token each to shift
+            events.append(("feed", (1,) * batch))
+            lengths = [1] * batch
         shift = draw(row_shifts(lengths), label="shift per row")
         events.append(("shift", shift))
         lengths = [n - count for n, count in zip(lengths, shift[1], strict=True)]
     if events[-1][0] == "shift":  # what the last shift left is read back
         events.append(("feed", tuple(int(n < ROW_MAX_LENGTH) for n in lengths)))
-    firsts = None
-    if draw(st.booleans(), label="first positions"):
-        firsts = tuple(draw(st.sampled_from(FIRST_POSITIONS), label="first") for _ in range(batch))
-    return RowShiftPlan(
-        config=draw(configs(max_layers=2, tokens=ROW_MAX_LENGTH + 8), label="config"),
-        dtype=draw(kvst.dtypes_on_device(kvst.WITH_HALF), label="dtype"),
-        batch=batch,
-        events=tuple(events),
-        token_seed=draw(st.integers(0, 2**16), label="token seed"),
-        firsts=firsts,
-        pad=draw(st.sampled_from(sorted(kvst.POISON_VALUES)), label="pad"),
-    )
+    models = configs(max_layers=2, tokens=ROW_MAX_LENGTH + 8)
+    return drawn_rows_plan(draw, RowShiftPlan, models, batch=batch, events=events)
 
 
 def check_row_shifts(factory: CacheFactory, plan: RowShiftPlan) -> None:
     """Every row's new logits, before and after each shift per row, equal the model's over
     that row's rows alone, at batch 1, as its own shifts left them; and every append_rows
     returns them (re-rotated keys within rounding)."""
-    model = kvst.build_model(plan.config, plan.dtype)
-    engine = Engine(factory, model, max_length=ROW_MAX_LENGTH, describe=plan.describe)
-    generator = torch.Generator().manual_seed(plan.token_seed)
-    device = kvdevices.current()
-
-    def tokens(count: int) -> torch.Tensor:
-        drawn = torch.randint(0, plan.config.vocab_size, (count,), generator=generator)
-        return drawn.to(device)
-
+    engine, tokens = rows_engine(factory, plan, ROW_MAX_LENGTH)
     batch = engine.start("the batch", plan.batch)
     firsts = [0] * plan.batch
     if plan.firsts is not None and callable(getattr(batch.caches[0].cache, "reset_at", None)):

@@ -43,6 +43,50 @@ def storage_for(spec: CacheSpec) -> Quantized:
     return Quantized(8, group=group, codes=codes, symmetric=True)
 
 
+def check_indices(spec: CacheSpec, indices: Tensor) -> None:
+    """reorder's argument checked: an int64 tensor of shape (batch,) on the spec's device,
+    each index a row of the batch (kivi_group_cache's too: rows and indices, no codes)."""
+    batch = spec.batch
+    if not isinstance(indices, Tensor):
+        raise TypeError(f"reorder indices must be a tensor, not {type(indices).__name__}")
+    if indices.dtype != torch.int64 or indices.shape != (batch,):
+        raise ValueError(
+            f"reorder indices must be int64 of shape ({batch},), got {indices.dtype} "
+            f"{tuple(indices.shape)}"
+        )
+    if indices.device != torch.device(spec.device):
+        raise ValueError(f"reorder indices are on {indices.device}, not {spec.device}")
+    if bool(((indices < 0) | (indices >= batch)).any()):
+        raise ValueError(f"reorder indices {indices.tolist()} out of range for batch {batch}")
+
+
+def check_rows(spec: CacheSpec, held: int, key: Tensor, value: Tensor) -> None:
+    """append's rows checked against the spec and the ``held`` tokens' room, before any is
+    stored (kivi_group_cache's too)."""
+    for what, rows in (("key", key), ("value", value)):
+        if not isinstance(rows, Tensor):
+            raise TypeError(f"{what} should be a torch.Tensor, got {type(rows).__name__}")
+        if rows.dtype != spec.dtype or rows.device != torch.device(spec.device):
+            raise ValueError(
+                f"{what} is {rows.dtype} on {rows.device}; this cache holds {spec.dtype} on "
+                f"{spec.device}"
+            )
+        wanted = (spec.batch, spec.kv_heads, spec.head_dim)
+        if rows.ndim != 4 or (rows.shape[0], rows.shape[1], rows.shape[3]) != wanted:
+            raise ValueError(
+                f"{what} has shape {tuple(rows.shape)}; expected (batch, kv_heads, tokens, "
+                f"head_dim) with (batch, kv_heads, head_dim) = {wanted}"
+            )
+    if key.shape != value.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
+    if key.shape[2] == 0:
+        raise ValueError("nothing to append: key and value hold 0 tokens")
+    if held + key.shape[2] > spec.max_length:
+        raise ValueError(
+            f"overflow: {held} held + {key.shape[2]} new > max_length {spec.max_length}"
+        )
+
+
 class Fp8SegmentCache:
     def __init__(self, spec: CacheSpec) -> None:
         self.spec = spec
@@ -65,7 +109,7 @@ class Fp8SegmentCache:
         return sum(t.nbytes for segment in self._segments for t in segment.values())
 
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        self._admit(key, value)
+        check_rows(self.spec, self.length, key, value)
         segment = {}
         for name, rows in (("key", key), ("value", value)):
             segment[name], segment[f"{name}_scale"] = self._encode(rows)
@@ -87,47 +131,11 @@ class Fp8SegmentCache:
         self._segments = kept
 
     def reorder(self, indices: Tensor) -> None:
-        batch = self.spec.batch
-        if not isinstance(indices, Tensor):
-            raise TypeError(f"reorder indices must be a tensor, not {type(indices).__name__}")
-        if indices.dtype != torch.int64 or indices.shape != (batch,):
-            raise ValueError(
-                f"reorder indices must be int64 of shape ({batch},), got {indices.dtype} "
-                f"{tuple(indices.shape)}"
-            )
-        if indices.device != torch.device(self.spec.device):
-            raise ValueError(f"reorder indices are on {indices.device}, not {self.spec.device}")
-        if bool(((indices < 0) | (indices >= batch)).any()):
-            raise ValueError(f"reorder indices {indices.tolist()} out of range for batch {batch}")
+        check_indices(self.spec, indices)
         self._segments = [
             {name: t.index_select(0, indices) for name, t in segment.items()}
             for segment in self._segments
         ]
-
-    def _admit(self, key: Tensor, value: Tensor) -> None:
-        s = self.spec
-        for what, rows in (("key", key), ("value", value)):
-            if not isinstance(rows, Tensor):
-                raise TypeError(f"{what} should be a torch.Tensor, got {type(rows).__name__}")
-            if rows.dtype != s.dtype or rows.device != torch.device(s.device):
-                raise ValueError(
-                    f"{what} is {rows.dtype} on {rows.device}; this cache holds {s.dtype} on "
-                    f"{s.device}"
-                )
-            wanted = (s.batch, s.kv_heads, s.head_dim)
-            if rows.ndim != 4 or (rows.shape[0], rows.shape[1], rows.shape[3]) != wanted:
-                raise ValueError(
-                    f"{what} has shape {tuple(rows.shape)}; expected (batch, kv_heads, tokens, "
-                    f"head_dim) with (batch, kv_heads, head_dim) = {wanted}"
-                )
-        if key.shape != value.shape:
-            raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
-        if key.shape[2] == 0:
-            raise ValueError("nothing to append: key and value hold 0 tokens")
-        if self.length + key.shape[2] > s.max_length:
-            raise ValueError(
-                f"overflow: {self.length} held + {key.shape[2]} new > max_length {s.max_length}"
-            )
 
     def _block(self) -> int:
         """Channels per scale: BLOCK, the last block the channels left; per token, all."""

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from kvref.protocol import CacheSpec, Quantized
+from tests.independent.fp8_segment_cache import check_indices, check_rows
 
 KEY_BITS = 2
 VALUE_BITS = 4
@@ -61,7 +62,7 @@ class KiviGroupCache:
         return int(coded + exact)
 
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        self._admit(key, value)
+        check_rows(self.spec, self.length, key, value)
         for t in range(key.shape[2]):
             self._residual_keys.append(key[:, :, t].clone())
             self._residual_values.append(value[:, :, t].clone())
@@ -70,48 +71,12 @@ class KiviGroupCache:
         return self._read("keys", self._residual_keys), self._read("values", self._residual_values)
 
     def reorder(self, indices: Tensor) -> None:
-        batch = self.spec.batch
-        if not isinstance(indices, Tensor):
-            raise TypeError(f"reorder indices must be a tensor, not {type(indices).__name__}")
-        if indices.dtype != torch.int64 or indices.shape != (batch,):
-            raise ValueError(
-                f"reorder indices must be int64 of shape ({batch},), got {indices.dtype} "
-                f"{tuple(indices.shape)}"
-            )
-        if indices.device != torch.device(self.spec.device):
-            raise ValueError(f"reorder indices are on {indices.device}, not {self.spec.device}")
-        if bool(((indices < 0) | (indices >= batch)).any()):
-            raise ValueError(f"reorder indices {indices.tolist()} out of range for batch {batch}")
+        check_indices(self.spec, indices)
         for group in self._flushed.values():
             for name, part in group.items():
                 group[name] = tuple(t.index_select(0, indices) for t in part)
         self._residual_keys = [t.index_select(0, indices) for t in self._residual_keys]
         self._residual_values = [t.index_select(0, indices) for t in self._residual_values]
-
-    def _admit(self, key: Tensor, value: Tensor) -> None:
-        s = self.spec
-        for what, rows in (("key", key), ("value", value)):
-            if not isinstance(rows, Tensor):
-                raise TypeError(f"{what} should be a torch.Tensor, got {type(rows).__name__}")
-            if rows.dtype != s.dtype or rows.device != torch.device(s.device):
-                raise ValueError(
-                    f"{what} is {rows.dtype} on {rows.device}; this cache holds {s.dtype} on "
-                    f"{s.device}"
-                )
-            wanted = (s.batch, s.kv_heads, s.head_dim)
-            if rows.ndim != 4 or (rows.shape[0], rows.shape[1], rows.shape[3]) != wanted:
-                raise ValueError(
-                    f"{what} has shape {tuple(rows.shape)}; expected (batch, kv_heads, tokens, "
-                    f"head_dim) with (batch, kv_heads, head_dim) = {wanted}"
-                )
-        if key.shape != value.shape:
-            raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
-        if key.shape[2] == 0:
-            raise ValueError("nothing to append: key and value hold 0 tokens")
-        if self.length + key.shape[2] > s.max_length:
-            raise ValueError(
-                f"overflow: {self.length} held + {key.shape[2]} new > max_length {s.max_length}"
-            )
 
     def _flush(self) -> None:
         """The residual's ``group`` tokens into codes: keys per channel over the tokens,
