@@ -417,20 +417,29 @@ def rows_not_held(
     bound from the row given: those below ``below`` (by default the recorder's
     ``quantized_below``: a batch row of its own, a tree's nodes or a shard say theirs). Also,
     where the first bad row is one of those, how far."""
-    from kvcheck.harness import coarser
-
     want = given[:, :, kept]
     bad = differing_rows(got, want)
-    declared = coarser(cache.storage[part], getattr(cache, "carried", (None, None))[part])
-    if not bad or declared is None:
+    # The cache's own storage, and that of rows moved in from another (section 11.2): a row
+    # may be held to either, so to the larger bound of the two, number by number (one
+    # storage's step is not coarser than another's everywhere: float8's is relative).
+    declarations = [
+        part_declared
+        for part_declared in (cache.storage[part], getattr(cache, "carried", (None, None))[part])
+        if part_declared is not None
+    ]
+    if not bad or not declarations:
         return bad, ""
     below = cache.quantized_below[part] if below is None else below
     lossy = [row for row in bad if kept[row] < below]
     if not lossy:
         return bad, ""
     got_rows, want_rows = got[:, :, lossy].double(), want[:, :, lossy]
-    _note_lossy_edges(declared, given, [kept[row] for row in lossy])
-    allowed = _allowed_for(declared, given, [kept[row] for row in lossy], got.dtype)
+    indices = [kept[row] for row in lossy]
+    for declared in declarations:
+        _note_lossy_edges(declared, given, indices)
+    allowed = torch.stack([_allowed_for(d, given, indices, got.dtype) for d in declarations])
+    allowed = allowed.amax(dim=0)
+    declared = " or ".join(dict.fromkeys(d.describe() for d in declarations))
     gap = (got_rows - want_rows.double()).abs()
     beyond = ~((gap <= allowed) | allowed.isinf())  # a nan is beyond any finite bound
     over = set(torch.tensor(lossy)[beyond.movedim(2, 0).flatten(1).any(1)].tolist())
@@ -440,7 +449,7 @@ def rows_not_held(
     at = lossy.index(bad[0])
     worst = (gap[:, :, at] - allowed[:, :, at]).flatten().nan_to_num(torch.inf).argmax()
     return bad, (
-        f", beyond the declared {declared.describe()} bound: |diff| "
+        f", beyond the declared {declared} bound: |diff| "
         f"{gap[:, :, at].flatten()[worst].item():.3g} against "
         f"{allowed[:, :, at].flatten()[worst].item():.3g} allowed"
     )
