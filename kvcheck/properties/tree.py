@@ -275,23 +275,24 @@ def committed_rows(recorder: Recorder, like: tuple[Tensor, Tensor]) -> tuple[Ten
     return recorder.given
 
 
-def coded_with_nodes(recorder: Recorder, length: int) -> list[int]:
-    """Keys' and values' rows that may be in codes once a tree's nodes bring the rows given
-    to ``length``: a node is a row as any other, in codes once out of the declared recent
-    run (contract, 10.1); by row, the most any row may have."""
-    before = recorder.quantized_below
-    if recorder.rows_below:
-        before = [max(row[part] for row in recorder.rows_below) for part in (0, 1)]
+def coded_with_nodes(recorder: Recorder, length: int, row: int = 0) -> list[int]:
+    """Keys' and values' rows of batch row ``row`` that may be in codes once a tree's nodes
+    bring the rows given to ``length``: a node is a row as any other, in codes once out of
+    the declared recent run (contract, 10.1); with rows of their own, from that row's own
+    count."""
+    before = recorder.rows_below[row] if recorder.rows_below else recorder.quantized_below
     return recorder.coded_below(before, length)
 
 
-def committed_below(recorder: Recorder, held: int, nodes: int, length: int) -> list[int]:
+def committed_below(
+    recorder: Recorder, held: int, nodes: int, length: int, row: int = 0
+) -> list[int]:
     """The rows that may be in codes once a commit leaves ``length`` of the ``held`` and the
     ``nodes``: any accepted node may be one the tree had in codes, so every row is where
     some node may have been; else as the rows before the tree."""
-    with_nodes = coded_with_nodes(recorder, held + nodes)
-    after = coded_with_nodes(recorder, length)
-    return [length if tree > held else row for tree, row in zip(with_nodes, after, strict=True)]
+    with_nodes = coded_with_nodes(recorder, held + nodes, row)
+    after = coded_with_nodes(recorder, length, row)
+    return [length if tree > held else part for tree, part in zip(with_nodes, after, strict=True)]
 
 
 class TreeTap:
@@ -345,20 +346,30 @@ class TreeTap:
             if not 0 < got.shape[2] <= given.shape[2]:
                 return
             kept = kept_rows(self.recorder.sinks, got.shape[2], given.shape[2])
-            below = coded_with_nodes(self.recorder, given.shape[2])[which]
-            if below > given.shape[2] - nodes.shape[2]:
-                reach.note(NODES_IN_CODES)
-            bad, beyond = kvassert.rows_not_held(self.recorder, which, got, given, kept, below)
+            bad, beyond, row = self._rows_not_held(which, got, given, kept, nodes.shape[2])
             if bad:
                 held = given.shape[2] - nodes.shape[2]
                 index = kept[bad[0]]
                 said = f"committed row {index}" if index < held else f"draft node {index - held}"
                 raise failures.DataLoss(
-                    f"{self.who}: {name} row {index} that append_tree returned is not the "
-                    f"{said} given there{beyond} ({len(bad)} of {got.shape[2]} rows returned "
-                    f"differ: "
-                    f"{[kept[row] for row in bad[:8]]})\n  at {self.where}"
+                    f"{self.who}, batch row {row}: {name} row {index} that append_tree returned "
+                    f"is not the {said} given there{beyond} ({len(bad)} of {got.shape[2]} rows "
+                    f"returned differ: {[kept[i] for i in bad[:8]]})\n  at {self.where}"
                 )
+
+    def _rows_not_held(self, which: int, got, given, kept, nodes: int):
+        """``kvassert.rows_not_held`` batch row by batch row, each by its own count of rows
+        that may be in codes: the bad rows of the first row with any, their bound, the row."""
+        for row in range(got.shape[0]):
+            below = coded_with_nodes(self.recorder, given.shape[2], row)[which]
+            if below > given.shape[2] - nodes:
+                reach.note(NODES_IN_CODES)
+            bad, beyond = kvassert.rows_not_held(
+                self.recorder, which, got[row : row + 1], given[row : row + 1], kept, below
+            )
+            if bad:
+                return bad, beyond, row
+        return [], "", 0
 
 
 def histories(request: Request) -> Tensor:
@@ -491,7 +502,10 @@ def commit(
             for row, path in enumerate(accepted)
         ]
         held, count = committed[0].shape[2], nodes[0].shape[2]
-        below = [committed_below(recorder, held, count, row[0].shape[1]) for row in kept]
+        below = [
+            committed_below(recorder, held, count, rows[0].shape[1], row)
+            for row, rows in enumerate(kept)
+        ]
         if by_row:
             recorder.given, recorder.rows_given = None, kept  # fed by row from now on
             recorder.rows_below = below
