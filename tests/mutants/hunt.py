@@ -127,6 +127,15 @@ def hunt_as_tested(mutant: Mutant) -> Catch | None:
     )
 
 
+def crashed(prop: Property, error: Exception) -> Crashed:
+    """What stops a hunt when a run of ``prop`` raised ``error``, neither a failure nor a
+    model guard's refusal: a crash, not a catch."""
+    return Crashed(
+        f"not a catch: while searching property {prop.name!r}, a run crashed with "
+        f"{type(error).__name__}: {error}"
+    )
+
+
 def search(
     factory: CacheFactory,
     prop: Property,
@@ -155,6 +164,8 @@ def search(
                 return Catch(prop.name, example, errors[-1])
         except kvsizes.OutsideDomain:
             continue
+        except Exception as error:  # a pinned input crashes the run as a drawn one does
+            raise crashed(prop, error) from error
     # No example database: a catch must come from this run's search, not a replay of an
     # earlier one. Shrinking is off unless asked for: a test only needs to know it failed.
     # Derandomized in the default tier: the same examples under any seed, as in CI, so that
@@ -169,8 +180,5 @@ def search(
     except NoSuchExample:
         return None
     except Exception as error:
-        raise Crashed(
-            f"not a catch: while searching property {prop.name!r}, a run crashed with "
-            f"{type(error).__name__}: {error}"
-        ) from error
+        raise crashed(prop, error) from error
     return Catch(prop.name, example, errors[-1])  # find's last call is on the example it returns
