@@ -609,6 +609,11 @@ class WarmRows:
             f"{kvst.describe_config(self.config)}"
         )
 
+    def summary(self) -> tuple[str, str, str]:
+        """The mutant report's columns: tokens (the rows' prompts), layers, batch."""
+        lengths = "+".join(str(n) for n in self.lengths)
+        return f"{lengths} (warm rows)", str(self.config.num_layers), str(len(self.lengths))
+
 
 @st.composite
 def warm_rows(draw) -> WarmRows:
