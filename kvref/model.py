@@ -969,34 +969,32 @@ class Attention(nn.Module):
         folded = torch.einsum("bhtn,hnc->bhtc", nope.to(wide), up_key).to(q.dtype)
         query = torch.cat((folded, rope), dim=-1)
         latents = cache.attend_latent(query, k, v, 1 / math.sqrt(c.query_width))
-        expected = (*q.shape[:3], c.latent_dim)
-        if not isinstance(latents, Tensor) or latents.shape != expected or latents.dtype != q.dtype:
-            got = (
-                f"{tuple(latents.shape)} {latents.dtype}"
-                if isinstance(latents, Tensor)
-                else type(latents).__name__
-            )
-            raise CacheContractError(
-                f"layer {self.layer}: attend_latent must return the weighted latents shaped "
-                f"{expected} in {q.dtype}; it returned {got}"
-            )
+        self._check_output(
+            latents, (*q.shape[:3], c.latent_dim), q.dtype, "attend_latent", "the weighted latents"
+        )
         return torch.einsum("bhtc,hdc->bhtd", latents.to(wide), up_value).to(q.dtype)
 
     def _check_attended(self, mixed: object, query: Tensor) -> None:
-        if (
-            not isinstance(mixed, Tensor)
-            or mixed.shape != query.shape
-            or (mixed.dtype != query.dtype)
-        ):
-            got = (
-                f"{tuple(mixed.shape)} {mixed.dtype}"
-                if isinstance(mixed, Tensor)
-                else type(mixed).__name__
-            )
-            raise CacheContractError(
-                f"layer {self.layer}: attend must return a tensor shaped like the query "
-                f"{tuple(query.shape)} {query.dtype}; it returned {got}"
-            )
+        self._check_output(
+            mixed, query.shape, query.dtype, "attend", "a tensor shaped like the query"
+        )
+
+    def _check_output(
+        self, result: object, shape, dtype: torch.dtype, call: str, what: str
+    ) -> None:
+        """What a cache's own attention (``call``) returned is a tensor of ``shape`` in
+        ``dtype``; else a ``CacheContractError`` saying what it returned."""
+        if isinstance(result, Tensor) and result.shape == tuple(shape) and result.dtype == dtype:
+            return
+        got = (
+            f"{tuple(result.shape)} {result.dtype}"
+            if isinstance(result, Tensor)
+            else type(result).__name__
+        )
+        raise CacheContractError(
+            f"layer {self.layer}: {call} must return {what}, {tuple(shape)} in {dtype}; it "
+            f"returned {got}"
+        )
 
     def _rows_shaped(self, keys: object, values: object, batch: int) -> bool:
         """Keys and values of this layer, as many of each: (batch, kv_heads, rows, width), the
