@@ -32,7 +32,9 @@ by the model), and for the optional capabilities ``AttendTests``, ``ForkTests``,
 ``SinksTests`` (attention sinks a cache declares), ``ServingTests`` (prefix caching and
 offload), ``TreeTests`` (tree drafts), ``MoveTests`` (moves between layouts) and
 ``ShardedTests`` (tensor-parallel ranks, run on every cache)); subclass one of them instead
-to run only that area. The contract a cache must keep is in ``kvref.protocol`` and
+to run only that area. ``EngineTests`` puts a whole engine under the kit where its cache
+cannot be reached layer by layer (``kvcheck.engines``, contract section 13). The contract a
+cache must keep is in ``kvref.protocol`` and
 ``docs/contract.md``.
 """
 
@@ -43,6 +45,7 @@ __all__ = [
     "CacheTests",
     "CoreTests",
     "Domain",
+    "EngineTests",
     "ForkTests",
     "IsolationTests",
     "MemoryTests",
@@ -88,6 +91,7 @@ if TYPE_CHECKING:  # what __getattr__ below serves, for type checkers and the AP
         TreeTests,
         TruncateTests,
     )
+    from kvcheck.engines import EngineTests
     from kvcheck.sizes import Domain, Sizes
 
 
@@ -100,6 +104,10 @@ def __getattr__(name: str):
         from kvcheck import sizes
 
         return getattr(sizes, name)
+    if name == "EngineTests":  # a whole engine, driven by token ids (contract, section 13)
+        from kvcheck.engines import EngineTests
+
+        return EngineTests
     if name in __all__:
         from kvcheck import base
 

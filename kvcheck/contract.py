@@ -22,6 +22,7 @@ VERSIONS: dict[str, str] = {
     "1.6": "every capability with every other: lossy pools and rows, float8 codes and groups "
     "along tokens, shared layers through rows and trees, shifts per row, sinks and latents "
     "on the attend path",
+    "1.7": "engines under the kit: the model as the unit, driven by token ids (section 13)",
 }
 VERSION = list(VERSIONS)[-1]
 ENV = "KV_CONTRACT"

@@ -50,6 +50,8 @@ def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestRepor
     if report.when != "call" and not (report.when == "setup" and not report.passed):
         return None  # a passed setup says nothing yet; teardown never decides a property
     entry = {"cache": cache.args[0], "name": cache.args[1], "property": prop.args[0]}
+    if getattr(cache, "kwargs", {}).get("kind") == "engine":  # held to the engine properties
+        entry["kind"] = "engine"
     entry["test"] = item.nodeid
     if path := item.get_closest_marker("kv_path"):  # the model's path, of those offered
         entry.update(path=path.args[0], paths=list(path.args[1]))
@@ -218,14 +220,26 @@ def tabulate(
     if not isinstance(kit_properties, dict):  # names alone: all of them counted
         kit_properties = dict.fromkeys(kit_properties, "1.0")
 
-    order = {name: index for index, name in enumerate(kit_properties)}
-    # The kit's properties the run holds the caches to: those it counts.
+    # The kit's properties the run holds the caches to (those it counts), in order; an
+    # engine's are the engine properties (contract, section 13).
     held = held_to or contract.VERSION
-    counted_properties = sum(not contract.newer(v, held) for v in kit_properties.values())
+    kinds = {"cache": kit_properties}
+    if any(entry.get("kind") == "engine" for entry in entries):
+        from kvcheck.engines import SINCE as engine_properties
+
+        kinds["engine"] = engine_properties
+    order = {kind: {name: i for i, name in enumerate(names)} for kind, names in kinds.items()}
+    counted_by_kind = {
+        kind: sum(not contract.newer(v, held) for v in names.values())
+        for kind, names in kinds.items()
+    }
     caches: dict[str, dict] = {}
     # Sorted by test id, so that the first failure named is the same under any -n.
     for entry in sorted(entries, key=lambda e: e["test"]):
-        cache = caches.setdefault(entry["cache"], {"name": entry["name"], "properties": {}})
+        cache = caches.setdefault(
+            entry["cache"],
+            {"name": entry["name"], "properties": {}, "kind": entry.get("kind", "cache")},
+        )
         if "domain" in entry:  # what the cache declares it supports: all that was drawn
             cache["domain"] = entry["domain"]
         counted = entry.get("counted", True)
@@ -241,12 +255,15 @@ def tabulate(
                 outcome not in (PASS, NOT_OFFERED) for outcome in row.get("paths", {}).values()
             ):
                 row["result"] = PARTLY
-        cache["properties"] = dict(sorted(rows.items(), key=lambda kv: order.get(kv[0], 99)))
+        rank = order[cache.get("kind", "cache")]
+        cache["properties"] = dict(sorted(rows.items(), key=lambda kv: rank.get(kv[0], 99)))
         cache["holds"] = sum(row["result"] == PASS for row in rows.values())
         cache["failed"] = sum(row["result"] == FAIL for row in rows.values())
         cache["not offered"] = sum(row["result"] == NOT_OFFERED for row in rows.values())
         cache["run"] = sum(row["result"] in (PASS, FAIL) for row in rows.values())
-        cache["kit properties"] = counted_properties
+        cache["kit properties"] = counted_by_kind[cache["kind"]]
+        if cache["kind"] == "cache":  # the JSON report names the kind of an engine alone
+            del cache["kind"]
     return caches
 
 

@@ -1,5 +1,12 @@
 """The reference transformer and the public key/value cache protocol."""
 
+from kvref.engine import (
+    EngineFactory,
+    EngineSpec,
+    SequenceEngine,
+    Step,
+    engine_capabilities,
+)
 from kvref.model import ModelConfig, ReferenceTransformer, attention, rerotate
 from kvref.protocol import (
     Attending,
@@ -46,6 +53,8 @@ __all__ = [
     "CacheFactory",
     "CacheRows",
     "CacheSpec",
+    "EngineFactory",
+    "EngineSpec",
     "Forkable",
     "LayerCache",
     "ModelConfig",
@@ -55,7 +64,9 @@ __all__ = [
     "Quantized",
     "ReferenceTransformer",
     "Reorderable",
+    "SequenceEngine",
     "Shard",
+    "Step",
     "TreeDrafts",
     "Truncatable",
     "attention",
@@ -71,6 +82,7 @@ __all__ = [
     "check_shift_rows",
     "check_tree",
     "check_truncate",
+    "engine_capabilities",
     "may_refuse_shift",
     "may_refuse_truncate",
     "min_nbytes",

@@ -87,6 +87,10 @@ class ModelConfig:
     # per layer, None for a layer with a cache of its own, or the earlier layer whose cache
     # it reads (a layer with one of its own, of the same window). None: every layer has one.
     kv_sources: tuple[int | None, ...] | None = None
+    # The feed-forward block: "silu", down(silu(in(x))), or "swiglu", down(silu(gate(x)) *
+    # in(x)) as Llama has it, so that an engine's own Llama (llama.cpp, transformers; contract
+    # section 13) can be given exactly this model's weights.
+    ffn: Literal["silu", "swiglu"] = "silu"
 
     def __post_init__(self) -> None:
         for name in (
@@ -121,6 +125,8 @@ class ModelConfig:
             raise ValueError(
                 f"window_layers must be 'all' or 'alternate', got {self.window_layers!r}"
             )
+        if self.ffn not in ("silu", "swiglu"):
+            raise ValueError(f'ffn must be "silu" or "swiglu", got {self.ffn!r}')
         self._check_latent()
         self._check_kv_sources()
 
@@ -782,9 +788,12 @@ class Attention(nn.Module):
                 )
             # The keys held are the sinks, then the most recent ones, ending at the last new
             # position (without a window and with caches: every one from the first position).
-            end = int(positions[-1]) + 1
-            kept = kept_rows(self.sinks, all_k.shape[-2], end - first)
-            key_positions = first + torch.tensor(kept, dtype=torch.long, device=x.device)
+            if is_cached(cache):
+                end = int(positions[-1]) + 1
+                kept = kept_rows(self.sinks, all_k.shape[-2], end - first)
+                key_positions = first + torch.tensor(kept, dtype=torch.long, device=x.device)
+            else:  # the keys are this call's tokens, at their positions (gaps and all)
+                key_positions = positions
             if stored == "unrotated":
                 all_k = apply_rope(all_k, key_positions, c.rope_base)
             mixed = self._attention(
@@ -1054,6 +1063,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.d_model)
         self.ffn_in = nn.Linear(config.d_model, config.ffn_dim, bias=False)
         self.ffn_out = nn.Linear(config.ffn_dim, config.d_model, bias=False)
+        # Made last, so that a "silu" model's weights are drawn as they always were.
+        if config.ffn == "swiglu":
+            self.ffn_gate = nn.Linear(config.d_model, config.ffn_dim, bias=False)
 
     def forward(
         self,
@@ -1067,8 +1079,13 @@ class Block(nn.Module):
         normed = self.attention_norm(x)
         attended, k, v = self.attention(normed, positions, cache, rows, first, keys)
         x = x + attended
-        x = x + self.ffn_out(F.silu(self.ffn_in(self.ffn_norm(x))))
-        return x, k, v
+        normed = self.ffn_norm(x)
+        hidden = self.ffn_in(normed)
+        if hasattr(self, "ffn_gate"):
+            hidden = F.silu(self.ffn_gate(normed)) * hidden
+        else:
+            hidden = F.silu(hidden)
+        return x + self.ffn_out(hidden), k, v
 
 
 class ReferenceTransformer(nn.Module):
@@ -1148,14 +1165,23 @@ class ReferenceTransformer(nn.Module):
         caches: Sequence[LayerCache] | None = None,
         *,
         start_position: int = 0,
+        positions: Tensor | None = None,
     ) -> Tensor:
         """Logits shaped (batch, T, vocab) for the T tokens given, after those in the caches.
 
         Without caches the tokens sit at ``start_position`` onwards; RoPE is relative, so the
         logits do not depend on it (a property the tests check). With caches they start at
-        the caches' common length.
+        the caches' common length. ``positions`` (uncached calls only): each token's own, T
+        increasing ints, gaps allowed; the oracle of an engine whose memory operations leave
+        a sequence's positions apart (contract, section 13).
         """
         self._check_token_ids(token_ids)
+        if positions is not None:
+            if caches is not None or start_position:
+                raise ValueError("positions is for uncached calls that set no start_position")
+            at = self._checked_positions(positions, token_ids.shape[1])
+            logits, _ = self._run(token_ids, None, int(at[0]), int(at[0]), positions=at)
+            return logits
         if isinstance(start_position, bool) or not isinstance(start_position, int):
             raise TypeError(f"start_position must be an int, got {type(start_position).__name__}")
         if start_position < 0:
@@ -1420,6 +1446,15 @@ class ReferenceTransformer(nn.Module):
             raise ValueError(f"keys must be one of {KEYS_STORED}, got {keys!r}")
         return self._run(token_ids, None, start_position, start_position, keys)
 
+    def _checked_positions(self, positions: object, tokens: int) -> Tensor:
+        if not isinstance(positions, Tensor) or positions.dtype != torch.long:
+            raise TypeError(f"positions must be a torch.long tensor, got {positions!r}")
+        if positions.shape != (tokens,):
+            raise ValueError(f"positions must be shaped ({tokens},), got {tuple(positions.shape)}")
+        if tokens and (int(positions[0]) < 0 or bool((positions.diff() <= 0).any())):
+            raise ValueError(f"positions must be increasing ints >= 0, got {positions.tolist()}")
+        return positions.to(self.device)
+
     def _run(
         self,
         token_ids: Tensor,
@@ -1427,12 +1462,15 @@ class ReferenceTransformer(nn.Module):
         offset: int,
         first: int,
         keys: str = "rotated",
+        positions: Tensor | None = None,
     ):
-        """The tokens at positions ``offset`` onwards, in a session whose first token sat at
-        ``first`` (its sinks); each layer's new keys (rotated or not, ``keys``) and values."""
+        """The tokens at positions ``offset`` onwards (or, uncached, at ``positions``), in a
+        session whose first token sat at ``first`` (its sinks); each layer's new keys
+        (rotated or not, ``keys``) and values."""
         c = self.config
         new_tokens = token_ids.shape[1]
-        positions = torch.arange(offset, offset + new_tokens, device=self.device)
+        if positions is None:
+            positions = torch.arange(offset, offset + new_tokens, device=self.device)
         x = self.embedding(token_ids)
         keys_and_values = []
         read = {c.source_of(layer) for layer in range(c.num_layers)} - {None}

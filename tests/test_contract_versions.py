@@ -13,6 +13,8 @@ import pytest
 from kvcheck import badinput as kvbad
 from kvcheck import contract
 from kvcheck import verdict as kvverdict
+from kvcheck.engines import ENGINE_PROPERTIES
+from kvcheck.engines import SINCE as ENGINE_SINCE
 from kvcheck.properties import ALL, SINCE
 from tests.pytest_run import ROOT, run_in_process
 
@@ -33,7 +35,8 @@ CASES = [case for table in TABLES.values() for case in table]
 
 def test_every_property_and_case_arrived_in_a_version_of_the_contract():
     assert list(contract.VERSIONS)[-1] == contract.VERSION
-    unknown = [item.name for item in [*ALL, *CASES] if item.since not in contract.VERSIONS]
+    every = [*ALL, *ENGINE_PROPERTIES, *CASES]
+    unknown = [item.name for item in every if item.since not in contract.VERSIONS]
     assert unknown == [], f"since names no version of kvcheck.contract.VERSIONS: {unknown}"
 
 
@@ -51,7 +54,9 @@ def test_the_contract_names_its_version_and_what_arrived_in_each():
         return f"`{name}`" in rows[since]
 
     unnamed = [
-        prop.name for prop in ALL if prop.since != "1.0" and not named(prop.name, prop.since)
+        prop.name
+        for prop in [*ALL, *ENGINE_PROPERTIES]
+        if prop.since != "1.0" and not named(prop.name, prop.since)
     ]
     for prop, table in TABLES.items():
         # A table whose cases all arrived with it may be named as "`prop` and its N cases".
@@ -72,6 +77,7 @@ def test_the_properties_table_gives_each_property_its_version():
         if line.startswith("| ") and len(cells := line.split("|")) >= 6
     }
     assert {name: rows.get(name) for name in SINCE} == SINCE
+    assert {name: rows.get(name) for name in ENGINE_SINCE} == ENGINE_SINCE
 
 
 def test_a_pin_is_read_from_the_option_the_environment_or_the_ini(monkeypatch):
@@ -232,6 +238,16 @@ def test_the_versions_on_record_change_only_on_purpose():
             "1.6",
         ),
     } == SINCE
+    assert (
+        dict.fromkeys(
+            [
+                *("engine decode", "engine sequences", "engine clear", "engine remove"),
+                *("engine copy", "engine shift", "engine mixed"),
+            ],
+            "1.7",
+        )
+        == ENGINE_SINCE
+    )
     cases = {prop: (len(table), {c.since for c in table}) for prop, table in TABLES.items()}
     assert cases == {
         "bad append": (13, {"1.0"}),

@@ -1,0 +1,545 @@
+"""Engines under the kit: the model, not the layer, is the unit (contract, section 13).
+
+``EngineTests`` is what a user subclasses for an engine whose cache the kit cannot reach
+layer by layer (llama.cpp behind ``llama_decode``, a generation loop)::
+
+    from kvcheck.engines import EngineTests
+    from mypkg.adapter import engine   # an EngineFactory: (model, EngineSpec) -> engine
+
+    class TestMyEngine(EngineTests):
+        engine = engine
+
+Each property draws a plan (``EnginePlan``): a tiny model (the reference transformer the
+factory converts into the engine's own weights) and the events to drive it through. Events
+are the engine's own calls: ``Decode`` a batch of several sequences' tokens, each at its own
+positions; ``Remove`` a span, ``Copy`` a sequence into another, ``Shift`` a span's
+positions, ``Clear``. A ``Mirror`` follows what each sequence should hold, tokens and
+positions, and after every decode each returned logit row is held to the one oracle: the
+reference model's uncached pass over that sequence's tokens at their positions, in float64,
+at the tolerance of the dtype the engine computes in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import pytest
+import torch
+from hypothesis import strategies as st
+from torch import Tensor
+
+from kvcheck import asserts as kvassert
+from kvcheck import failures
+from kvcheck import sizes as kvsizes
+from kvcheck.kit import NOT_OFFERED, Property, search
+from kvref import ModelConfig, ReferenceTransformer
+from kvref.engine import EngineFactory, EngineSpec, Step, engine_capabilities, logits_of
+
+# --- the events ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Feed:
+    """``count`` new tokens of ``sequence``, from position ``first`` on."""
+
+    sequence: int
+    first: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Decode:
+    """One batch: a ``Feed`` per sequence in it, evaluated together."""
+
+    feeds: tuple[Feed, ...]
+
+
+@dataclass(frozen=True)
+class Remove:
+    """The sequence's tokens at positions [start, end) dropped; end None: to its end."""
+
+    sequence: int
+    start: int
+    end: int | None
+
+
+@dataclass(frozen=True)
+class Copy:
+    """The empty sequence ``target`` made to hold what ``source`` holds."""
+
+    source: int
+    target: int
+
+
+@dataclass(frozen=True)
+class Shift:
+    """``delta`` added to the positions of the sequence's tokens in [start, end)."""
+
+    sequence: int
+    start: int
+    end: int | None
+    delta: int
+
+
+@dataclass(frozen=True)
+class Clear:
+    """Every sequence forgotten."""
+
+
+# The memory operation each event calls, where it is one (``kvref.engine.ENGINE_OPERATIONS``).
+OPERATION = {Remove: "remove", Copy: "copy", Shift: "shift"}
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """A model and the events to drive an engine built from it through."""
+
+    config: ModelConfig
+    events: tuple
+    seed: int  # the tokens: each decode's drawn from it and the event's index
+
+    def tokens(self, index: int, feed: Feed) -> list[int]:
+        generator = torch.Generator().manual_seed(
+            self.seed * 1_000_003 + index * 101 + feed.sequence
+        )
+        drawn = torch.randint(0, self.config.vocab_size, (feed.count,), generator=generator)
+        return drawn.tolist()
+
+
+# --- what each sequence holds ----------------------------------------------------------
+
+
+@dataclass
+class Held:
+    """One sequence: its tokens and their positions, in order."""
+
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+
+    def next_position(self) -> int | None:
+        return self.positions[-1] + 1 if self.positions else None
+
+    def keep(self, inside: Callable[[int], bool]) -> None:
+        kept = [(t, p) for t, p in zip(self.tokens, self.positions, strict=True) if not inside(p)]
+        self.tokens = [t for t, _ in kept]
+        self.positions = [p for _, p in kept]
+
+
+class Mirror:
+    """What each sequence of an engine should hold after the events so far (the kit's own
+    books: the engine is never asked)."""
+
+    def __init__(self, sequences: int) -> None:
+        self.held = [Held() for _ in range(sequences)]
+
+    def apply(self, event: object) -> None:
+        if isinstance(event, Remove):
+            end = event.end
+
+            def inside(p: int) -> bool:
+                return p >= event.start and (end is None or p < end)
+
+            self.held[event.sequence].keep(inside)
+        elif isinstance(event, Copy):
+            source = self.held[event.source]
+            self.held[event.target] = Held(list(source.tokens), list(source.positions))
+        elif isinstance(event, Shift):
+            held = self.held[event.sequence]
+            held.positions = [
+                p + event.delta if p >= event.start and (event.end is None or p < event.end) else p
+                for p in held.positions
+            ]
+        elif isinstance(event, Clear):
+            self.held = [Held() for _ in self.held]
+
+
+# --- running a plan --------------------------------------------------------------------
+
+
+def run_plan(factory: EngineFactory, plan: EnginePlan, spec: EngineSpec, dtype) -> None:
+    """Build the engine from ``plan``'s model and drive it through the plan's events,
+    holding every decode's logits to the uncached model's."""
+    truth = ReferenceTransformer(plan.config, dtype=torch.float64)
+    engine = factory(truth, spec)
+    mirror = Mirror(spec.sequences)
+    for index, event in enumerate(plan.events):
+        where = f"event {index + 1} of {len(plan.events)}, {describe(event)}"
+        if isinstance(event, Decode):
+            steps = []
+            for feed in event.feeds:
+                positions = tuple(range(feed.first, feed.first + feed.count))
+                steps.append(Step(feed.sequence, tuple(plan.tokens(index, feed)), positions))
+            returned = engine.decode(steps)
+            if not isinstance(returned, list | tuple) or len(returned) != len(steps):
+                raise failures.WrongResults(
+                    f"decode returned {type(returned).__name__} of "
+                    f"{len(returned) if hasattr(returned, '__len__') else '?'} for "
+                    f"{len(steps)} steps, at {where}"
+                )
+            for step, logits in zip(steps, returned, strict=True):
+                got = logits_of(logits, step, plan.config.vocab_size)
+                held = mirror.held[step.sequence]
+                expected = oracle(truth, held, step)
+                kvassert.assert_close_at(
+                    got.to(dtype),
+                    expected.to(dtype),
+                    what="the engine's and the uncached model's logits",
+                    where=f"{where}: sequence {step.sequence}, holding "
+                    f"{describe_held(held)} before",
+                    position_axis=0,
+                    first_position=step.positions[0],
+                )
+                held.tokens.extend(step.tokens)
+                held.positions.extend(step.positions)
+        elif isinstance(event, Clear):
+            engine.clear()
+        else:
+            operation = getattr(engine, OPERATION[type(event)])
+            operation(*dataclasses.astuple(event))
+        mirror.apply(event)
+
+
+def oracle(truth: ReferenceTransformer, held: Held, step: Step) -> Tensor:
+    """The uncached model's logits for ``step``'s tokens after what the sequence holds."""
+    tokens = torch.tensor([[*held.tokens, *step.tokens]])
+    positions = torch.tensor([*held.positions, *step.positions])
+    return truth(tokens, positions=positions)[0, len(held.tokens) :]
+
+
+def describe(event: object) -> str:
+    if isinstance(event, Decode):
+        feeds = ", ".join(
+            f"sequence {f.sequence} at {f.first}..{f.first + f.count - 1}" for f in event.feeds
+        )
+        return f"decode [{feeds}]"
+    if isinstance(event, Remove):
+        return f"remove(sequence {event.sequence}, {event.start}, {event.end})"
+    if isinstance(event, Copy):
+        return f"copy(sequence {event.source} to {event.target})"
+    if isinstance(event, Shift):
+        return f"shift(sequence {event.sequence}, {event.start}, {event.end}, {event.delta:+d})"
+    return "clear()"
+
+
+def describe_held(held: Held) -> str:
+    if not held.positions:
+        return "nothing"
+    runs, start = [], held.positions[0]
+    for before, after in zip(held.positions, [*held.positions[1:], None], strict=True):
+        if after != before + 1:
+            runs.append(f"{start}..{before}" if before != start else f"{start}")
+            start = after
+    return f"{len(held.positions)} tokens at positions {', '.join(runs)}"
+
+
+# --- the draws -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Drawing:
+    """What a test class lets the draws use (its class attributes)."""
+
+    spec: EngineSpec
+    head_dims: tuple[int, ...]
+    ffn: str
+    start_anywhere: bool  # an empty sequence may start at any position, not 0 alone
+    offered: frozenset[str]
+
+
+@st.composite
+def model_configs(draw, drawing: Drawing) -> ModelConfig:
+    kv_heads = draw(st.integers(1, 2), label="kv_heads")
+    return ModelConfig(
+        vocab_size=draw(st.sampled_from((16, 32)), label="vocab_size"),
+        num_layers=draw(st.integers(1, 2), label="num_layers"),
+        num_heads=kv_heads * draw(st.integers(1, 2), label="queries per kv head"),
+        num_kv_heads=kv_heads,
+        head_dim=draw(st.sampled_from(drawing.head_dims), label="head_dim"),
+        ffn_dim=draw(st.sampled_from((8, 16)), label="ffn_dim"),
+        seed=draw(st.integers(0, 2**16), label="model seed"),
+        ffn=drawing.ffn,
+    )
+
+
+class Planner:
+    """Draws events one by one, keeping the positions each sequence holds, so that every
+    event is valid where it is drawn (and every shrunk plan redrawn so)."""
+
+    def __init__(self, draw, drawing: Drawing) -> None:
+        self.draw, self.drawing = draw, drawing
+        self.positions: list[list[int]] = [[] for _ in range(drawing.spec.sequences)]
+        self.events: list = []
+
+    def room(self, sequence: int) -> int:
+        return self.drawing.spec.max_tokens - len(self.positions[sequence])
+
+    def decode(self, sequences: list[int], most: int | None = None) -> None:
+        feeds, budget = [], self.drawing.spec.max_batch
+        for sequence in sequences:
+            top = min(self.room(sequence), budget, most or budget)
+            if top < 1:
+                continue
+            count = self.draw(st.integers(1, top), label="tokens fed")
+            held = self.positions[sequence]
+            if held:
+                first = held[-1] + 1
+            elif self.drawing.start_anywhere:
+                first = self.draw(st.sampled_from((0, 0, 1, 7, 40)), label="first position")
+            else:
+                first = 0
+            feeds.append(Feed(sequence, first, count))
+            held.extend(range(first, first + count))
+            budget -= count
+        if feeds:
+            self.events.append(Decode(tuple(feeds)))
+
+    def chunks(self, sequence: int, at_least: int = 1) -> None:
+        """A prefill and some decode steps of one sequence."""
+        for _ in range(self.draw(st.integers(at_least, 3), label="chunks")):
+            self.decode([sequence])
+
+    def some_sequences(self, least: int = 1) -> list[int]:
+        count = self.drawing.spec.sequences
+        chosen = self.draw(
+            st.lists(
+                st.integers(0, count - 1), min_size=min(least, count), max_size=count, unique=True
+            ),
+            label="sequences",
+        )
+        return chosen
+
+    def held(self) -> list[int]:
+        return [s for s, held in enumerate(self.positions) if held]
+
+    def remove(self, sequence: int) -> None:
+        held = self.positions[sequence]
+        kind = self.draw(
+            st.sampled_from(("tail", "middle", "head", "whole", "nothing")), label="removed"
+        )
+        n = len(held)
+        if kind == "tail":
+            start = held[self.draw(st.integers(0, n - 1), label="kept")]
+            event = Remove(sequence, start, None)
+        elif kind == "whole":
+            event = Remove(sequence, 0, None)
+        elif kind == "nothing":  # a span past the end
+            event = Remove(sequence, held[-1] + 1, None)
+        else:
+            low = 0 if kind == "head" else self.draw(st.integers(0, n - 1), label="span from")
+            high = self.draw(st.integers(low, n - 1), label="span to")
+            event = Remove(sequence, held[low], held[high] + 1)
+        self.add(event)
+
+    def copy(self, source: int) -> None:
+        """``source`` copied into an empty sequence, where one is (``make_room``)."""
+        empty = [s for s, held in enumerate(self.positions) if not held]
+        if empty:
+            self.add(Copy(source, self.draw(st.sampled_from(empty), label="copied to")))
+
+    def make_room(self, keep: int) -> None:
+        """Where every sequence holds tokens, one other than ``keep`` removed whole."""
+        if "remove" in self.drawing.offered and all(self.positions) and len(self.positions) > 1:
+            others = [s for s in range(len(self.positions)) if s != keep]
+            self.add(Remove(self.draw(st.sampled_from(others), label="emptied"), 0, None))
+
+    def shift(self, sequence: int) -> None:
+        """A context shift where remove is offered (a span dropped, what follows moved back
+        over it), else a suffix moved on, opening a gap."""
+        held = self.positions[sequence]
+        n = len(held)
+        if (
+            "remove" in self.drawing.offered
+            and n > 1
+            and self.draw(st.booleans(), label="context shift")
+        ):
+            low = self.draw(st.integers(0, n - 2), label="dropped from")
+            high = self.draw(st.integers(low, n - 2), label="dropped to")
+            start, end = held[low], held[high] + 1
+            self.add(Remove(sequence, start, end))
+            gap_before = start - (held[low - 1] + 1) if low else start
+            self.add(
+                Shift(
+                    sequence,
+                    end,
+                    None,
+                    -(end - start) - self.draw(st.integers(0, gap_before), label="closed too"),
+                )
+            )
+            return
+        at = self.draw(st.integers(0, n - 1), label="moved from")
+        delta = self.draw(st.sampled_from((1, 3, 16)), label="moved on by")
+        self.add(Shift(sequence, held[at], None, delta))
+
+    def add(self, event: object) -> None:
+        self.events.append(event)
+        mirror = Mirror(0)
+        mirror.held = [Held(list(p), list(p)) for p in self.positions]
+        mirror.apply(event)
+        self.positions = [held.positions for held in mirror.held]
+
+
+def plans(focus: str, drawing: Drawing) -> st.SearchStrategy[EnginePlan]:
+    """Plans for the property ``focus``: its event, amid decodes before and after."""
+
+    @st.composite
+    def plan(draw) -> EnginePlan:
+        p = Planner(draw, drawing)
+        if focus == "decode":
+            p.chunks(draw(st.integers(0, drawing.spec.sequences - 1), label="sequence"))
+        elif focus == "sequences":
+            for _ in range(draw(st.integers(1, 3), label="batches")):
+                p.decode(p.some_sequences(least=2))
+        elif focus == "clear":
+            p.decode(p.some_sequences())
+            p.add(Clear())
+            p.decode(p.some_sequences())
+        else:
+            for _ in range(draw(st.integers(1, 2), label="rounds") if focus != "mixed" else 1):
+                p.decode(p.some_sequences())
+                if focus == "mixed":
+                    mix(draw, p)
+                    continue
+                sequence = draw(st.sampled_from(p.held()), label="its sequence")
+                if focus == "remove":
+                    p.remove(sequence)
+                elif focus == "copy":
+                    p.make_room(sequence)
+                    p.copy(sequence)
+                elif focus == "shift":
+                    p.shift(sequence)
+                p.decode(p.some_sequences())
+        seed = draw(st.integers(0, 2**16), label="token seed")
+        return EnginePlan(draw(model_configs(drawing)), tuple(p.events), seed)
+
+    return plan()
+
+
+def mix(draw, p: Planner) -> None:
+    """Some events of every kind the engine offers, each followed by a decode."""
+    kinds = ["decode", "clear", *sorted(drawing_ops(p))]
+    for _ in range(draw(st.integers(1, 5), label="events")):
+        kind = draw(st.sampled_from(kinds), label="event")
+        held = p.held()
+        if kind == "clear":
+            p.add(Clear())
+        elif kind != "decode" and held:
+            sequence = draw(st.sampled_from(held), label="its sequence")
+            if kind == "remove":
+                p.remove(sequence)
+            elif kind == "copy":
+                p.make_room(sequence)
+                p.copy(sequence)
+            elif p.positions[sequence]:
+                p.shift(sequence)
+        p.decode(p.some_sequences())
+
+
+def drawing_ops(p: Planner) -> frozenset[str]:
+    return p.drawing.offered
+
+
+# --- the properties --------------------------------------------------------------------
+
+ENGINE_PROPERTIES = tuple(
+    Property(
+        name=name,
+        title=title,
+        check=run_plan,
+        strategy=None,  # drawn per test class (its Drawing)
+        severity=failures.WRONG_RESULTS,
+        requires=requires,
+        since="1.7",
+    )
+    for name, title, requires in (
+        (
+            "engine decode",
+            "a prefill and decode steps of one sequence match the uncached model",
+            (),
+        ),
+        ("engine sequences", "sequences batched together each match themselves alone", ()),
+        ("engine clear", "after clear(), sequences start afresh", ()),
+        ("engine remove", "after remove(), a sequence matches what it still holds", ("remove",)),
+        ("engine copy", "a copied sequence and its source go on apart", ("copy",)),
+        ("engine shift", "after shift(), keys attend from their new positions", ("shift",)),
+        ("engine mixed", "every operation offered, in any order", ()),
+    )
+)
+SINCE = {prop.name: prop.since for prop in ENGINE_PROPERTIES}
+
+
+def engine_test(prop: Property):
+    focus = prop.name.removeprefix("engine ")
+
+    def test(self, engine_factory):
+        if not engine_factory:
+            pytest.skip("no engine: set `engine` on the class")
+        drawing = self.drawing(engine_factory)
+        lacks = [name for name in prop.requires if name not in drawing.offered]
+        if lacks:
+            pytest.skip(
+                f"{NOT_OFFERED}: the engine has no {' or '.join(f'{n}()' for n in lacks)} method"
+            )
+        drawn = dataclasses.replace(prop, strategy=plans(focus, drawing))
+        search(
+            drawn,
+            lambda plan: run_plan(engine_factory, plan, drawing.spec, self.dtype),
+            self.pinned,
+            kvsizes.NONE,
+            self.examples_scale,
+        )
+
+    test.__doc__ = prop.title
+    return pytest.mark.kv_property(prop.name, prop.since)(test)
+
+
+class EngineTests:
+    """Every engine property. Subclass it and set ``engine`` (an ``EngineFactory``)."""
+
+    engine: ClassVar[EngineFactory | None] = None
+    engine_name: ClassVar[str | None] = None  # the name in test ids; default the factory's
+    dtype: ClassVar[torch.dtype] = torch.float32  # what the engine computes its logits in
+    head_dims: ClassVar[tuple[int, ...]] = (4, 8)
+    ffn: ClassVar[str] = "swiglu"  # the feed-forward block the engine's architecture has
+    sequences: ClassVar[int] = 3
+    max_tokens: ClassVar[int] = 24
+    max_batch: ClassVar[int] = 16
+    start_anywhere: ClassVar[bool] = True
+    examples_scale: ClassVar[float] = 1.0
+    pinned: ClassVar[dict[str, tuple]] = {}
+
+    def drawing(self, factory: EngineFactory) -> Drawing:
+        spec = EngineSpec(self.sequences, self.max_tokens, self.max_batch)
+        probe = factory(
+            ReferenceTransformer(
+                ModelConfig(
+                    vocab_size=8,
+                    num_layers=1,
+                    num_heads=1,
+                    num_kv_heads=1,
+                    head_dim=self.head_dims[0],
+                    ffn_dim=8,
+                    ffn=self.ffn,
+                )
+            ),
+            spec,
+        )
+        return Drawing(
+            spec, self.head_dims, self.ffn, self.start_anywhere, engine_capabilities(probe)
+        )
+
+    def pytest_generate_tests(self, metafunc) -> None:
+        if "engine_factory" not in metafunc.fixturenames:
+            return
+        factory = type(self).engine
+        label = self.engine_name or getattr(factory, "__name__", None) or type(self).__name__
+        name = f"{getattr(factory, '__module__', '?')}:{label}"
+        mark = pytest.mark.kv_cache(label, name, kind="engine")
+        metafunc.parametrize("engine_factory", [pytest.param(factory, id=label, marks=mark)])
+
+
+for _prop in ENGINE_PROPERTIES:
+    setattr(EngineTests, "test_" + _prop.name.replace(" ", "_"), engine_test(_prop))
+del _prop
