@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from kvcheck import asserts as kvassert
-from kvcheck import failures
+from kvcheck import failures, reach
 from kvcheck import sizes as kvsizes
 from kvcheck.kit import NOT_OFFERED, Property, search
 from kvref import ModelConfig, ReferenceTransformer
@@ -165,8 +165,10 @@ def run_plan(factory: EngineFactory, plan: EnginePlan, spec: EngineSpec, dtype) 
     truth = ReferenceTransformer(plan.config, dtype=torch.float64)
     engine = factory(truth, spec)
     mirror = Mirror(spec.sequences)
+    edges = EdgeNotes()
     for index, event in enumerate(plan.events):
         where = f"event {index + 1} of {len(plan.events)}, {describe(event)}"
+        edges.before(event, mirror)
         if isinstance(event, Decode):
             steps = []
             for feed in event.feeds:
@@ -200,6 +202,98 @@ def run_plan(factory: EngineFactory, plan: EnginePlan, spec: EngineSpec, dtype) 
             operation = getattr(engine, OPERATION[type(event)])
             operation(*dataclasses.astuple(event))
         mirror.apply(event)
+
+
+class EdgeNotes:
+    """Notes the edges (``EDGES``) each event reaches, from what the sequences hold just
+    before it runs, and what came before in the plan."""
+
+    def __init__(self) -> None:
+        self.sharing: set[int] = set()  # sequences in a copy, since the last clear
+        self.emptied: set[int] = set()  # emptied by a remove
+        self.cleared: set[int] = set()  # held tokens when the last clear came
+        self.prefilled: set[int] = set()  # began with several tokens
+        self.last: object = None
+        self.operated = False  # a memory operation ran
+
+    def before(self, event: object, mirror: Mirror) -> None:
+        held = [h.positions for h in mirror.held]
+        if isinstance(event, Decode):
+            self._decode(event, held)
+        elif isinstance(event, Remove):
+            self._remove(event, held[event.sequence])
+        elif isinstance(event, Copy):
+            if event.target in self.emptied:
+                reach.note("a copy into a sequence emptied by remove")
+            self.sharing |= {event.source, event.target}
+        elif isinstance(event, Shift):
+            last = self.last
+            if isinstance(last, Remove) and last.sequence == event.sequence and event.delta < 0:
+                reach.note("a context shift")
+                if last.end is not None and -event.delta > last.end - last.start:
+                    reach.note("a context shift closing an earlier gap")
+            elif event.delta > 0:
+                reach.note("a suffix moved on")
+            if event.sequence in self.sharing:
+                reach.note("a shift of a sequence that shares a copy")
+        else:
+            if self.operated:
+                reach.note("a clear between other operations")
+            self.cleared = {s for s, positions in enumerate(held) if positions}
+            self.sharing = set()
+        self.operated |= not isinstance(event, Decode | Clear)
+        self.last = event
+
+    def _decode(self, event: Decode, held: list[list[int]]) -> None:
+        fed = {feed.sequence for feed in event.feeds}
+        if len(fed) >= 3:
+            reach.note("a batch of 3 sequences")
+        if len({feed.count for feed in event.feeds}) > 1:
+            reach.note("a batch of sequences with counts of their own")
+        for feed in event.feeds:
+            positions = held[feed.sequence]
+            if feed.sequence:
+                reach.note("a sequence other than 0")
+            if not positions:
+                if feed.first:
+                    reach.note("a first position other than 0")
+                if any(held):
+                    reach.note("a sequence joining a later batch")
+                if feed.sequence in self.cleared:
+                    reach.note("a sequence fed again after clear")
+                if feed.count > 1:
+                    self.prefilled.add(feed.sequence)
+            elif feed.count == 1 and feed.sequence in self.prefilled:
+                reach.note("a prefill, then single-token steps")
+            if positions and positions[-1] - positions[0] + 1 > len(positions):
+                reach.note("a sequence fed after a gap")
+            if feed.sequence in self.sharing:
+                partners = self.sharing - {feed.sequence}
+                reach.note(
+                    "a copy and its source in one batch"
+                    if partners & fed
+                    else "a copy fed apart from its source"
+                )
+
+    def _remove(self, event: Remove, positions: list[int]) -> None:
+        if event.sequence in self.sharing:
+            reach.note("a remove of a sequence that shares a copy")
+        if not positions:
+            return
+        first, last = positions[0], positions[-1]
+        reaches_end = event.end is None or event.end > last
+        if event.start > last:
+            reach.note("a span past the end removed")
+        elif event.start <= first and reaches_end:
+            reach.note("a whole sequence removed")
+            self.emptied.add(event.sequence)
+            self.sharing.discard(event.sequence)
+        elif reaches_end:
+            reach.note("a tail removed")
+        elif event.start <= first:
+            reach.note("the head removed")
+        else:
+            reach.note("a middle span removed (a gap left)")
 
 
 def oracle(truth: ReferenceTransformer, held: Held, step: Step) -> Tensor:
@@ -270,8 +364,12 @@ class Planner:
 
     def __init__(self, draw, drawing: Drawing) -> None:
         self.draw, self.drawing = draw, drawing
-        self.positions: list[list[int]] = [[] for _ in range(drawing.spec.sequences)]
+        self.mirror = Mirror(drawing.spec.sequences)  # positions alone: tokens are drawn later
         self.events: list = []
+
+    @property
+    def positions(self) -> list[list[int]]:
+        return [held.positions for held in self.mirror.held]
 
     def room(self, sequence: int) -> int:
         return self.drawing.spec.max_tokens - len(self.positions[sequence])
@@ -291,7 +389,8 @@ class Planner:
             else:
                 first = 0
             feeds.append(Feed(sequence, first, count))
-            held.extend(range(first, first + count))
+            self.mirror.held[sequence].positions.extend(range(first, first + count))
+            self.mirror.held[sequence].tokens.extend([0] * count)
             budget -= count
         if feeds:
             self.events.append(Decode(tuple(feeds)))
@@ -317,20 +416,21 @@ class Planner:
     def remove(self, sequence: int) -> None:
         held = self.positions[sequence]
         kind = self.draw(
-            st.sampled_from(("tail", "middle", "head", "whole", "nothing")), label="removed"
+            st.sampled_from(("middle", "tail", "head", "whole", "nothing")), label="removed"
         )
         n = len(held)
-        if kind == "tail":
-            start = held[self.draw(st.integers(0, n - 1), label="kept")]
-            event = Remove(sequence, start, None)
+        if kind == "middle" and n >= 3:  # tokens kept on both sides: a gap left
+            low = self.draw(st.integers(1, n - 2), label="span from")
+            high = self.draw(st.integers(low, n - 2), label="span to")
+            event = Remove(sequence, held[low], held[high] + 1)
+        elif kind == "head" and n >= 2:
+            event = Remove(sequence, 0, held[self.draw(st.integers(0, n - 2), label="to")] + 1)
         elif kind == "whole":
             event = Remove(sequence, 0, None)
         elif kind == "nothing":  # a span past the end
             event = Remove(sequence, held[-1] + 1, None)
-        else:
-            low = 0 if kind == "head" else self.draw(st.integers(0, n - 1), label="span from")
-            high = self.draw(st.integers(low, n - 1), label="span to")
-            event = Remove(sequence, held[low], held[high] + 1)
+        else:  # a tail, from any token on
+            event = Remove(sequence, held[self.draw(st.integers(0, n - 1), label="from")], None)
         self.add(event)
 
     def copy(self, source: int) -> None:
@@ -353,21 +453,18 @@ class Planner:
         if (
             "remove" in self.drawing.offered
             and n > 1
-            and self.draw(st.booleans(), label="context shift")
+            and self.draw(st.sampled_from(("context shift", "moved on")), label="shift")
+            == "context shift"
         ):
             low = self.draw(st.integers(0, n - 2), label="dropped from")
             high = self.draw(st.integers(low, n - 2), label="dropped to")
             start, end = held[low], held[high] + 1
             self.add(Remove(sequence, start, end))
             gap_before = start - (held[low - 1] + 1) if low else start
-            self.add(
-                Shift(
-                    sequence,
-                    end,
-                    None,
-                    -(end - start) - self.draw(st.integers(0, gap_before), label="closed too"),
-                )
+            closed = self.draw(
+                st.sampled_from(list(dict.fromkeys((gap_before, 0)))), label="gap closed"
             )
+            self.add(Shift(sequence, end, None, -(end - start) - closed))
             return
         at = self.draw(st.integers(0, n - 1), label="moved from")
         delta = self.draw(st.sampled_from((1, 3, 16)), label="moved on by")
@@ -375,10 +472,7 @@ class Planner:
 
     def add(self, event: object) -> None:
         self.events.append(event)
-        mirror = Mirror(0)
-        mirror.held = [Held(list(p), list(p)) for p in self.positions]
-        mirror.apply(event)
-        self.positions = [held.positions for held in mirror.held]
+        self.mirror.apply(event)
 
 
 def plans(focus: str, drawing: Drawing) -> st.SearchStrategy[EnginePlan]:
@@ -408,7 +502,14 @@ def plans(focus: str, drawing: Drawing) -> st.SearchStrategy[EnginePlan]:
                 elif focus == "copy":
                     p.make_room(sequence)
                     p.copy(sequence)
+                    if "remove" in drawing.offered and draw(st.booleans(), label="then removed"):
+                        p.decode(p.some_sequences())
+                        p.remove(draw(st.sampled_from(p.held()), label="removed from"))
                 elif focus == "shift":
+                    if "copy" in drawing.offered and draw(st.booleans(), label="copied first"):
+                        p.make_room(sequence)  # a copy sharing what the shift moves
+                        p.copy(sequence)
+                        sequence = draw(st.sampled_from(p.held()), label="shifted")
                     p.shift(sequence)
                 p.decode(p.some_sequences())
         seed = draw(st.integers(0, 2**16), label="token seed")
@@ -443,6 +544,52 @@ def drawing_ops(p: Planner) -> frozenset[str]:
 
 # --- the properties --------------------------------------------------------------------
 
+E = reach.Edge
+# What each property's plans must reach (kvcheck.reach), noted by ``note_edges`` as they run.
+EDGES = {
+    "engine decode": (
+        E("a sequence other than 0"),
+        E("a first position other than 0"),
+        E("a prefill, then single-token steps"),
+    ),
+    "engine sequences": (
+        E("a batch of 3 sequences"),
+        E("a batch of sequences with counts of their own"),
+        E("a sequence joining a later batch"),
+    ),
+    "engine clear": (E("a sequence fed again after clear"),),
+    "engine remove": (
+        E("a tail removed"),
+        E("a middle span removed (a gap left)"),
+        E("the head removed"),
+        E("a whole sequence removed"),
+        E("a span past the end removed"),
+        E("a sequence fed after a gap"),
+    ),
+    "engine copy": (
+        E("a copy fed apart from its source"),
+        E("a copy and its source in one batch"),
+        E("a copy into a sequence emptied by remove", needs=("remove",)),
+        E("a remove of a sequence that shares a copy", needs=("remove",)),
+    ),
+    "engine shift": (
+        E("a context shift", needs=("remove",)),
+        E("a context shift closing an earlier gap", needs=("remove",)),
+        E("a suffix moved on"),
+        E("a shift of a sequence that shares a copy", needs=("copy",)),
+    ),
+    "engine mixed": (E("a clear between other operations"),),
+}
+del E
+TITLES = {
+    "engine decode": "a prefill and decode steps of one sequence match the uncached model",
+    "engine sequences": "sequences batched together each match themselves alone",
+    "engine clear": "after clear(), sequences start afresh",
+    "engine remove": "after remove(), a sequence matches what it still holds",
+    "engine copy": "a copied sequence and its source go on apart",
+    "engine shift": "after shift(), keys attend from their new positions",
+    "engine mixed": "every operation offered, in any order",
+}
 ENGINE_PROPERTIES = tuple(
     Property(
         name=name,
@@ -450,30 +597,24 @@ ENGINE_PROPERTIES = tuple(
         check=run_plan,
         strategy=None,  # drawn per test class (its Drawing)
         severity=failures.WRONG_RESULTS,
-        requires=requires,
+        requires=tuple(name.split()[1:]) if name.split()[1] in OPERATION.values() else (),
         since="1.7",
+        reaches=EDGES[name],
     )
-    for name, title, requires in (
-        (
-            "engine decode",
-            "a prefill and decode steps of one sequence match the uncached model",
-            (),
-        ),
-        ("engine sequences", "sequences batched together each match themselves alone", ()),
-        ("engine clear", "after clear(), sequences start afresh", ()),
-        ("engine remove", "after remove(), a sequence matches what it still holds", ("remove",)),
-        ("engine copy", "a copied sequence and its source go on apart", ("copy",)),
-        ("engine shift", "after shift(), keys attend from their new positions", ("shift",)),
-        ("engine mixed", "every operation offered, in any order", ()),
-    )
+    for name, title in TITLES.items()
 )
+BY_NAME = {prop.name: prop for prop in ENGINE_PROPERTIES}
 SINCE = {prop.name: prop.since for prop in ENGINE_PROPERTIES}
+
+
+# The operations the engine under a test offers, kept on its item for the verdict's reach.
+OFFERED = pytest.StashKey[frozenset]()
 
 
 def engine_test(prop: Property):
     focus = prop.name.removeprefix("engine ")
 
-    def test(self, engine_factory):
+    def test(self, engine_factory, request):
         if not engine_factory:
             pytest.skip("no engine: set `engine` on the class")
         drawing = self.drawing(engine_factory)
@@ -482,6 +623,7 @@ def engine_test(prop: Property):
             pytest.skip(
                 f"{NOT_OFFERED}: the engine has no {' or '.join(f'{n}()' for n in lacks)} method"
             )
+        request.node.stash[OFFERED] = drawing.offered  # for the verdict's reach
         drawn = dataclasses.replace(prop, strategy=plans(focus, drawing))
         search(
             drawn,

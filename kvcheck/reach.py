@@ -99,6 +99,7 @@ def table(properties) -> str:
 
 
 if __name__ == "__main__":
+    from kvcheck.engines import ENGINE_PROPERTIES
     from kvcheck.properties import ALL
 
-    print(table(ALL), end="")
+    print(table((*ALL, *ENGINE_PROPERTIES)), end="")

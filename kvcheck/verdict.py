@@ -99,6 +99,13 @@ def _reach(item: pytest.Item, name: str, factory) -> dict:
     from kvcheck import kit, plugin, reach, sizes
     from kvcheck.properties import BY_NAME
 
+    if getattr(item.get_closest_marker("kv_cache"), "kwargs", {}).get("kind") == "engine":
+        from kvcheck import engines
+
+        declared = engines.BY_NAME[name].reaches if name in engines.BY_NAME else ()
+        offered = item.stash.get(engines.OFFERED, frozenset())
+        hit, missed = reach.split(declared, item.stash.get(plugin.REACHED, set()), offered)
+        return {"reached": hit, "not reached": missed} if declared else {}
     declared = BY_NAME[name].reaches if name in BY_NAME else ()
     if not declared or factory is None:
         return {}
