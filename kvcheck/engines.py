@@ -29,14 +29,21 @@ from typing import ClassVar
 import pytest
 import torch
 from hypothesis import strategies as st
-from torch import Tensor
 
 from kvcheck import asserts as kvassert
 from kvcheck import failures, reach
 from kvcheck import sizes as kvsizes
+from kvcheck.engine_books import CacheBooks
 from kvcheck.kit import NOT_OFFERED, Property, search
 from kvref import ModelConfig, ReferenceTransformer
-from kvref.engine import EngineFactory, EngineSpec, Step, engine_capabilities, logits_of
+from kvref.engine import (
+    ENGINE_OPERATIONS,
+    EngineFactory,
+    EngineSpec,
+    Step,
+    engine_capabilities,
+    logits_of,
+)
 
 # --- the events ------------------------------------------------------------------------
 
@@ -88,6 +95,10 @@ class Shift:
 class Clear:
     """Every sequence forgotten."""
 
+
+# The spans an engine's ``remove`` may be given (``EngineTests.removes``): some engines drop
+# a tail alone (transformers' ``DynamicCache.crop``, llama.cpp's recurrent memories).
+REMOVALS = ("middle", "tail", "head", "whole", "past the end")
 
 # The memory operation each event calls, where it is one (``kvref.engine.ENGINE_OPERATIONS``).
 OPERATION = {Remove: "remove", Copy: "copy", Shift: "shift"}
@@ -165,6 +176,7 @@ def run_plan(factory: EngineFactory, plan: EnginePlan, spec: EngineSpec, dtype) 
     truth = ReferenceTransformer(plan.config, dtype=torch.float64)
     engine = factory(truth, spec)
     mirror = Mirror(spec.sequences)
+    books = CacheBooks(truth, spec.sequences)  # what a KV cache holds (kvcheck.engine_books)
     edges = EdgeNotes()
     for index, event in enumerate(plan.events):
         where = f"event {index + 1} of {len(plan.events)}, {describe(event)}"
@@ -184,11 +196,11 @@ def run_plan(factory: EngineFactory, plan: EnginePlan, spec: EngineSpec, dtype) 
             for step, logits in zip(steps, returned, strict=True):
                 got = logits_of(logits, step, plan.config.vocab_size)
                 held = mirror.held[step.sequence]
-                expected = oracle(truth, held, step)
+                expected = books.decode(step)
                 kvassert.assert_close_at(
                     got.to(dtype),
                     expected.to(dtype),
-                    what="the engine's and the uncached model's logits",
+                    what="the engine's and the reference's logits",
                     where=f"{where}: sequence {step.sequence}, holding "
                     f"{describe_held(held)} before",
                     position_axis=0,
@@ -198,9 +210,11 @@ def run_plan(factory: EngineFactory, plan: EnginePlan, spec: EngineSpec, dtype) 
                 held.positions.extend(step.positions)
         elif isinstance(event, Clear):
             engine.clear()
+            books.clear()
         else:
             operation = getattr(engine, OPERATION[type(event)])
             operation(*dataclasses.astuple(event))
+            getattr(books, OPERATION[type(event)])(*dataclasses.astuple(event))
         mirror.apply(event)
 
 
@@ -296,13 +310,6 @@ class EdgeNotes:
             reach.note("a middle span removed (a gap left)")
 
 
-def oracle(truth: ReferenceTransformer, held: Held, step: Step) -> Tensor:
-    """The uncached model's logits for ``step``'s tokens after what the sequence holds."""
-    tokens = torch.tensor([[*held.tokens, *step.tokens]])
-    positions = torch.tensor([*held.positions, *step.positions])
-    return truth(tokens, positions=positions)[0, len(held.tokens) :]
-
-
 def describe(event: object) -> str:
     if isinstance(event, Decode):
         feeds = ", ".join(
@@ -340,7 +347,11 @@ class Drawing:
     head_dims: tuple[int, ...]
     ffn: str
     start_anywhere: bool  # an empty sequence may start at any position, not 0 alone
+    # The operations offered, and "remove <span>" for each of REMOVALS the engine takes.
     offered: frozenset[str]
+
+    def removes(self, span: str) -> bool:
+        return f"remove {span}" in self.offered
 
 
 @st.composite
@@ -397,8 +408,10 @@ class Planner:
 
     def chunks(self, sequence: int, at_least: int = 1) -> None:
         """A prefill and some decode steps of one sequence."""
-        for _ in range(self.draw(st.integers(at_least, 3), label="chunks")):
-            self.decode([sequence])
+        for chunk in range(self.draw(st.integers(at_least, 3), label="chunks")):
+            # After the prefill, often one token at a time, as decoding goes.
+            one = chunk and self.draw(st.booleans(), label="one token")
+            self.decode([sequence], most=1 if one else None)
 
     def some_sequences(self, least: int = 1) -> list[int]:
         count = self.drawing.spec.sequences
@@ -415,9 +428,8 @@ class Planner:
 
     def remove(self, sequence: int) -> None:
         held = self.positions[sequence]
-        kind = self.draw(
-            st.sampled_from(("middle", "tail", "head", "whole", "nothing")), label="removed"
-        )
+        spans = [span for span in REMOVALS if self.drawing.removes(span)]
+        kind = self.draw(st.sampled_from(spans), label="removed")
         n = len(held)
         if kind == "middle" and n >= 3:  # tokens kept on both sides: a gap left
             low = self.draw(st.integers(1, n - 2), label="span from")
@@ -427,10 +439,12 @@ class Planner:
             event = Remove(sequence, 0, held[self.draw(st.integers(0, n - 2), label="to")] + 1)
         elif kind == "whole":
             event = Remove(sequence, 0, None)
-        elif kind == "nothing":  # a span past the end
+        elif kind == "past the end":
             event = Remove(sequence, held[-1] + 1, None)
-        else:  # a tail, from any token on
+        elif kind == "tail" or "tail" in spans:  # a tail, from any token on
             event = Remove(sequence, held[self.draw(st.integers(0, n - 1), label="from")], None)
+        else:  # too short for the span drawn, and no tail taken instead
+            return
         self.add(event)
 
     def copy(self, source: int) -> None:
@@ -441,7 +455,7 @@ class Planner:
 
     def make_room(self, keep: int) -> None:
         """Where every sequence holds tokens, one other than ``keep`` removed whole."""
-        if "remove" in self.drawing.offered and all(self.positions) and len(self.positions) > 1:
+        if self.drawing.removes("whole") and all(self.positions) and len(self.positions) > 1:
             others = [s for s in range(len(self.positions)) if s != keep]
             self.add(Remove(self.draw(st.sampled_from(others), label="emptied"), 0, None))
 
@@ -451,12 +465,14 @@ class Planner:
         held = self.positions[sequence]
         n = len(held)
         if (
-            "remove" in self.drawing.offered
-            and n > 1
+            self.drawing.removes("middle")
+            and n > (1 if self.drawing.removes("head") else 2)
             and self.draw(st.sampled_from(("context shift", "moved on")), label="shift")
             == "context shift"
         ):
-            low = self.draw(st.integers(0, n - 2), label="dropped from")
+            # The span dropped: from the head too where the engine removes heads.
+            lowest = 0 if self.drawing.removes("head") else 1
+            low = self.draw(st.integers(lowest, n - 2), label="dropped from")
             high = self.draw(st.integers(low, n - 2), label="dropped to")
             start, end = held[low], held[high] + 1
             self.add(Remove(sequence, start, end))
@@ -520,7 +536,7 @@ def plans(focus: str, drawing: Drawing) -> st.SearchStrategy[EnginePlan]:
 
 def mix(draw, p: Planner) -> None:
     """Some events of every kind the engine offers, each followed by a decode."""
-    kinds = ["decode", "clear", *sorted(drawing_ops(p))]
+    kinds = ["decode", "clear", *(op for op in ENGINE_OPERATIONS if op in p.drawing.offered)]
     for _ in range(draw(st.integers(1, 5), label="events")):
         kind = draw(st.sampled_from(kinds), label="event")
         held = p.held()
@@ -533,13 +549,9 @@ def mix(draw, p: Planner) -> None:
             elif kind == "copy":
                 p.make_room(sequence)
                 p.copy(sequence)
-            elif p.positions[sequence]:
+            else:
                 p.shift(sequence)
         p.decode(p.some_sequences())
-
-
-def drawing_ops(p: Planner) -> frozenset[str]:
-    return p.drawing.offered
 
 
 # --- the properties --------------------------------------------------------------------
@@ -559,26 +571,26 @@ EDGES = {
     ),
     "engine clear": (E("a sequence fed again after clear"),),
     "engine remove": (
-        E("a tail removed"),
-        E("a middle span removed (a gap left)"),
-        E("the head removed"),
-        E("a whole sequence removed"),
-        E("a span past the end removed"),
-        E("a sequence fed after a gap"),
+        E("a tail removed", needs=("remove tail",)),
+        E("a middle span removed (a gap left)", needs=("remove middle",)),
+        E("the head removed", needs=("remove head",)),
+        E("a whole sequence removed", needs=("remove whole",)),
+        E("a span past the end removed", needs=("remove past the end",)),
+        E("a sequence fed after a gap", needs=("remove middle",)),
     ),
     "engine copy": (
         E("a copy fed apart from its source"),
         E("a copy and its source in one batch"),
-        E("a copy into a sequence emptied by remove", needs=("remove",)),
+        E("a copy into a sequence emptied by remove", needs=("remove whole",)),
         E("a remove of a sequence that shares a copy", needs=("remove",)),
     ),
     "engine shift": (
-        E("a context shift", needs=("remove",)),
-        E("a context shift closing an earlier gap", needs=("remove",)),
+        E("a context shift", needs=("remove middle",)),
+        E("a context shift closing an earlier gap", needs=("remove middle",)),
         E("a suffix moved on"),
         E("a shift of a sequence that shares a copy", needs=("copy",)),
     ),
-    "engine mixed": (E("a clear between other operations"),),
+    "engine mixed": (E("a clear between other operations", needs=("remove",)),),
 }
 del E
 TITLES = {
@@ -649,6 +661,7 @@ class EngineTests:
     max_tokens: ClassVar[int] = 24
     max_batch: ClassVar[int] = 16
     start_anywhere: ClassVar[bool] = True
+    removes: ClassVar[tuple[str, ...]] = REMOVALS  # the spans its remove() takes
     examples_scale: ClassVar[float] = 1.0
     pinned: ClassVar[dict[str, tuple]] = {}
 
@@ -668,9 +681,13 @@ class EngineTests:
             ),
             spec,
         )
-        return Drawing(
-            spec, self.head_dims, self.ffn, self.start_anywhere, engine_capabilities(probe)
-        )
+        offered = engine_capabilities(probe)
+        if "remove" in offered:
+            unknown = set(self.removes) - set(REMOVALS)
+            if unknown or not self.removes:
+                raise ValueError(f"removes must name some of {REMOVALS}, got {self.removes!r}")
+            offered |= {f"remove {span}" for span in self.removes}
+        return Drawing(spec, self.head_dims, self.ffn, self.start_anywhere, offered)
 
     def pytest_generate_tests(self, metafunc) -> None:
         if "engine_factory" not in metafunc.fixturenames:

@@ -1,0 +1,41 @@
+"""transformers 5.24.0: generate does not hold a StaticCache passed to it to
+prompt + max_new_tokens. With max_cache_len=5 for a 4-token prompt and max_new_tokens=3 (6
+tokens to hold), it generates, then raises IndexError from index_copy_ at the overflowing
+step (the tokens so far lost), and leaves the cache counting 6 tokens in its 5 slots
+(StaticLayer.update adds to cumulative_length before it writes), so every later call on it
+fails until reset().
+
+Exits 1 while the defect is there.
+"""
+
+import sys
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+torch.manual_seed(0)
+config = LlamaConfig(
+    vocab_size=32,
+    hidden_size=32,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=31,
+)
+model = LlamaForCausalLM(config).eval()
+cache = StaticCache(config=config, max_cache_len=5)
+try:
+    model.generate(
+        input_ids=torch.tensor([[1, 2, 3, 4]]), max_new_tokens=3, do_sample=False, cache=cache
+    )
+except IndexError as error:
+    print(
+        f"DEFECT: generate raised IndexError mid-generation: {error}; the cache now counts "
+        f"{int(cache.get_seq_length())} tokens in {cache.layers[0].max_cache_len} slots"
+    )
+    sys.exit(1)
+print("fixed: refused up front or generated within the cache")
