@@ -701,6 +701,8 @@ class Engine:
         child.salt, child.looked_up = parent.salt, parent.looked_up
         self.live[name] = child
         self._check_lengths(child, f"{name} = fork of {parent.name}{at}")
+        if self.prefix is not None and child.looked_up:  # blocks a fork copied hold twins
+            self.prefix.wrote(child, 0, child.held, count=False)
         return child
 
     @staticmethod

@@ -1,0 +1,55 @@
+"""The prefix books follow blocks a fork copies (kvcheck/session.py, Engine.fork): a pool may
+give a fork fresh blocks holding copies of its parent's rows (SGLang shares only through its
+tree, so its adapter copies a request's own pages at a fork) and publish those copies once
+the parent is gone. Before the books recorded a fork's blocks, the probe after the parent
+left said "no request wrote that block" of the copy: a false alarm."""
+
+import torch
+
+from kvcheck.properties import serving
+from kvref import ModelConfig
+from tests.independent.radix_prefix_pool import RadixPrefixCache, RadixPrefixPool
+
+
+class _CopyingForkCache(RadixPrefixCache):
+    def fork(self) -> RadixPrefixCache:
+        pool = self.pool
+        child = RadixPrefixCache(pool, self.spec)
+        for row, table in enumerate(self._tables):
+            taken = pool._take(len(table), self._slab)
+            for source, target in zip(table, taken, strict=True):
+                self._slab.copy(source, target)
+            child._tables[row].extend(taken)
+        child._tokens = [list(tokens) for tokens in self._tokens]
+        child._key = self._key
+        child._undeclared_from = self._undeclared_from
+        child._count = self._count
+        child._publish_full_blocks()  # twins of the parent's blocks, in the same nodes
+        return child
+
+
+class _CopyingForkPool(RadixPrefixPool):
+    def __call__(self, spec) -> RadixPrefixCache:
+        return _CopyingForkCache(self, spec)
+
+    def with_blocks(self, num_blocks: int, *, block_hash=None) -> RadixPrefixPool:
+        return _CopyingForkPool(self.block_size, num_blocks)
+
+
+def test_a_fork_that_copies_its_parents_blocks_holds_the_prefix_caching_property():
+    config = ModelConfig(vocab_size=2, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2)
+    plan = serving.ServingPlan(
+        config=config,
+        dtype=torch.float64,
+        vocab=2,
+        systems=((0, 1) * 8,),
+        events=(
+            serving.Arrive(request=0, batch=1, salt=None, system=0, shared=8, own=0, seed=1),
+            serving.Feed(request=0, to=8),
+            serving.Sample(request=1, parent=0),
+            serving.Leave(request=0, how="drop"),
+            serving.Feed(request=1, to=9),
+            serving.Leave(request=1, how="drop"),
+        ),
+    )
+    serving.check_serving(_CopyingForkPool(), plan)
