@@ -37,7 +37,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from kvref.engine import EngineSpec, Step
@@ -129,13 +128,7 @@ class CellEngine:
         x = self.model.embedding(torch.tensor(tokens, dtype=torch.long, device=device))
         for layer, block in enumerate(self.model.blocks):
             x = x + self.attend(layer, block.attention, block.attention_norm(x), at, index, mask)
-            normed = block.ffn_norm(x)
-            hidden = block.ffn_in(normed)
-            if hasattr(block, "ffn_gate"):
-                hidden = F.silu(block.ffn_gate(normed)) * hidden
-            else:
-                hidden = F.silu(hidden)
-            x = x + block.ffn_out(hidden)
+            x = x + block.feed_forward(x)
         logits = self.model.final_norm(x) @ self.model.embedding.weight.T
         return list(logits.split([len(step.tokens) for step in steps]))
 

@@ -1079,13 +1079,18 @@ class Block(nn.Module):
         normed = self.attention_norm(x)
         attended, k, v = self.attention(normed, positions, cache, rows, first, keys)
         x = x + attended
+        return x + self.feed_forward(x), k, v
+
+    def feed_forward(self, x: Tensor) -> Tensor:
+        """The block's feed-forward branch on the residual ``x`` (its norm first), to be added
+        to it: down(silu(in(n))), or with ``ffn="swiglu"`` down(silu(gate(n)) * in(n))."""
         normed = self.ffn_norm(x)
         hidden = self.ffn_in(normed)
         if hasattr(self, "ffn_gate"):
             hidden = F.silu(self.ffn_gate(normed)) * hidden
         else:
             hidden = F.silu(hidden)
-        return x + self.ffn_out(hidden), k, v
+        return self.ffn_out(hidden)
 
 
 class ReferenceTransformer(nn.Module):

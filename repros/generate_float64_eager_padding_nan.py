@@ -8,29 +8,18 @@ pad query sees only masked slots: its row is all -inf and its softmax NaN; the p
 NaN keys and values in the next layer then reach every query of that row. sdpa, and eager
 in float32, give finite logits equal to the row generated alone.
 
-Exits 1 while the defect is there.
+Run as `python repros/generate_float64_eager_padding_nan.py` (its tiny Llama from
+_tiny_llama.py next to it). Exits 1 while the defect is there.
 """
 
 import sys
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from _tiny_llama import PAD, tiny_llama_config
+from transformers import LlamaForCausalLM
 
 torch.manual_seed(0)
-config = LlamaConfig(
-    vocab_size=32,
-    hidden_size=32,
-    intermediate_size=24,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    tie_word_embeddings=True,
-    pad_token_id=31,
-    bos_token_id=None,
-    eos_token_id=None,
-)
-PAD = 31
+config = tiny_llama_config(tie_word_embeddings=True)
 ids = torch.tensor([[PAD, PAD, 1, 2, 3], [4, 5, 6, 7, 8]])
 mask = (ids != PAD).long()
 broken = False

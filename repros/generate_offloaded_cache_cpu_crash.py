@@ -5,29 +5,20 @@ torch.cuda.default_stream(...) unconditionally when offloading (cache_utils.py:1
 although its prefetch stream is the device-agnostic torch.Stream() (line 1545). Nothing
 refuses the setting up front, and nothing falls back to a plain cache.
 
-Run on a CPU-only torch. Exits 1 while the defect is there.
+Run on a CPU-only torch, as `python repros/generate_offloaded_cache_cpu_crash.py` (its tiny Llama
+from _tiny_llama.py next to it). Exits 1 while the defect is there.
 """
 
 import sys
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from _tiny_llama import tiny_llama_config
+from transformers import LlamaForCausalLM
 
 if torch.cuda.is_available():
     sys.exit("run this on a CPU-only torch")
 torch.manual_seed(0)
-config = LlamaConfig(
-    vocab_size=32,
-    hidden_size=32,
-    intermediate_size=24,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=0,
-)
+config = tiny_llama_config(pad_token_id=0)
 model = LlamaForCausalLM(config).eval()
 try:
     out = model.generate(

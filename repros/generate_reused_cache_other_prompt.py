@@ -6,27 +6,19 @@ text, with no error or warning. (A new prompt shorter than what the cache holds 
 "cannot reshape tensor of 0 elements", which names neither the cache nor the prompt.) The
 cache keeps no token ids, so generate cannot tell a continuation from another prompt.
 
-Exits 1 while the defect is there: the reused cache's logits differ from a fresh cache's.
+Run as `python repros/generate_reused_cache_other_prompt.py` (its tiny Llama from
+_tiny_llama.py next to it). Exits 1 while the defect is there: the reused cache's logits
+differ from a fresh cache's.
 """
 
 import sys
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
+from _tiny_llama import tiny_llama_config
+from transformers import DynamicCache, LlamaForCausalLM, StaticCache
 
 torch.manual_seed(0)
-config = LlamaConfig(
-    vocab_size=32,
-    hidden_size=32,
-    intermediate_size=24,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=31,
-)
+config = tiny_llama_config()
 model = LlamaForCausalLM(config).eval()
 greedy = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
 prompt = torch.tensor([list(range(9, 18))])

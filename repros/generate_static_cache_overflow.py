@@ -5,27 +5,18 @@ step (the tokens so far lost), and leaves the cache counting 6 tokens in its 5 s
 (StaticLayer.update adds to cumulative_length before it writes), so every later call on it
 fails until reset().
 
-Exits 1 while the defect is there.
+Run as `python repros/generate_static_cache_overflow.py` (its tiny Llama from
+_tiny_llama.py next to it). Exits 1 while the defect is there.
 """
 
 import sys
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+from _tiny_llama import tiny_llama_config
+from transformers import LlamaForCausalLM, StaticCache
 
 torch.manual_seed(0)
-config = LlamaConfig(
-    vocab_size=32,
-    hidden_size=32,
-    intermediate_size=24,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=31,
-)
+config = tiny_llama_config()
 model = LlamaForCausalLM(config).eval()
 cache = StaticCache(config=config, max_cache_len=5)
 try:

@@ -6,67 +6,16 @@ keys and values to F16 before ggml_flash_attn_ext (src/llama-graph.cpp, build_at
 logits are those of an F16 cache, bit for bit, and off from the flash-off F32 context's by
 about 1e-3 of the largest logit, where F32 rounding alone gives about 1e-7.
 
-Plain llama-cpp-python + gguf + numpy (a tiny random llama, no tokenizer). Exits 1 while the
+Plain llama-cpp-python + gguf + numpy (a tiny random llama, no tokenizer, from _tiny_gguf.py
+next to this file). Run as `python repros/llamacpp_flash_attention_f16.py`. Exits 1 while the
 defect is there. Tested with llama-cpp-python 0.3.36 (llama.cpp 0c1e570).
 """
 
-import ctypes
-import os
 import sys
-import tempfile
 
-import gguf
 import llama_cpp
 import numpy as np
-
-VOCAB, D, HEADS, FFN = 16, 8, 2, 16
-
-
-def write_tiny_llama(path):
-    rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(path, "llama")
-    for add, value in (
-        (w.add_context_length, 256),
-        (w.add_embedding_length, D),
-        (w.add_block_count, 1),
-        (w.add_feed_forward_length, FFN),
-        (w.add_head_count, HEADS),
-        (w.add_head_count_kv, HEADS),
-        (w.add_layer_norm_rms_eps, 1e-6),
-        (w.add_rope_freq_base, 10000.0),
-        (w.add_vocab_size, VOCAB),
-    ):
-        add(value)
-    w.add_tokenizer_model("none")
-
-    def t(*shape):
-        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
-
-    w.add_tensor("token_embd.weight", t(VOCAB, D))
-    w.add_tensor("output_norm.weight", np.ones(D, np.float32))
-    for name, shape in (
-        ("attn_norm", (D,)),
-        ("ffn_norm", (D,)),
-        ("attn_q", (D, D)),
-        ("attn_k", (D, D)),
-        ("attn_v", (D, D)),
-        ("attn_output", (D, D)),
-        ("ffn_gate", (FFN, D)),
-        ("ffn_up", (FFN, D)),
-        ("ffn_down", (D, FFN)),
-    ):
-        w.add_tensor(
-            f"blk.0.{name}.weight", np.ones(shape, np.float32) if len(shape) == 1 else t(*shape)
-        )
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-@llama_cpp.llama_log_callback
-def quiet(level, text, data):
-    pass
+from _tiny_gguf import VOCAB, fill_batch, load_tiny_llama, write_tiny_llama
 
 
 def logits(model, kv_type, flash):
@@ -81,10 +30,7 @@ def logits(model, kv_type, flash):
     ctx = llama_cpp.llama_init_from_model(model, params)
     batch = llama_cpp.llama_batch_init(32, 0, 1)
     tokens = np.random.default_rng(1).integers(0, VOCAB, 24)
-    for i, token in enumerate(tokens):
-        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = int(token), i, 1, 1
-        batch.seq_id[i][0] = 0
-    batch.n_tokens = len(tokens)
+    fill_batch(batch, tokens)
     assert llama_cpp.llama_decode(ctx, batch) == 0
     out = np.stack(
         [
@@ -98,14 +44,7 @@ def logits(model, kv_type, flash):
 
 
 def main():
-    llama_cpp.llama_log_set(quiet, ctypes.c_void_p())
-    llama_cpp.llama_backend_init()
-    path = os.path.join(tempfile.mkdtemp(), "tiny.gguf")
-    write_tiny_llama(path)
-    model = llama_cpp.llama_model_load_from_file(
-        path.encode(), llama_cpp.llama_model_default_params()
-    )
-    assert model, "the GGUF did not load"
+    model = load_tiny_llama(write_tiny_llama())
     f32, f16 = llama_cpp.GGML_TYPE_F32, llama_cpp.GGML_TYPE_F16
     exact = logits(model, f32, flash=False)
     flash_f32, flash_f16 = logits(model, f32, flash=True), logits(model, f16, flash=True)

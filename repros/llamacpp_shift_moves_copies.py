@@ -7,67 +7,15 @@ position, and llama_memory_seq_add(mem, seq, ...) changes it for every sequence 
 the copy's positions move, its keys are re-rotated, and a shift below 0 deletes its tokens.
 Without kv_unified (a stream per sequence) seq_cp copies the buffer and the copy stays put.
 
-Plain llama-cpp-python + gguf + numpy (a tiny random llama, no tokenizer). Exits 1 while the
+Plain llama-cpp-python + gguf + numpy (a tiny random llama, no tokenizer, from _tiny_gguf.py
+next to this file). Run as `python repros/llamacpp_shift_moves_copies.py`. Exits 1 while the
 defect is there. Tested with llama-cpp-python 0.3.36 (llama.cpp 0c1e570).
 """
 
-import ctypes
-import os
 import sys
-import tempfile
 
-import gguf
 import llama_cpp
-import numpy as np
-
-VOCAB, D, HEADS, FFN = 16, 8, 2, 16
-
-
-def write_tiny_llama(path):
-    rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(path, "llama")
-    for add, value in (
-        (w.add_context_length, 256),
-        (w.add_embedding_length, D),
-        (w.add_block_count, 1),
-        (w.add_feed_forward_length, FFN),
-        (w.add_head_count, HEADS),
-        (w.add_head_count_kv, HEADS),
-        (w.add_layer_norm_rms_eps, 1e-6),
-        (w.add_rope_freq_base, 10000.0),
-        (w.add_vocab_size, VOCAB),
-    ):
-        add(value)
-    w.add_tokenizer_model("none")
-
-    def t(*shape):
-        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
-
-    w.add_tensor("token_embd.weight", t(VOCAB, D))
-    w.add_tensor("output_norm.weight", np.ones(D, np.float32))
-    for name, shape in (
-        ("attn_norm", (D,)),
-        ("ffn_norm", (D,)),
-        ("attn_q", (D, D)),
-        ("attn_k", (D, D)),
-        ("attn_v", (D, D)),
-        ("attn_output", (D, D)),
-        ("ffn_gate", (FFN, D)),
-        ("ffn_up", (FFN, D)),
-        ("ffn_down", (D, FFN)),
-    ):
-        w.add_tensor(
-            f"blk.0.{name}.weight", np.ones(shape, np.float32) if len(shape) == 1 else t(*shape)
-        )
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-@llama_cpp.llama_log_callback
-def quiet(level, text, data):
-    pass
+from _tiny_gguf import fill_batch, load_tiny_llama, write_tiny_llama
 
 
 def positions_after_shift(model, unified):
@@ -78,10 +26,7 @@ def positions_after_shift(model, unified):
     ctx = llama_cpp.llama_init_from_model(model, params)
     mem = llama_cpp.llama_get_memory(ctx)
     batch = llama_cpp.llama_batch_init(16, 0, 1)
-    for i, token in enumerate((1, 2, 3)):  # sequence 0 holds 3 tokens at positions 0..2
-        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, i, 1, 1
-        batch.seq_id[i][0] = 0
-    batch.n_tokens = 3
+    fill_batch(batch, (1, 2, 3))  # sequence 0 holds 3 tokens at positions 0..2
     assert llama_cpp.llama_decode(ctx, batch) == 0
     llama_cpp.llama_memory_seq_cp(mem, 0, 1, -1, -1)  # sequence 1: a copy of sequence 0
     llama_cpp.llama_memory_seq_add(mem, 0, 0, -1, 5)  # shift sequence 0 ALONE by +5
@@ -94,13 +39,7 @@ def positions_after_shift(model, unified):
 
 
 def main():
-    llama_cpp.llama_log_set(quiet, ctypes.c_void_p())
-    llama_cpp.llama_backend_init()
-    path = os.path.join(tempfile.mkdtemp(), "tiny.gguf")
-    write_tiny_llama(path)
-    mparams = llama_cpp.llama_model_default_params()
-    model = llama_cpp.llama_model_load_from_file(path.encode(), mparams)
-    assert model, "the GGUF did not load"
+    model = load_tiny_llama(write_tiny_llama())
     wrong = False
     for unified in (False, True):
         (low, high), after_drop = positions_after_shift(model, unified)
