@@ -13,10 +13,11 @@ Each property draws a plan (``EnginePlan``): a tiny model (the reference transfo
 factory converts into the engine's own weights) and the events to drive it through. Events
 are the engine's own calls: ``Decode`` a batch of several sequences' tokens, each at its own
 positions; ``Remove`` a span, ``Copy`` a sequence into another, ``Shift`` a span's
-positions, ``Clear``. A ``Mirror`` follows what each sequence should hold, tokens and
-positions, and after every decode each returned logit row is held to the one oracle: the
-reference model's uncached pass over that sequence's tokens at their positions, in float64,
-at the tolerance of the dtype the engine computes in.
+positions, ``Clear``. After every decode each returned logit row is held to the one oracle:
+the reference model over a trusted cache of that sequence's own, whose rows the events
+remove, copy and shift (``kvcheck.engine_books.CacheBooks``), in float64, at the tolerance of
+the dtype the engine computes in. A ``Mirror`` follows which tokens and positions each
+sequence holds, for the draws, the messages and the edges noted (``EdgeNotes``).
 """
 
 from __future__ import annotations
@@ -130,9 +131,6 @@ class Held:
     tokens: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
 
-    def next_position(self) -> int | None:
-        return self.positions[-1] + 1 if self.positions else None
-
     def keep(self, inside: Callable[[int], bool]) -> None:
         kept = [(t, p) for t, p in zip(self.tokens, self.positions, strict=True) if not inside(p)]
         self.tokens = [t for t, _ in kept]
@@ -172,7 +170,7 @@ class Mirror:
 
 def run_plan(factory: EngineFactory, plan: EnginePlan, spec: EngineSpec, dtype) -> None:
     """Build the engine from ``plan``'s model and drive it through the plan's events,
-    holding every decode's logits to the uncached model's."""
+    holding every decode's logits to the books' (``CacheBooks``)."""
     truth = ReferenceTransformer(plan.config, dtype=torch.float64)
     engine = factory(truth, spec)
     mirror = Mirror(spec.sequences)
