@@ -4,7 +4,7 @@ The adapters run under ``CacheTests`` with the properties they hold; each proper
 fails is switched off in its class with the finding it is, and one test per finding below
 runs the kit's check on a small fixed input and asserts that it FAILS with the message the
 kit printed, so that it passes while the defect is there. Found with mlx-lm 0.32.2 on mlx
-0.32.4 (``mlx[cpu]``, Linux; torch 2.13.0); /work/notes/found_mlx.md has the details and
+0.32.4 (``mlx[cpu]``, Linux; torch 2.13.0); docs/found-in-the-wild.md has the details and
 repros/mlx_*.py the standalone repros.
 """
 

@@ -2,8 +2,8 @@
 under the kit's serving-pool properties: prefix caching, offload and the pool's books.
 
 Skipped where SGLang's source is absent (``pip install --no-deps sglang==0.5.23``, or
-``KVCHECK_SGLANG_PATH``). Found with SGLang 0.5.23; /work/notes/found_serving.md has the
-details.
+``KVCHECK_SGLANG_PATH``). Found with SGLang 0.5.23; the
+details in docs/found-in-the-wild.md.
 """
 
 import pytest
@@ -12,8 +12,9 @@ from kvimpl import sglang_radix
 
 if sglang_radix.sglang_root() is None:
     pytest.skip(
-        "SGLang's source is not installed: pip install --no-deps sglang==0.5.23 "
-        "(kvcache-verify[serving])",
+        "SGLang's source is not installed: pip install --no-deps --target DIR sglang==0.5.23 "
+        "and set KVCHECK_SGLANG_PATH=DIR (its wheel pins another torch: no extra can say "
+        "--no-deps)",
         allow_module_level=True,
     )
 
