@@ -113,7 +113,7 @@ def test_the_books_hold_a_removed_span_s_followers_as_they_were_computed():
 
 
 @pytest.mark.parametrize(
-    ("mutant", "name"), ENGINE_MUTANTS, ids=[m.__name__ for m, _ in ENGINE_MUTANTS]
+    ("mutant", "name"), ENGINE_MUTANTS, ids=[f"{m.__name__}-{n}" for m, n in ENGINE_MUTANTS]
 )
 def test_each_engine_mutant_is_caught(mutant, name):
     prop = kve.BY_NAME[name]

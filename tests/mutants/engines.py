@@ -8,6 +8,8 @@ the property that must catch it; it is not part of the layer catalogue (``MUTANT
 
 from __future__ import annotations
 
+from torch import Tensor
+
 from kvimpl.cell_engine import CellEngine
 
 
@@ -105,6 +107,17 @@ class ClearLeavesLastSequence(CellEngine):
         self.head = 0
 
 
+class PrefillNotCausal(CellEngine):
+    """A batch's tokens see every cell of their sequence, the batch's later tokens among them.
+
+    The causal mask left out of a prefill (a decoder run with llama.cpp's ``causal_attn``
+    off, or an embedding path's non-causal attention taken): single-token decode steps are
+    right, a prompt of several tokens reads its own future."""
+
+    def mask(self, owners: list[int], positions: list[int]) -> Tensor:
+        return super().mask(owners, [max(positions)] * len(positions))
+
+
 # Each mutant and the engine property that must catch it.
 ENGINE_MUTANTS = (
     (ShiftWithoutKShift, "engine shift"),
@@ -114,4 +127,6 @@ ENGINE_MUTANTS = (
     (SearchTrustsHead, "engine remove"),
     (PositionsFromCount, "engine remove"),
     (ClearLeavesLastSequence, "engine clear"),
+    (PrefillNotCausal, "engine decode"),
+    (ShiftWithoutKShift, "engine mixed"),
 )
