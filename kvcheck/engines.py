@@ -16,7 +16,7 @@ positions; ``Remove`` a span, ``Copy`` a sequence into another, ``Shift`` a span
 positions, ``Clear``. After every decode each returned logit row is held to the one oracle:
 the reference model over a trusted cache of that sequence's own, whose rows the events
 remove, copy and shift (``kvcheck.engine_books.CacheBooks``), in float64, at the tolerance of
-the dtype the engine computes in. A ``Mirror`` follows which tokens and positions each
+the dtype the engine computes in. A ``Mirror`` follows the positions each
 sequence holds, for the draws, the messages and the edges noted (``EdgeNotes``).
 """
 
@@ -126,15 +126,13 @@ class EnginePlan:
 
 @dataclass
 class Held:
-    """One sequence: its tokens and their positions, in order."""
+    """One sequence: the positions of its tokens, in order (the tokens themselves and their
+    rows are the books', ``CacheBooks``)."""
 
-    tokens: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
 
     def keep(self, inside: Callable[[int], bool]) -> None:
-        kept = [(t, p) for t, p in zip(self.tokens, self.positions, strict=True) if not inside(p)]
-        self.tokens = [t for t, _ in kept]
-        self.positions = [p for _, p in kept]
+        self.positions = [p for p in self.positions if not inside(p)]
 
 
 class Mirror:
@@ -154,7 +152,7 @@ class Mirror:
             self.held[event.sequence].keep(inside)
         elif isinstance(event, Copy):
             source = self.held[event.source]
-            self.held[event.target] = Held(list(source.tokens), list(source.positions))
+            self.held[event.target] = Held(list(source.positions))
         elif isinstance(event, Shift):
             held = self.held[event.sequence]
             held.positions = [
@@ -204,7 +202,6 @@ def run_plan(factory: EngineFactory, plan: EnginePlan, spec: EngineSpec, dtype) 
                     position_axis=0,
                     first_position=step.positions[0],
                 )
-                held.tokens.extend(step.tokens)
                 held.positions.extend(step.positions)
         elif isinstance(event, Clear):
             engine.clear()
@@ -373,7 +370,7 @@ class Planner:
 
     def __init__(self, draw, drawing: Drawing) -> None:
         self.draw, self.drawing = draw, drawing
-        self.mirror = Mirror(drawing.spec.sequences)  # positions alone: tokens are drawn later
+        self.mirror = Mirror(drawing.spec.sequences)
         self.events: list = []
 
     @property
@@ -399,7 +396,6 @@ class Planner:
                 first = 0
             feeds.append(Feed(sequence, first, count))
             self.mirror.held[sequence].positions.extend(range(first, first + count))
-            self.mirror.held[sequence].tokens.extend([0] * count)
             budget -= count
         if feeds:
             self.events.append(Decode(tuple(feeds)))
@@ -607,7 +603,8 @@ ENGINE_PROPERTIES = tuple(
         check=run_plan,
         strategy=None,  # drawn per test class (its Drawing)
         severity=failures.WRONG_RESULTS,
-        requires=tuple(name.split()[1:]) if name.split()[1] in OPERATION.values() else (),
+        # "engine remove" needs remove(), and so on; the others need no operation.
+        requires=tuple(op for op in ENGINE_OPERATIONS if name == f"engine {op}"),
         since="1.7",
         reaches=EDGES[name],
     )

@@ -82,7 +82,7 @@ def test_a_shift_plan_keeps_positions_increasing_and_moves_only_its_span():
         for event, held in zip(plan.events, mirrored(plan), strict=True):
             if isinstance(event, kve.Shift):
                 mirror = kve.Mirror(0)
-                mirror.held = [kve.Held(list(p), list(p)) for p in held]
+                mirror.held = [kve.Held(list(p)) for p in held]
                 mirror.apply(event)
                 after = mirror.held[event.sequence].positions
                 assert after == sorted(set(after)), (event, after)
