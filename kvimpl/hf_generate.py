@@ -47,7 +47,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from kvref.engine import EngineSpec, Step
+from kvref.engine import EngineSpec, Step, not_llama
 from kvref.model import ReferenceTransformer
 
 TESTED_WITH = "5.24.0"
@@ -57,15 +57,7 @@ TRANSFORMERS_VERSION = transformers.__version__
 def llama_config_of(model: ReferenceTransformer, **overrides) -> LlamaConfig:
     """The ``LlamaConfig`` of the Llama that computes what ``model`` computes."""
     c = model.config
-    unsupported = {
-        "ffn": c.ffn != "swiglu",
-        "window": c.window is not None,
-        "attention": c.attention != "gqa",
-        "kv_sources": c.kv_sources is not None,
-        "hidden": c.hidden is not None,
-    }
-    if any(unsupported.values()):
-        named = [name for name, bad in unsupported.items() if bad]
+    if named := not_llama(c):
         raise ValueError(
             f"transformers' Llama has no equivalent of this reference model ({', '.join(named)}):"
             f' it needs ModelConfig(ffn="swiglu") with plain GQA and nothing else set'

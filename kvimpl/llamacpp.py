@@ -60,7 +60,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvref.engine import EngineSpec, Step
+from kvref.engine import EngineSpec, Step, not_llama
 from kvref.model import ReferenceTransformer
 
 TESTED_WITH = "0.3.36"
@@ -114,6 +114,11 @@ def _digest(model: ReferenceTransformer) -> str:
 def write_gguf(model: ReferenceTransformer, path: str, context_length: int = 1 << 16) -> None:
     """Write ``model`` (a "gqa" model, ``ffn="swiglu"``, no window) as a llama GGUF file."""
     c = model.config
+    if named := not_llama(c):  # written anyway, the file would compute another model
+        raise ValueError(
+            f"llama.cpp's llama architecture has no equivalent of this reference model "
+            f'({", ".join(named)}): it needs ModelConfig(ffn="swiglu") with plain GQA'
+        )
     weights = {
         name: tensor.detach().to(torch.float32).cpu().numpy()
         for name, tensor in model.state_dict().items()

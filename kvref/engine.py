@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from kvref.model import ReferenceTransformer
+from kvref.model import ModelConfig, ReferenceTransformer
 
 # The memory operations an engine may offer, by the name of its method.
 ENGINE_OPERATIONS = ("remove", "copy", "shift")
@@ -91,6 +91,20 @@ EngineFactory = Callable[[ReferenceTransformer, EngineSpec], SequenceEngine]
 def engine_capabilities(engine: object) -> frozenset[str]:
     """The memory operations ``engine`` offers: those of ``ENGINE_OPERATIONS`` it has."""
     return frozenset(name for name in ENGINE_OPERATIONS if callable(getattr(engine, name, None)))
+
+
+def not_llama(config: ModelConfig) -> list[str]:
+    """The settings of ``config`` that a Llama (llama.cpp's "llama" architecture,
+    transformers' ``LlamaForCausalLM``) has no equivalent of: empty where a Llama given the
+    reference model's weights computes what it computes."""
+    unsupported = {
+        "ffn": config.ffn != "swiglu",
+        "window": config.window is not None,
+        "attention": config.attention != "gqa",
+        "kv_sources": config.kv_sources is not None,
+        "hidden": config.hidden is not None,
+    }
+    return [name for name, bad in unsupported.items() if bad]
 
 
 def logits_of(engine_logits: object, step: Step, vocab: int) -> Tensor:
