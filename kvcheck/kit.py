@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -21,12 +21,13 @@ from hypothesis import HealthCheck, Phase, event, example, given, reject, settin
 from hypothesis import strategies as st
 
 from kvcheck import devices as kvdevices
+from kvcheck import exhaustive, reach
 from kvcheck import profiles as kvprofiles
-from kvcheck import reach
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.asserts import LOSSY_CAPABILITIES, lossy_capabilities
 from kvcheck.harness import PATHS, offers_attend
+from kvcheck.scope import Scope
 from kvcheck.session import young_objects_only
 from kvref import BlockPool, CacheFactory, CacheSpec, LayerCache, PrefixCaching, capabilities
 
@@ -169,6 +170,12 @@ class Property:
     since: str = "1.0"  # the contract version it arrived in (kvcheck.contract)
     # The edges its plans must reach (kvcheck.reach): each noted where a plan runs it.
     reaches: tuple[reach.Edge, ...] = ()
+    # Every plan within a scope (kvcheck.scope.Scope), fewest tokens first, for the
+    # bounded-exhaustive mode (kvcheck.exhaustive); None: the mode searches it as usual.
+    every_plan: Callable[[Scope], Iterable[Any]] | None = None
+    # The tokens that mode enumerates to by default (--kv-exhaustive auto): the most whose
+    # plans fit the nightly job (docs/exhaustive.md measures them).
+    exhaustive_tokens: int = 6
 
     def not_offered(self, factory: CacheFactory, path: str = "append") -> str | None:
         """Why ``factory`` cannot be tested for this property on ``path``: the capabilities
@@ -241,10 +248,29 @@ def property_test(prop: Property):
     (``kvcheck.profiles``): a Hypothesis profile loaded for the host process does not change
     it, and the kit changes none."""
 
-    def body(self, cache_factory, case, path):
+    def body(self, cache_factory, case, path, block):
         sizes = kvsizes.declared_by(cache_factory, type(self))
         with kvsizes.aiming_at(sizes):
             skip_unless_offered(prop, cache_factory, path)
+        if block is not None:  # the bounded-exhaustive mode: every plan of one block
+            with kvprofiles.torch_threads(), kvsizes.aiming_at(sizes):
+                exhaustive.run_block(
+                    prop,
+                    block,
+                    lambda plan: prop.run(cache_factory, plan, case, path),
+                    lambda plan: search(
+                        prop,
+                        lambda drawn: prop.run(cache_factory, drawn, case, path),
+                        {prop.name: (plan,)},
+                        sizes,
+                        pinned_only=True,
+                    ),
+                    factory=cache_factory,
+                    test_id=f"{type(self).__qualname__}.{prop.name}[{case}-{path}]",
+                )
+            return
+        if exhaustive.setting_for(type(self)) is not None:  # an exhaustive run searches it
+            exhaustive.note_searched()
         if prop.strategy is None:  # a state machine: it draws for itself
             paths = {"path": path} if prop.paths else {}
             with kvprofiles.torch_threads(), kvsizes.aiming_at(sizes), young_objects_only():
@@ -260,25 +286,27 @@ def property_test(prop: Property):
             )
 
     # pytest parametrizes only arguments without defaults: one signature per shape.
+    # ``kv_block`` is the plugin's fixture: None, or the block of plans the exhaustive mode
+    # parametrizes it with (kvcheck.exhaustive).
     if prop.cases and prop.paths:
 
-        def test(self, cache_factory, case, path):
-            body(self, cache_factory, case, path)
+        def test(self, cache_factory, case, path, kv_block):
+            body(self, cache_factory, case, path, kv_block)
 
     elif prop.cases:
 
-        def test(self, cache_factory, case):
-            body(self, cache_factory, case, "append")
+        def test(self, cache_factory, case, kv_block):
+            body(self, cache_factory, case, "append", kv_block)
 
     elif prop.paths:
 
-        def test(self, cache_factory, path):
-            body(self, cache_factory, None, path)
+        def test(self, cache_factory, path, kv_block):
+            body(self, cache_factory, None, path, kv_block)
 
     else:
 
-        def test(self, cache_factory):
-            body(self, cache_factory, None, "append")
+        def test(self, cache_factory, kv_block):
+            body(self, cache_factory, None, "append", kv_block)
 
     if prop.paths:  # the plugin parametrizes the paths each cache offers, with the cache
         test = pytest.mark.kv_paths(test)
@@ -301,12 +329,15 @@ def search(
     pinned: dict[str, tuple] | None = None,
     sizes: kvsizes.Sizes = kvsizes.NONE,
     examples_scale: float = 1.0,
+    *,
+    pinned_only: bool = False,
 ) -> None:
     """Search ``prop.strategy`` for an input that fails ``check``, pinned inputs first: the
     kit's, then the test class's own (``pinned[prop.name]``); the draws aim at ``sizes``;
-    ``examples_scale`` times the profile's examples (and the property's share)."""
+    ``examples_scale`` times the profile's examples (and the property's share). With
+    ``pinned_only``, ``pinned[prop.name]`` alone runs, and nothing is drawn."""
 
-    explicit = (*prop.pinned, *(pinned or {}).get(prop.name, ()))
+    explicit = (*(() if pinned_only else prop.pinned), *(pinned or {}).get(prop.name, ()))
     # The plans that held already, by their repr (plans are frozen dataclasses of plain
     # values): different draws often build one plan, and an example spent on it again is
     # an example not spent on a new one. Rejected, Hypothesis draws another instead.
@@ -333,6 +364,8 @@ def search(
     kit = kvprofiles.current()
     examples = max(1, math.ceil(kit.max_examples * prop.examples_share * examples_scale))
     phases = kit.phases if prop.shrinks else tuple(p for p in kit.phases if p != Phase.shrink)
+    if pinned_only:
+        phases = (Phase.explicit,)
     # Plans rejected as already run are filtered draws, by design.
     quiet = (*kit.suppress_health_check, HealthCheck.filter_too_much)
     chosen = settings(kit, max_examples=examples, phases=phases, suppress_health_check=quiet)
@@ -373,3 +406,7 @@ class KitTests:
     # Examples per property, as a multiple of the profile's (--kv-profile): more for a
     # nightly job on one cache, fewer for caches that only guard against false alarms.
     examples_scale: ClassVar[float] = 1.0
+    # The bounded-exhaustive mode for this class (--kv-exhaustive wins over it): every plan
+    # of up to N tokens of each property that enumerates its plans, or "auto" for each
+    # property's own N; None: a Hypothesis search (kvcheck.exhaustive, docs/exhaustive.md).
+    exhaustive: ClassVar[int | str | None] = None

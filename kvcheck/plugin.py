@@ -76,11 +76,22 @@ class KitRun:
     lines: list[str] | None = None  # the kit's lines after collection (none: no kit test)
     contract: str = contract.VERSION  # the contract version the run is held to
     before: list[tuple[list, list]] | None = None  # the settings prepare() replaced
+    exhaustive: int | str | None = None  # --kv-exhaustive: a token count or "auto"
+    resume: bool = False  # --kv-exhaustive-resume
 
 
 RUN = pytest.StashKey[KitRun]()
 # The edges a kit test's plans reached (kvcheck.reach), read by its verdict entry.
 REACHED = pytest.StashKey[set]()
+# What an exhaustive block ran (kvcheck.exhaustive.recording), read by its verdict entry.
+EXHAUSTED = pytest.StashKey[dict]()
+
+
+@pytest.fixture
+def kv_block():
+    """The block of plans a kit test runs in the bounded-exhaustive mode (the plugin
+    parametrizes it there, kvcheck.exhaustive); None, a Hypothesis search, otherwise."""
+    return None
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -185,6 +196,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         f"kv_contract ini option, else the kit's own, {contract.VERSION}); what arrived after it "
         "runs and is reported, not counted (docs/contract.md, section 12)",
     )
+    group.addoption(
+        "--kv-exhaustive",
+        metavar="N|auto",
+        default=None,
+        help="prove within a scope: run every plan of up to N tokens of each property that "
+        "enumerates its plans, on the smallest models, instead of a search (auto: each "
+        "property's own N, the nightly job's; docs/exhaustive.md)",
+    )
+    group.addoption(
+        "--kv-exhaustive-resume",
+        action="store_true",
+        default=False,
+        help="with --kv-exhaustive: pass over the blocks of plans an earlier run held on the "
+        "same cache code (kept in pytest's cache; --cache-clear forgets them)",
+    )
     parser.addini("kv_impl", type="linelist", default=[], help="caches to test, as --kv-impl")
     parser.addini("kv_contract", default="", help="the contract version, as --kv-contract")
     parser.addini("kv_device", default="", help="the kit's device, as --kv-device")
@@ -243,6 +269,19 @@ def read_options(config: pytest.Config) -> KitRun:
         )
     except ValueError as error:
         raise pytest.UsageError(str(error)) from None
+    run.exhaustive = config.getoption("--kv-exhaustive")
+    run.resume = config.getoption("--kv-exhaustive-resume")
+    if run.exhaustive is not None:
+        from kvcheck import exhaustive  # no torch
+
+        try:
+            run.exhaustive = exhaustive.parse(run.exhaustive)
+        except ValueError as error:
+            raise pytest.UsageError(str(error)) from None
+    if run.resume and run.exhaustive is None:
+        raise pytest.UsageError(
+            "--kv-exhaustive-resume: the run is not exhaustive; add --kv-exhaustive N or auto"
+        )
     if run.read_only and run.database is None:
         raise pytest.UsageError(
             "--kv-database-read-only: no database named; name it with --kv-database or KV_DATABASE"
@@ -335,7 +374,7 @@ def prepare(config: pytest.Config) -> None:
     run = config.stash[RUN]
     if run.prepared:
         return
-    from kvcheck import devices, profiles, sizes
+    from kvcheck import devices, exhaustive, profiles, sizes
 
     # The settings live in the kit's modules while the run lasts; the ones they replace come
     # back when it ends (pytest_unconfigure), for a host that runs pytest again in the same
@@ -346,11 +385,14 @@ def prepare(config: pytest.Config) -> None:
         profiles._database,
         sizes._from_options,
         devices._chosen,
+        exhaustive._chosen,
+        exhaustive._resume,
     )
     run.before = [(setting, setting[:]) for setting in held]
     profiles.choose(run.profile)
     profiles.choose_threads(run.threads)
     profiles.choose_database(run.built)
+    exhaustive.choose(run.exhaustive, config.cache if run.resume else None)
     try:
         sizes.choose_options(sizes.Sizes(**run.sizes))
     except ValueError as error:
@@ -409,28 +451,65 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         # which a worker of pytest-xdist reports as that; elsewhere a usage error (below).
         metafunc.config.stash[RUN].error = str(error)
         raise pytest.Collector.CollectError(str(error)) from None
-    if metafunc.definition.get_closest_marker("kv_paths") is None:
-        metafunc.parametrize(
-            "cache_factory",
-            [
-                pytest.param(factory, id=label, marks=pytest.mark.kv_cache(label, name))
-                for label, name, factory in caches
-            ],
-        )
-        return
-    # A property run once per path of the model through the cache: append, and attend
-    # where the cache offers it (the id names the path only then).
-    params = []
+    # Each cache, and for a property run once per path of the model through the cache, each
+    # path it offers: append, and attend where it offers it (the id names the path only then).
+    per_path = metafunc.definition.get_closest_marker("kv_paths") is not None
+    names, params = ["cache_factory", *(["path"] * per_path)], []
     from kvcheck import sizes
 
     for label, name, factory in caches:
         with sizes.aiming_at(declared[label]):
-            paths = kit.paths_offered(factory)
+            paths = kit.paths_offered(factory) if per_path else (None,)
         for path in paths:
-            marks = [pytest.mark.kv_cache(label, name), pytest.mark.kv_path(path, paths)]
+            marks = [pytest.mark.kv_cache(label, name)]
+            if per_path:
+                marks.append(pytest.mark.kv_path(path, paths))
             ident = label if len(paths) == 1 else f"{label}-{path}"
-            params.append(pytest.param(factory, path, id=ident, marks=marks))
-    metafunc.parametrize(("cache_factory", "path"), params)
+            params.append(([factory, *([path] * per_path)], ident, marks))
+    if (blocks := exhaustive_blocks(metafunc, declared, caches)) is not None:
+        names.append("kv_block")
+        params = [
+            ([*values, block], ident if block is None else f"{ident}-{block}", marks)
+            for values, ident, marks in params
+            for block in blocks[id(values[0])]
+        ]
+    metafunc.parametrize(
+        names if len(names) > 1 else names[0],
+        [
+            pytest.param(*values, id=ident, marks=marks)
+            if len(names) > 1
+            else pytest.param(values[0], id=ident, marks=marks)
+            for values, ident, marks in params
+        ],
+    )
+
+
+def exhaustive_blocks(metafunc: pytest.Metafunc, declared: dict, caches: list) -> dict | None:
+    """In the bounded-exhaustive mode, the blocks of plans (``kvcheck.exhaustive``) a kit test
+    runs per cache: its property's, within each cache's declared domain; one None (a search)
+    for a property that enumerates none or a cache that does not offer it. None outside the
+    mode, or for a test that runs no property's plans (a hand-picked edge)."""
+    from kvcheck import exhaustive, sizes
+
+    setting = exhaustive.setting_for(metafunc.cls)
+    mark = metafunc.definition.get_closest_marker("kv_property")
+    if setting is None or mark is None or "kv_block" not in metafunc.fixturenames:
+        return None
+    from kvcheck.properties import BY_NAME
+    from kvcheck.scope import Scope
+
+    prop = BY_NAME[mark.args[0]]
+    tokens = exhaustive.tokens_for(prop, setting)
+    found: dict = {}
+    for label, _, factory in caches:
+        with sizes.aiming_at(declared[label]):
+            if tokens is None or prop.not_offered(factory):
+                found[id(factory)] = [None]
+            else:
+                found[id(factory)] = exhaustive.blocks(
+                    prop, Scope.within_domain(tokens, prop.dtypes)
+                )
+    return found
 
 
 def declaration(label: str, factory: object, cls: type):
@@ -528,6 +607,19 @@ def kit_lines(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
             f"kv example database: {database.describe(run.database)} ({mode}), beside the "
             "local .hypothesis directory"
         )
+    blocks = [
+        block
+        for item in items
+        if (block := getattr(item, "callspec", None) and item.callspec.params.get("kv_block"))
+    ]
+    if blocks:  # the bounded-exhaustive mode (kvcheck.exhaustive)
+        tokens = "/".join(map(str, sorted({block.scope.tokens for block in blocks})))
+        runs = sum(block.stop - block.first for block in blocks)
+        run.lines.append(
+            f"kv exhaustive: every plan to {tokens} tokens ({blocks[0].scope.describe()}): "
+            f"{runs:,} runs in {len(blocks):,} tests of up to {blocks[0].size} plans; a "
+            "property that enumerates none is searched"
+        )
     if sizes.from_options().aimed:  # where the draws aim; each cache's domain below
         run.lines.append(f"kv sizes from the command line: {sizes.from_options().describe()}")
     aims = [
@@ -554,8 +646,12 @@ def pytest_runtest_call(item: pytest.Item):
     from kvcheck import database, reach
 
     profiles._test_key[:] = [database.key_of(module, item.nodeid)]
-    # The edges its plans ran (kvcheck.reach), for its verdict entry.
-    with reach.collecting() as item.stash[REACHED]:
+    from kvcheck import exhaustive
+
+    # The edges its plans ran (kvcheck.reach) and what an exhaustive block of them did, for
+    # its verdict entry.
+    with reach.collecting() as item.stash[REACHED], exhaustive.recording() as record:
+        item.stash[EXHAUSTED] = record
         try:
             return (yield)
         finally:

@@ -68,6 +68,14 @@ def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestRepor
     entry["since"] = contract.of_property(prop)
     if newer := item.get_closest_marker("kv_not_counted"):  # after the pinned version
         entry.update(since=newer.args[0], counted=False)
+    from kvcheck import plugin
+
+    stash = getattr(item, "stash", {})  # a stand-in item (the plugin's tests) may have none
+    if (record := stash.get(plugin.EXHAUSTED, {})).get("tokens"):  # one block of plans
+        block = item.callspec.params["kv_block"]
+        entry["exhaustive"] = {**record, "group": item.nodeid.replace(f"-{block}]", "]")}
+    elif record.get("searched"):  # an exhaustive run's search of a property it cannot enumerate
+        entry["searched"] = True
     if report.passed:
         return {**entry, **_reach(item, entry["property"], factory), "outcome": PASS}
     expected = hasattr(report, "wasxfail")  # an xfail: the user's, or ours (not counted)
@@ -257,6 +265,11 @@ def tabulate(
     for cache in caches.values():
         rows = cache["properties"]
         for row in [*rows.values(), *cache.get("not counted", {}).values()]:
+            if "blocks" in row:  # the bounded-exhaustive mode ran its plans
+                row["exhaustive"] = _exhaustive(row.pop("blocks"))
+                cache["scope"] = row.pop("scope")
+                if row["result"] == PASS and not row["exhaustive"]["complete"]:
+                    row["result"] = PARTLY  # some blocks not run (a -k, a deselect)
             # A path outside the cache's declared domain is not offered, as a capability is.
             if row["result"] == PASS and any(
                 outcome not in (PASS, NOT_OFFERED) for outcome in row.get("paths", {}).values()
@@ -289,6 +302,21 @@ def _add(row: dict, entry: dict) -> None:
         row["reached"] = list(reached)
         row["not reached"] = [name for name in dict.fromkeys(missed) if name not in reached]
     outcome = entry["outcome"]
+    if entry.get("searched"):
+        row["searched"] = True
+    if record := entry.get("exhaustive"):
+        scope = {key: value for key, value in record["scope"].items() if key != "tokens"}
+        row["scope"] = scope
+        group = row.setdefault("blocks", {}).setdefault(
+            record["group"],
+            {"tokens": record["tokens"], "plans": record["total"], "of": record["blocks"]},
+        )
+        if outcome == PASS:
+            group.setdefault("ran", []).append(record["first"])
+            for key in ("held", "outside"):
+                group[key] = group.get(key, 0) + record.get(key, 0)
+            if record.get("resumed"):
+                group["resumed"] = group.get("resumed", 0) + record["held"]
     if outcome == FAIL:
         row["failed"] += 1
     if row["tests"] > 1 and not _ranks_below(row, {**entry, "result": outcome}):
@@ -303,6 +331,53 @@ def _add(row: dict, entry: dict) -> None:
         row.pop("reason", None)
     else:
         row["reason"] = entry["reason"]
+
+
+def _exhaustive(groups: dict[str, dict]) -> dict:
+    """What a property's exhaustive blocks ran, over its tests (its paths and cases, each
+    every plan): the tokens, the plans of one test, the runs that held, and whether every
+    block of every test ran and held (``complete``)."""
+    tokens = sorted({group["tokens"] for group in groups.values()})
+    return {
+        "tokens": tokens[0] if len(tokens) == 1 else tokens,
+        "plans": max(group["plans"] for group in groups.values()),
+        "runs held": sum(group.get("held", 0) for group in groups.values()),
+        "resumed": sum(group.get("resumed", 0) for group in groups.values()),
+        "outside the domain": sum(group.get("outside", 0) for group in groups.values()),
+        "blocks run": sum(len(group.get("ran", [])) for group in groups.values()),
+        "blocks": sum(group["of"] for group in groups.values()),
+        "complete": all(len(set(group.get("ran", []))) == group["of"] for group in groups.values()),
+    }
+
+
+def _exhaustive_lines(cache: dict, width: int) -> list[str]:
+    """The lines of an exhaustive run: per token count, the properties whose every plan held
+    and how many; the properties it searched instead (they enumerate no plans)."""
+    rows = cache["properties"]
+    held: dict[int, list[str]] = {}
+    for name, row in rows.items():
+        if row["result"] == PASS and "exhaustive" in row:
+            ran = row["exhaustive"]
+            resumed = f", {ran['resumed']:,} runs resumed" if ran["resumed"] else ""
+            outside = ran["outside the domain"]
+            outside = f", {outside:,} outside the domain" if outside else ""
+            held.setdefault(ran["tokens"], []).append(f"{name} {ran['plans']:,}{resumed}{outside}")
+    if not held:
+        return []
+    scope = cache.get("scope", {})
+    models = f"{len(scope.get('models', []))} models, {scope.get('dtype', '?')}"
+    lines = [
+        f"  exhaustive   to {tokens} tokens ({models}), every plan holds: {', '.join(names)}"
+        for tokens, names in sorted(held.items(), key=lambda kv: str(kv[0]))
+    ]
+    searched = [
+        name
+        for name, row in rows.items()
+        if row["result"] == PASS and row.get("searched") and "exhaustive" not in row
+    ]
+    if searched:
+        lines.append(f"  searched     {', '.join(searched)} (no enumeration of their plans)")
+    return [line if len(line) <= width else line[: width - 3] + "..." for line in lines]
 
 
 def _worse(severity: str, than: str) -> bool:
@@ -351,6 +426,7 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
             line = f"  reached      {hit} of {hit + len(missed)} edges the passing properties name"
             line += f"; never: {'; '.join(missed)}" if missed else ""
             lines.append(line if len(line) <= width else line[: width - 3] + "...")
+        lines += _exhaustive_lines(cache, width)
         absent = [
             _with_domain(name, row) for name, row in rows.items() if row["result"] == NOT_OFFERED
         ]
@@ -363,9 +439,15 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
                 lines.append(line if len(line) <= width else line[: width - 3] + "...")
             elif row["result"] == SKIPPED:
                 lines.append(f"  skipped      {name}: {row['reason']}")
-            elif row["result"] == PARTLY:
+            elif row["result"] == PARTLY and "paths" in row:
                 paths = "; ".join(f"{path} {outcome}" for path, outcome in row["paths"].items())
                 lines.append(f"  partly run   {name}: {paths}")
+            elif row["result"] == PARTLY:  # some of its exhaustive blocks did not run
+                ran = row["exhaustive"]
+                lines.append(
+                    f"  partly run   {name}: {ran['blocks run']} of {ran['blocks']} blocks of "
+                    f"its plans to {ran['tokens']} tokens held; the others did not run"
+                )
         lines += _roots(rows, width)
         for name, row in cache.get("not counted", {}).items():
             result = _state(row) + (f": {row['reason']}" if row["result"] == FAIL else "")

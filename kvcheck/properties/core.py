@@ -20,6 +20,7 @@ from torch import Tensor
 
 from kvcheck import asserts as kvassert
 from kvcheck import failures, reach
+from kvcheck import scope as kvscope
 from kvcheck import strategies as kvst
 from kvcheck.kit import KitTests, Property, edge_test, property_test
 from kvcheck.reach import Edge
@@ -259,6 +260,16 @@ def check_contents(factory: CacheFactory, scenario: kvst.Scenario) -> None:
                 )
 
 
+def every_session(scope: kvscope.Scope) -> Iterator[kvst.Scenario]:
+    """Every session of up to ``scope.tokens`` tokens in every split into a prefill and
+    decode chunks, on fresh caches, on each model of the scope: (2^N - 1) per model."""
+    for tokens in range(1, scope.tokens + 1):
+        for layout in scope.layouts:
+            for chunks in kvscope.compositions(tokens):
+                session = kvst.Session(chunks, token_seed=0, start="fresh")
+                yield kvscope.scenario(layout, scope, [session])
+
+
 SCENARIOS = kvst.scenarios()
 LOGITS = Property(
     "logits",
@@ -270,6 +281,8 @@ LOGITS = Property(
     pinned=kvst.PINNED,
     edges=kvst.EDGES,
     reaches=SCENARIO_EDGES,
+    every_plan=every_session,
+    exhaustive_tokens=8,
 )
 LENGTHS = Property(
     "lengths",
@@ -280,6 +293,8 @@ LENGTHS = Property(
     pinned=kvst.PINNED,
     edges=kvst.EDGES,
     reaches=SCENARIO_EDGES + LOSSY_EDGES,
+    every_plan=every_session,
+    exhaustive_tokens=8,
 )
 CONTENTS = Property(
     "contents",
@@ -290,6 +305,8 @@ CONTENTS = Property(
     pinned=kvst.PINNED,
     edges=kvst.EDGES,
     reaches=SCENARIO_EDGES,
+    every_plan=every_session,
+    exhaustive_tokens=8,
 )
 
 
