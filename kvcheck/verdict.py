@@ -439,15 +439,15 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
                 lines.append(line if len(line) <= width else line[: width - 3] + "...")
             elif row["result"] == SKIPPED:
                 lines.append(f"  skipped      {name}: {row['reason']}")
-            elif row["result"] == PARTLY and "paths" in row:
-                paths = "; ".join(f"{path} {outcome}" for path, outcome in row["paths"].items())
-                lines.append(f"  partly run   {name}: {paths}")
-            elif row["result"] == PARTLY:  # some of its exhaustive blocks did not run
-                ran = row["exhaustive"]
+            elif row["result"] == PARTLY and not row.get("exhaustive", {}).get("complete", 1):
+                ran = row["exhaustive"]  # some of its exhaustive blocks did not run
                 lines.append(
                     f"  partly run   {name}: {ran['blocks run']} of {ran['blocks']} blocks of "
                     f"its plans to {ran['tokens']} tokens held; the others did not run"
                 )
+            elif row["result"] == PARTLY:
+                paths = "; ".join(f"{path} {outcome}" for path, outcome in row["paths"].items())
+                lines.append(f"  partly run   {name}: {paths}")
         lines += _roots(rows, width)
         for name, row in cache.get("not counted", {}).items():
             result = _state(row) + (f": {row['reason']}" if row["result"] == FAIL else "")
