@@ -4,9 +4,10 @@ Copy this file to the root of your repository, beside your pyproject.toml, then:
 
     nox -s kit                                 # every push: the ci profile, verdict.json
     nox -s nightly                             # the thorough search, its examples kept
+    nox -s exhaustive                          # every plan to each property's N tokens
     nox -s compare -- last.json verdict.json   # what changed; fails on a regression
 
-``kit`` and ``nightly`` install torch (a CPU build), then kvcache-verify, then your package
+``kit``, ``nightly`` and ``exhaustive`` install torch (a CPU build), then kvcache-verify, then your package
 (this directory, where it has a pyproject.toml or setup.py), and run pytest on your kit tests
 under pytest-xdist; what follows ``--`` goes to pytest (``-k logits``, ``-x``, a path, a
 later ``--kv-profile`` that overrides the session's). ``compare`` reads two reports and needs
@@ -89,6 +90,15 @@ def nightly(session: nox.Session) -> None:
     (and deleting what no longer fails)."""
     install(session)
     run_kit(session, "--kv-profile", "thorough", "--kv-database", DATABASE)
+
+
+@nox.session
+def exhaustive(session: nox.Session) -> None:
+    """The bounded-exhaustive mode (docs/exhaustive.md): every plan of up to each
+    property's own N tokens, resuming where a run that was stopped left off (pytest's cache,
+    ``.pytest_cache``, kept between runs)."""
+    install(session)
+    run_kit(session, "--kv-exhaustive", "auto", "--kv-exhaustive-resume")
 
 
 @nox.session
