@@ -16,6 +16,7 @@ stride, so that plans of every size are in the sample).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from datetime import date
 from pathlib import Path
@@ -52,10 +53,8 @@ def measure(prop, factory, tokens: int, cap: float) -> tuple[int, float, bool]:
         order = [i for start in range(stride) for i in range(start, len(plans), stride)]
         ran, start = 0, time.perf_counter()
         for index in order:
-            try:
+            with contextlib.suppress(OutsideDomain):
                 prop.run(factory, plans[index], case)
-            except OutsideDomain:
-                pass
             ran += 1
             if time.perf_counter() - start > cap:
                 break

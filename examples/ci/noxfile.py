@@ -7,11 +7,11 @@ Copy this file to the root of your repository, beside your pyproject.toml, then:
     nox -s exhaustive                          # every plan to each property's N tokens
     nox -s compare -- last.json verdict.json   # what changed; fails on a regression
 
-``kit``, ``nightly`` and ``exhaustive`` install torch (a CPU build), then kvcache-verify, then your package
-(this directory, where it has a pyproject.toml or setup.py), and run pytest on your kit tests
-under pytest-xdist; what follows ``--`` goes to pytest (``-k logits``, ``-x``, a path, a
-later ``--kv-profile`` that overrides the session's). ``compare`` reads two reports and needs
-no torch. The environment variables, all optional:
+``kit``, ``nightly`` and ``exhaustive`` install torch (a CPU build), then kvcache-verify, then
+your package (this directory, where it has a pyproject.toml or setup.py), and run pytest on
+your kit tests under pytest-xdist; what follows ``--`` goes to pytest (``-k logits``, ``-x``,
+a path, a later ``--kv-profile`` that overrides the session's). ``compare`` reads two reports
+and needs no torch. The environment variables, all optional:
 
 ``KVCHECK_TESTS``
     your kit tests, paths separated by spaces (default ``tests/``)
