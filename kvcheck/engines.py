@@ -23,7 +23,8 @@ sequence holds, for the draws, the messages and the edges noted (``EdgeNotes``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -36,6 +37,7 @@ from kvcheck import failures, reach
 from kvcheck import sizes as kvsizes
 from kvcheck.engine_books import CacheBooks
 from kvcheck.kit import NOT_OFFERED, Property, search
+from kvcheck.scope import Scope, first_use_order
 from kvref import ModelConfig, ReferenceTransformer
 from kvref.engine import (
     ENGINE_OPERATIONS,
@@ -546,6 +548,294 @@ def mix(draw, p: Planner) -> None:
             else:
                 p.shift(sequence)
         p.decode(p.some_sequences())
+
+
+# --- every plan within a scope (the bounded-exhaustive mode) ---------------------------
+
+# The first positions an empty sequence may start at where the engine takes any
+# (``Drawing.start_anywhere``): 0, and 1, the nearest other (an engine that numbers a step's
+# tokens by how many its sequence holds instead of reading them is off by it). The draws'
+# 7 and 40 add nothing a few tokens can tell: only the gap they leave counts.
+EVERY_START = (0, 1)
+# The deltas a suffix is moved on by (``Shift`` to the end): 1, the nearest (a gap of one),
+# and 16, past every position a few tokens hold (a rotation far from the old one). Moved
+# back, a suffix closes the gap before it exactly (the farthest it may go and stay after
+# what it follows); a context shift moves it back over the span removed, or over that span
+# and the gap before it too (the draws' own two: ``Planner.shift``). Spans with an end
+# (a middle span moved) are not enumerated: the draws never make one, and only a span
+# inside a gap may move without passing its neighbours.
+EVERY_DELTA = (1, 16)
+# The memory operations of "engine mixed" between its decodes, at most: the draws' up to 5
+# events, of which decodes are some, bounded so that its plans stay in the thousands at 6
+# tokens (each operation multiplies them by every sequence, span and position).
+MIXED_OPERATIONS = 2
+
+
+@dataclass(frozen=True)
+class _Partial:
+    """A plan being built: what each sequence holds, the events so far, the sequence ids
+    they name in order (for the first-use collapse) and the tokens still to feed."""
+
+    held: tuple[tuple[int, ...], ...]
+    events: tuple
+    labels: tuple[int, ...]
+    left: int
+
+    def then(self, event: object, *labels: int) -> _Partial | None:
+        """This plan and ``event`` (naming ``labels``), or None where its ids do not come in
+        first-use order (another plan, the same up to renaming ids, stands for it)."""
+        if not first_use_order(self.labels + labels):
+            return None
+        mirror = Mirror(0)
+        mirror.held = [Held(list(positions)) for positions in self.held]
+        fed = 0
+        if isinstance(event, Decode):
+            for feed in event.feeds:
+                mirror.held[feed.sequence].positions.extend(
+                    range(feed.first, feed.first + feed.count)
+                )
+                fed += feed.count
+        else:
+            mirror.apply(event)
+        held = tuple(tuple(h.positions) for h in mirror.held)
+        return _Partial(held, (*self.events, event), self.labels + labels, self.left - fed)
+
+
+class _Every:
+    """Every event of each kind a ``Drawing`` offers after a partial plan, and the phases
+    (runs of decodes, an operation) a focus's plans are made of."""
+
+    def __init__(self, drawing: Drawing, sequences: int) -> None:
+        self.drawing, self.sequences = drawing, sequences
+        self.starts = EVERY_START if drawing.start_anywhere else (0,)
+
+    # -- decodes --
+
+    def batches(self, p: _Partial, least: int, most: int) -> Iterator[_Partial]:
+        """Every batch of ``least`` to ``most`` sequences, in every order, each fed 1 or more
+        tokens (within the batch's and each sequence's room), each empty one from every
+        start."""
+        spec = self.drawing.spec
+        budget = min(p.left, spec.max_batch)
+        for size in range(least, most + 1):
+            for order in itertools.permutations(range(self.sequences), size):
+                if not first_use_order(p.labels + order):
+                    continue
+                rooms = [min(spec.max_tokens - len(p.held[s]), budget) for s in order]
+                for counts in itertools.product(*(range(1, room + 1) for room in rooms)):
+                    if sum(counts) > budget:
+                        continue
+                    firsts = [(p.held[s][-1] + 1,) if p.held[s] else self.starts for s in order]
+                    for first in itertools.product(*firsts):
+                        feeds = tuple(map(Feed, order, first, counts))
+                        yield p.then(Decode(feeds), *order)
+
+    def runs(self, p: _Partial, least: int = 1, most: int | None = None) -> Iterator[_Partial]:
+        """One or more batches in a row (every split of each sequence's feeds)."""
+        most = self.sequences if most is None else most
+        for q in self.batches(p, min(least, self.sequences), most):
+            if q is not None:
+                yield q
+                yield from self.runs(q, least, most)
+
+    # -- the operations --
+
+    def held(self, p: _Partial) -> list[int]:
+        return [s for s, positions in enumerate(p.held) if positions]
+
+    def removes(self, p: _Partial) -> Iterator[_Partial]:
+        """Every span of each kind offered, at every position, of every sequence holding
+        tokens (one event where two kinds give the same span)."""
+        for sequence in self.held(p):
+            for event in dict.fromkeys(self.spans(sequence, p.held[sequence])):
+                yield p.then(event, sequence)
+
+    def spans(self, sequence: int, held: tuple[int, ...]) -> Iterator[Remove]:
+        n, offers = len(held), self.drawing.removes
+        if offers("middle"):  # tokens kept on both sides
+            for low in range(1, n - 1):
+                for high in range(low, n - 1):
+                    yield Remove(sequence, held[low], held[high] + 1)
+        if offers("head"):
+            for high in range(n - 1):
+                yield Remove(sequence, 0, held[high] + 1)
+        if offers("tail"):
+            for low in range(n):
+                yield Remove(sequence, held[low], None)
+        if offers("whole"):
+            yield Remove(sequence, 0, None)
+        if offers("past the end"):
+            yield Remove(sequence, held[-1] + 1, None)
+
+    def copies(self, p: _Partial) -> Iterator[_Partial]:
+        """Every held sequence copied into every empty one; where none is empty, another
+        removed whole first (``Planner.make_room``), where the engine removes whole ones."""
+        for source in self.held(p):
+            rooms = [p]
+            if all(p.held) and self.drawing.removes("whole"):
+                rooms = [
+                    p.then(Remove(other, 0, None), other)
+                    for other in range(self.sequences)
+                    if other != source
+                ]
+            for q in filter(None, rooms):
+                for target, positions in enumerate(q.held):
+                    if not positions:
+                        yield q.then(Copy(source, target), source, target)
+
+    def shifts(self, p: _Partial) -> Iterator[_Partial]:
+        """Every shift of every held sequence: a context shift at every span (a span removed,
+        what follows moved back over it, or over it and the gap before it) where remove
+        takes middle spans; every suffix moved on by each of ``EVERY_DELTA``; every suffix
+        after a gap moved back to close it."""
+        for sequence in self.held(p):
+            held, n = p.held[sequence], len(p.held[sequence])
+            if self.drawing.removes("middle"):
+                lowest = 0 if self.drawing.removes("head") else 1
+                for low in range(lowest, n - 1):
+                    for high in range(low, n - 1):
+                        start, end = held[low], held[high] + 1
+                        q = p.then(Remove(sequence, start, end), sequence)
+                        gap_before = start - (held[low - 1] + 1) if low else start
+                        for closed in dict.fromkeys((gap_before, 0)):
+                            yield q.then(Shift(sequence, end, None, start - end - closed), sequence)
+            for at in range(n):
+                for delta in EVERY_DELTA:
+                    yield p.then(Shift(sequence, held[at], None, delta), sequence)
+                gap = held[at] - (held[at - 1] + 1) if at else held[at]
+                if gap:
+                    yield p.then(Shift(sequence, held[at], None, -gap), sequence)
+
+    def clears(self, p: _Partial) -> Iterator[_Partial]:
+        yield p.then(Clear())
+
+    def operations(self, p: _Partial) -> Iterator[_Partial]:
+        """Every event of every operation offered, and clear (``mix``)."""
+        yield from self.clears(p)
+        kinds = {"remove": self.removes, "copy": self.copies, "shift": self.shifts}
+        for name in ENGINE_OPERATIONS:
+            if name in self.drawing.offered:
+                yield from kinds[name](p)
+
+    # -- the focuses --
+
+    def batch(self, p: _Partial) -> Iterator[_Partial]:
+        """One batch of any of the sequences (``Planner.decode(some_sequences())``)."""
+        return self.batches(p, 1, self.sequences)
+
+    def plans(self, focus: str, p: _Partial) -> Iterator[_Partial]:
+        """Every plan of ``focus`` from ``p``, in the shapes ``plans`` draws
+        (``every_engine_plan``'s docstring)."""
+        offered, batch = self.drawing.offered, self.batch
+        if focus == "decode":
+            return self.runs(p, 1, 1)
+        if focus == "sequences":
+            return self.runs(p, 2)
+        if focus == "clear":
+            return chain(p, batch, self.clears, batch)
+        if focus == "mixed":
+            rounds = [optional(self.operations, batch)] * MIXED_OPERATIONS
+            return chain(p, batch, *rounds)
+        if focus == "remove":
+            middle: tuple[Phase, ...] = (self.removes,)
+        elif focus == "copy":
+            removed = (optional(batch, self.removes),) if "remove" in offered else ()
+            middle = (self.copies, *removed)
+        elif focus == "shift":
+            copied = (optional(self.copies),) if "copy" in offered else ()
+            middle = (*copied, self.shifts)
+        else:
+            raise ValueError(f"no engine property of focus {focus!r}")
+        # One round, or two (the draws' ``rounds``): a batch, the focus's events, a batch.
+        return chain(p, batch, *middle, batch, optional(batch, *middle, batch))
+
+
+Phase = Callable[[_Partial], Iterator[_Partial | None]]
+
+
+def chain(p: _Partial | None, *phases: Phase) -> Iterator[_Partial]:
+    """Every plan made of ``p`` and then an outcome of each phase in turn."""
+    if p is None or p.left < 0:
+        return
+    if not phases:
+        yield p
+        return
+    for q in phases[0](p):
+        yield from chain(q, *phases[1:])
+
+
+def optional(*phases: Phase) -> Phase:
+    """A phase that is ``phases`` in turn, or nothing."""
+
+    def phase(p: _Partial) -> Iterator[_Partial]:
+        yield p
+        yield from chain(p, *phases)
+
+    return phase
+
+
+def engine_models(drawing: Drawing, scope: Scope) -> list[ModelConfig]:
+    """The models of an exhaustive engine run: each layout's layers, heads and kv heads, the
+    drawing's smallest head width and its feed-forward block, the scope's fixed weights. A
+    layout's window and batch are not the engine level's (an engine runs Llama's global
+    attention, and batches sequences, not rows), so two layouts that differ in them alone
+    give one model."""
+    models: list[ModelConfig] = []
+    for layout in scope.layouts:
+        plain = dataclasses.replace(layout, window=None, head_dim=min(drawing.head_dims))
+        config = plain.config(ffn=drawing.ffn)
+        if config not in models:
+            models.append(config)
+    return models
+
+
+def every_engine_plan(focus: str, drawing: Drawing, scope: Scope) -> Iterator[EnginePlan]:
+    """Every plan of the engine property ``focus`` (its name less "engine ") that feeds at
+    most ``scope.tokens`` tokens in all, fewest first, then by model (``engine_models``),
+    then by shape; token seed 0. The plans are those ``plans`` draws, every choice of its
+    taken in turn (``_Every``), each plan once:
+
+    - decode: one sequence fed in every split of its tokens (a prefill, then chunks);
+    - sequences: a run of batches of 2 or more sequences each;
+    - clear: a run of batches, ``Clear``, a run of batches;
+    - remove: a run of batches, a removal, a run of batches, and maybe a second removal and
+      run of batches (the draws' two rounds);
+    - copy: a run of batches, a copy (a sequence removed whole first where none is empty),
+      a run of batches, and where remove is offered maybe a removal and a run of batches;
+    - shift: a run of batches, where copy is offered maybe a copy, a shift, a run of batches;
+    - mixed: a run of batches, then up to ``MIXED_OPERATIONS`` times an operation offered or
+      a clear followed by a run of batches.
+
+    A run of batches is one or more decodes, each batch every choice of its sequences, their
+    order in it, their counts (within ``max_batch`` and each sequence's ``max_tokens``) and
+    the start of each empty one (``EVERY_START``); a removal is every span kind offered at
+    every position of every sequence holding tokens; a copy every held source into every
+    empty target; a shift every one of ``_Every.shifts`` (``EVERY_DELTA``).
+
+    Sequences: at most ``min(drawing.spec.sequences, scope.requests + 1)``: the scope's
+    requests, live at once, and one more, empty, for a copy to go into (and the third of
+    a batch of 3). Sequence ids are collapsed by first use (``first_use_order``): an engine
+    keeps sequences apart by id alone, so a plan and the same plan with its ids renamed
+    cannot be told apart by a correct engine; the first sequence a plan names is 0, the
+    next new one 1, and so on. (An engine that treats one id unlike another, e.g. the last,
+    is outside this collapse: docs/exhaustive.md.)
+
+    The count has no closed form but for decode: ``len(EVERY_START) x (2^N - 1)`` per model
+    where the engine starts anywhere, ``2^N - 1`` where at 0 alone (a feed of each
+    composition of 1 to N tokens); the others are counted by brute force in the tests."""
+    if focus in ENGINE_OPERATIONS and focus not in drawing.offered:
+        return  # not offered: the property is skipped, as its test is
+    # One sequence for decode (its plans are one sequence's, the first named: 0).
+    sequences = 1 if focus == "decode" else min(drawing.spec.sequences, scope.requests + 1)
+    every = _Every(drawing, sequences)
+    models = engine_models(drawing, scope)
+    empty = tuple(() for _ in range(sequences))
+    for tokens in range(1, scope.tokens + 1):
+        for config in models:
+            start = _Partial(empty, (), (), tokens)
+            for plan in every.plans(focus, start):
+                if plan is not None and plan.left == 0:
+                    yield EnginePlan(config, plan.events, 0)
 
 
 # --- the properties --------------------------------------------------------------------

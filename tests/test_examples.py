@@ -121,5 +121,5 @@ def test_a_class_can_pin_its_own_regressions():
         pinned: ClassVar = {"lengths": (pasted,)}
         examples_scale = 0.01  # one drawn example: the pinned one is what is looked for
 
-    TestPinned().test_length_invariants(factory)
+    TestPinned().test_length_invariants(factory, kv_block=None)  # None: a search
     assert 77 in built_for, "the class's pinned scenario (max_length 77) was not run"

@@ -11,11 +11,14 @@ import math
 
 import pytest
 
+import kvimpl
 from kvcheck import exhaustive
 from kvcheck import scope as kvscope
+from kvcheck import sizes as kvsizes
 from kvcheck.properties import ALL
 from kvcheck.properties.core import LOGITS, every_session
 from kvcheck.scope import LAYOUTS, Scope
+from kvimpl.latent import LatentCache
 from tests.pytest_run import run_in_process
 
 
@@ -110,13 +113,24 @@ def test_blocks_cover_every_plan_once_and_sort_as_the_plans_do():
 
 
 def test_every_enumerating_property_has_plans_within_a_small_scope():
-    """Every property that enumerates yields plans of its own within 4 tokens, distinct."""
+    """Every property that enumerates yields plans of its own within 4 tokens, distinct, in
+    the domain of the first built-in cache that offers it (a latent layer's plans exist only
+    for a cache that declares latent layers, such as LatentCache)."""
     for prop in ALL:
         if prop.every_plan is None:
             continue
-        plans = list(prop.every_plan(Scope(4)))
+        candidates = [*kvimpl.CACHES.values(), LatentCache]
+        offered = [f for f in candidates if not offered_nowhere(prop, f)]
+        assert offered, f"{prop.name}: no built-in cache offers it"
+        with kvsizes.aiming_at(kvsizes.declared_by(offered[0])):
+            plans = list(prop.every_plan(Scope.within_domain(4, prop.dtypes)))
         assert plans, f"{prop.name}: no plan within 4 tokens"
         assert len(set(map(repr, plans))) == len(plans), f"{prop.name}: a plan enumerated twice"
+
+
+def offered_nowhere(prop, factory) -> bool:
+    with kvsizes.aiming_at(kvsizes.declared_by(factory)):
+        return prop.not_offered(factory) is not None
 
 
 CLASS = """

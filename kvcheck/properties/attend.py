@@ -14,6 +14,7 @@ where the reference does not.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,7 +24,9 @@ import torch
 from hypothesis import strategies as st
 
 from kvcheck import asserts as kvassert
+from kvcheck import devices as kvdevices
 from kvcheck import failures, reach
+from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.harness import SPEC_EDGES, build, coarser, note_spec
@@ -273,6 +276,56 @@ def assert_attend_within_codes(
     )
 
 
+# --- Every plan within a scope (kvcheck.scope), for the bounded-exhaustive mode ---
+def every_calls(tokens: int, last: str) -> Iterator[tuple[tuple[str, int], ...]]:
+    """Every sequence of calls giving ``tokens`` rows in all: each split of them into calls
+    (``kvscope.compositions``), each call but the last an append or an attend of ``last``'s
+    kind, the last one ``last`` (every plan attends on a warm cache at least once): 3^(T - 1)
+    of them (sum over the 2^(T-1) splits of 2^(calls - 1) kinds)."""
+    for sizes in kvscope.compositions(tokens):
+        for kinds in itertools.product((last, "append"), repeat=len(sizes) - 1):
+            yield tuple(zip((*kinds, last), sizes, strict=True))
+
+
+def scope_spec(layout: kvscope.Layout, scope: kvscope.Scope, tokens: int, **fields) -> CacheSpec:
+    """The one cache of an attend plan on ``layout``: its batch, kv heads, head width and
+    window, built for exactly ``tokens`` rows (2 at least, as the strategy's)."""
+    return CacheSpec(
+        batch=layout.batch,
+        kv_heads=layout.kv_heads,
+        head_dim=layout.head_dim,
+        max_length=max(2, tokens),
+        dtype=scope.dtype,
+        device=kvdevices.current(),
+        window=layout.window,
+        **fields,
+    )
+
+
+def scope_sinks(layout: kvscope.Layout) -> tuple[int, ...]:
+    """The sink counts a spec of ``layout`` takes: none, and for a window layout of a cache
+    that declares sinks its smallest count beside the window (the larger counts are the
+    search's: one sink already shows a sink kept or dropped)."""
+    counts = [count for count in kvsizes.domain().sink_counts if count]
+    return (0, min(counts)) if layout.window is not None and counts else (0,)
+
+
+def every_attend_plan(scope: kvscope.Scope) -> Iterator[AttendPlan]:
+    """Every plan of calls (``every_calls``) of 1 to ``scope.tokens`` rows in all, on each
+    layout's cache (its query heads, kv heads, width, window), each with plain and with large
+    scores (``LARGE``): 2 x 3^(T - 1) plans of T rows a layout (twice that for a window layout
+    of a cache that declares sinks: with its smallest sink count too). Seed 0; a dtype the
+    strategy does not draw (half precision) is left to the search: the scope's float64 here
+    is judged by the dtype's tolerance, as every attend."""
+    for tokens in range(1, scope.tokens + 1):
+        for layout in scope.layouts:
+            for sinks in scope_sinks(layout):
+                spec = scope_spec(layout, scope, tokens, sinks=sinks)
+                for calls in every_calls(tokens, "attend"):
+                    for large in (False, True):
+                        yield AttendPlan(spec, layout.heads, calls, large, seed=0)
+
+
 ATTEND = Property(
     "attend",
     "attend returns the reference attention over the rows given: masks, grouped heads, "
@@ -283,6 +336,8 @@ ATTEND = Property(
     reaches=ATTEND_EDGES,
     requires=("attend",),
     dtypes=kvst.DTYPES,
+    every_plan=every_attend_plan,
+    exhaustive_tokens=7,
 )
 
 
@@ -434,6 +489,42 @@ def latent_query(plan: LatentAttendPlan, rows: int, seed: int) -> torch.Tensor:
     return query.to(device=spec.device, dtype=spec.dtype)
 
 
+def latent_scope_widths() -> tuple[int, int]:
+    """The latent layer's widths an enumeration takes (value_dim, rope key width): the
+    smallest the cache declares, else a latent of 6 and a rope key of 2 (a latent wider than
+    the key, and not a width a scale of 1/sqrt(d_c) could pass by luck with the nope width
+    of 2: 1/sqrt(4) is not 1/sqrt(6) nor 1/sqrt(8))."""
+    domain = kvsizes.domain()
+    rope = min(domain.rope_dims) if domain.rope_dims else 2
+    latent = min(domain.latent_dims) if domain.latent_dims else 6
+    return latent, rope
+
+
+def every_latent_attend_plan(scope: kvscope.Scope) -> Iterator[LatentAttendPlan]:
+    """Where the cache declares latent layers (``kvst.latent_drawable``; else nothing):
+    every plan of calls (``every_calls``, ``attend_latent`` for attend) of 1 to
+    ``scope.tokens`` rows in all, on each layout's cache made latent (one kv head, the
+    widths of ``latent_scope_widths``, its batch and window; the query heads its groups,
+    the one latent head shared by all of them): 3^(T - 1) plans of T rows a layout (twice
+    for a window layout of a cache that declares sinks). Fixed: a no-rope width whose
+    scale is none the cache could derive from what it holds (the first of the strategy's
+    that is not), seed 0."""
+    if not kvst.latent_drawable():
+        return
+    value_dim, head_dim = latent_scope_widths()
+    nope = next(
+        n for n in (2, 4, 8, 16, 128) if n + head_dim not in (value_dim, value_dim + head_dim)
+    )
+    for tokens in range(1, scope.tokens + 1):
+        for layout in scope.layouts:
+            for sinks in scope_sinks(layout):
+                spec = scope_spec(layout, scope, tokens, sinks=sinks)
+                spec = dataclasses.replace(spec, kv_heads=1, head_dim=head_dim, value_dim=value_dim)
+                heads = layout.heads // layout.kv_heads
+                for calls in every_calls(tokens, "attend_latent"):
+                    yield LatentAttendPlan(spec, heads, nope, calls, seed=0)
+
+
 LATENT_ATTEND = Property(
     "latent attend",
     "attend_latent returns the reference attention over [latent ; rope key] of the rows "
@@ -445,6 +536,8 @@ LATENT_ATTEND = Property(
     requires=("attend_latent", "latent"),
     dtypes=kvst.DTYPES,
     since="1.6",
+    every_plan=every_latent_attend_plan,
+    exhaustive_tokens=7,
 )
 
 

@@ -12,20 +12,22 @@ The bad-argument tables for ``truncate`` and ``reorder`` are in ``kvcheck.badinp
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from hypothesis import strategies as st
-from hypothesis.errors import InvalidArgument
 
 from kvcheck import badinput as kvbad
 from kvcheck import failures, reach
+from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
-from kvcheck.properties.rejection import STATE_EDGES, check_refused
+from kvcheck.properties.rejection import STATE_EDGES, check_refused, every_refusal
 from kvcheck.session import Engine
 from kvcheck.strategies import (
     DTYPES,
@@ -85,7 +87,9 @@ class RewindTo:
 
 @dataclass(frozen=True)
 class Reorder:
-    """Batch row b becomes the old row ``indices[b]`` (beam search); never the identity."""
+    """Batch row b becomes the old row ``indices[b]`` (beam search). A drawn one is never
+    the identity (it would prove little); the exhaustive plans hold it too, as every index
+    tuple of the batch's rows (a cache may take a shortcut on it)."""
 
     indices: tuple[int, ...]
 
@@ -228,6 +232,99 @@ def edit_plans(draw, *, rollbacks: bool = True, reorder: bool = False) -> EditPl
     return plan
 
 
+# --- Every plan within a scope (kvcheck.scope), for the bounded-exhaustive mode ---
+#
+# An exhaustive edit plan is chunks (the prompt first), one moment of edits once ``before``
+# tokens are fed, then chunks again: every split of the tokens before and after it, every
+# edit of the moment at every held length. Each truncate is a ``RewindTo`` its target: a
+# ``Rewind``, a ``Rollback`` or ``Rollbacks`` makes the same ``truncate(target)`` calls on the
+# caches (what they add, a chunk or a second truncate, are steps of their own here), so one
+# step per target is sound. Forks are left out: without a pool they feed a fork's history
+# again as a prompt (``Engine.fork``), and with one they are the fork properties' plans. Plans
+# without an edit are left out too: they are the core properties' sessions. The path is
+# append (the attend path over an edited history is the random search's). At most one moment
+# of edits a plan: more make the space explode (a truncate frees tokens to feed again).
+def every_edit_plan(
+    scope: kvscope.Scope,
+    moments: Callable[[int, int], Iterator[tuple[Step, ...]]],
+    *,
+    least_batch: int = 1,
+) -> Iterator[EditPlan]:
+    """Every plan of chunks summing to 1 to ``scope.tokens`` tokens, with one moment of edits
+    (``moments(held, batch)``: each the edits made back to back, nothing fed between) after
+    some of its chunks: fewest tokens first, then the scope's layouts, each at a batch of at
+    least ``least_batch`` rows (a reorder needs 2: a batch of 1 takes 2)."""
+    for tokens in range(1, scope.tokens + 1):
+        for layout in scope.layouts:
+            batch = max(layout.batch, least_batch)
+            config = layout.config()
+            for before in range(1, tokens + 1):
+                for head in kvscope.compositions(before):
+                    for moment in moments(before, batch):
+                        for tail in chunks_of(tokens - before):
+                            yield EditPlan(
+                                config=config,
+                                batch=batch,
+                                dtype=scope.dtype,
+                                prompt=head[0],
+                                steps=(*head[1:], *moment, *tail),
+                                token_seed=0,
+                            )
+
+
+def chunks_of(tokens: int) -> Iterator[tuple[int, ...]]:
+    """Every split of ``tokens`` into chunks; the empty one of none."""
+    return kvscope.compositions(tokens) if tokens else iter(((),))
+
+
+def every_indices(batch: int) -> Iterator[tuple[int, ...]]:
+    """Every index tuple of ``batch`` rows, repeats and the identity too: batch^batch."""
+    return itertools.product(range(batch), repeat=batch)
+
+
+def truncate_moments(held: int, batch: int) -> Iterator[tuple[Step, ...]]:
+    """A truncate to every length of 0 to ``held``."""
+    return ((RewindTo(target),) for target in range(held + 1))
+
+
+def reorder_moments(held: int, batch: int) -> Iterator[tuple[Step, ...]]:
+    """A reorder by every index tuple of the batch's rows."""
+    return ((Reorder(indices),) for indices in every_indices(batch))
+
+
+def mixed_moments(held: int, batch: int) -> Iterator[tuple[Step, ...]]:
+    """A truncate to every length of 0 to ``held`` and a reorder by every index tuple, back
+    to back, the truncate first, then the reorder first."""
+    for target in range(held + 1):
+        for indices in every_indices(batch):
+            yield RewindTo(target), Reorder(indices)
+    for indices in every_indices(batch):
+        for target in range(held + 1):
+            yield Reorder(indices), RewindTo(target)
+
+
+def every_truncate_plan(scope: kvscope.Scope) -> Iterator[EditPlan]:
+    """Every plan of chunks with one truncate (``every_edit_plan``) to each length 0..held,
+    after each split of the tokens before it and before each split of those after: at n
+    tokens 2^(n-3) (n^2 + 5n + 2) plans a layout (sum over the truncate's point a of
+    2^(a-1) splits before, a + 1 lengths, 2^(n-a-1) splits after, or 1 where a = n)."""
+    return every_edit_plan(scope, truncate_moments)
+
+
+def every_reorder_plan(scope: kvscope.Scope) -> Iterator[EditPlan]:
+    """Every plan of chunks with one reorder (``every_edit_plan``) by each of the B^B index
+    tuples of its B rows (repeats and the identity too; a batch of 1 taken as 2): at n
+    tokens B^B 2^(n-2) (n + 1) plans a layout."""
+    return every_edit_plan(scope, reorder_moments, least_batch=2)
+
+
+def every_mixed_plan(scope: kvscope.Scope) -> Iterator[EditPlan]:
+    """Every plan of chunks with a truncate (to each length 0..held) and a reorder (by each
+    of the B^B index tuples) back to back, in either order (``every_edit_plan``; a batch of
+    1 taken as 2): at n tokens B^B 2^(n-2) (n^2 + 5n + 2) plans a layout."""
+    return every_edit_plan(scope, mixed_moments, least_batch=2)
+
+
 _one_layer = ModelConfig(
     vocab_size=5, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2, ffn_dim=8
 )
@@ -351,7 +448,7 @@ def reorder_edges(indices: tuple[int, ...], windows: set[int], held: int, last: 
     rows = len(indices)
     edges = {
         WITH_REPEATS: len(set(indices)) < rows,
-        EVERY_ROW: len(set(indices)) == rows,
+        EVERY_ROW: len(set(indices)) == rows and indices != tuple(range(rows)),
         REVERSAL: rows >= 3 and indices == tuple(range(rows))[::-1],
         ONE_FOR_ALL: len(set(indices)) == 1,
         REORDERS_BACK_TO_BACK: last == "reorder",
@@ -428,8 +525,6 @@ def check_edits(factory: CacheFactory, plan: EditPlan) -> None:
                 behind.append((request, step.parent_tokens))
                 request = fork
         else:
-            if step.indices == tuple(range(plan.batch)):  # it would prove nothing
-                raise InvalidArgument(f"{at}: a reorder plan must not be the identity")
             held = request.held
             engine.reorder(request, torch.tensor(step.indices), at=at)
             reach.note(*reorder_edges(step.indices, windows, held, last[0]), *forked(REORDERED))
@@ -499,6 +594,8 @@ TRUNCATE = Property(
     requires=("truncate",),
     pinned=on_both_paths(PINNED_EDITS),
     reaches=TRUNCATE_EDGES,
+    every_plan=every_truncate_plan,
+    exhaustive_tokens=6,
 )
 BAD_TRUNCATE = Property(
     "bad truncate",
@@ -509,6 +606,8 @@ BAD_TRUNCATE = Property(
     cases=tuple(kvbad.BAD_TRUNCATES),
     requires=("truncate",),
     reaches=STATE_EDGES,
+    every_plan=every_refusal,
+    exhaustive_tokens=10,
 )
 REORDER = Property(
     "reorder",
@@ -520,6 +619,8 @@ REORDER = Property(
     min_batch=2,
     pinned=on_both_paths(PINNED_REORDERS),
     reaches=REORDER_EDGES,
+    every_plan=every_reorder_plan,
+    exhaustive_tokens=6,
 )
 BAD_REORDER = Property(
     "bad reorder",
@@ -530,6 +631,8 @@ BAD_REORDER = Property(
     cases=tuple(kvbad.BAD_REORDERS),
     requires=("reorder",),
     reaches=STATE_EDGES,
+    every_plan=every_refusal,
+    exhaustive_tokens=9,
 )
 EDITS = Property(
     "truncate and reorder",
@@ -542,6 +645,8 @@ EDITS = Property(
     pinned=on_both_paths(PINNED_MIXED_EDITS),
     reaches=MIXED_EDGES,
     examples_share=0.5,  # truncate and reorder each have their own full search
+    every_plan=every_mixed_plan,
+    exhaustive_tokens=4,
 )
 
 

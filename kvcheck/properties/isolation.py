@@ -6,12 +6,14 @@ returns (on the attend path, attends over) only its own rows.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
 from kvcheck import asserts as kvassert
 from kvcheck import failures, reach
+from kvcheck import scope as kvscope
 from kvcheck import strategies as kvst
 from kvcheck.harness import (
     SPEC_EDGES,
@@ -23,6 +25,7 @@ from kvcheck.harness import (
     spec_on_path,
 )
 from kvcheck.kit import KitTests, Property, property_test
+from kvcheck.properties.rejection import layer_specs, warm_ups
 from kvcheck.strategies import cache_specs, chunk_plans
 from kvref import CacheFactory, CacheSpec
 
@@ -50,6 +53,28 @@ def isolation_plans(draw) -> IsolationPlan:
     a = draw(chunk_plans(spec.max_length - 1), label="plan A")
     b = draw(chunk_plans(spec.max_length - 1), label="plan B")
     return IsolationPlan(spec, (tuple(a), tuple(b)))
+
+
+def every_isolation_plan(scope: kvscope.Scope) -> Iterator[IsolationPlan]:
+    """Every ``IsolationPlan`` within ``scope``, fewest tokens first, then by spec
+    (``rejection.layer_specs``), then by shape: A's and B's a and b rows (each >= 0) in every
+    split into appends (none for 0 rows), max_length max(a, b) + 1 (the last row each is
+    given). The tokens are a + b + 2: both plans and the row each cache is given last.
+
+    A and B are not renamed into one another: A is built first and goes first in every
+    turn, so a cache whose storage is shared by creation order tells them apart. Per spec,
+    the plans of m = a + b + 2 tokens number 1 for m = 2 and (k + 3) x 2^(k - 2) for
+    k = m - 2 >= 1 (c(0) c(k) + ... + c(k) c(0), c(0) = 1, c(w) = 2^(w-1)): 1, 2, 5, 12,
+    28, 64, 144 for m = 2..8."""
+    specs = layer_specs(scope)
+    for total in range(2, scope.tokens + 1):
+        for fields in specs:
+            rows = total - 2
+            for a_rows in range(rows + 1):
+                spec = CacheSpec(max_length=max(a_rows, rows - a_rows) + 1, **fields)
+                for a in warm_ups(a_rows):
+                    for b in warm_ups(rows - a_rows):
+                        yield IsolationPlan(spec, (a, b))
 
 
 def check_isolation(factory: CacheFactory, plan: IsolationPlan, *, path: str = "append") -> None:
@@ -83,6 +108,8 @@ ISOLATION = Property(
     reaches=tuple(reach.Edge(name) for name in SPEC_EDGES),
     paths=True,
     attend_dtypes=kvst.DTYPES,  # attend's output judged at the dtype's tolerance
+    every_plan=every_isolation_plan,
+    exhaustive_tokens=9,
 )
 
 

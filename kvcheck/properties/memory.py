@@ -6,11 +6,14 @@ a compressed cache's savings are what it claims, so a count of the full-precisio
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 
 from kvcheck import failures, reach
+from kvcheck import scope as kvscope
 from kvcheck import strategies as kvst
 from kvcheck.harness import SPEC_EDGES, note_spec, recorded
 from kvcheck.kit import KitTests, Property, property_test
+from kvcheck.properties.rejection import every_cache_plan
 from kvref import CacheFactory, min_nbytes
 from kvref.protocol import held_nbytes
 
@@ -81,6 +84,15 @@ def declared(cache) -> str:
     return "; ".join(dict.fromkeys(part.describe() for part in cache.storage if part))
 
 
+def every_memory_plan(scope: kvscope.Scope) -> Iterator[kvst.CachePlan]:
+    """``rejection.every_cache_plan`` with room 0 and at least one append: every split of
+    L rows into appends on a cache built for max_length L (full at the last), then the
+    reset; 2^(L-1) plans of L tokens per spec. A cache with more room needs none of its
+    own: the check fills the rest of max_length by one more append, which is the plan
+    warmed by that append too."""
+    return every_cache_plan(scope, room=0, min_chunks=1)
+
+
 MEMORY = Property(
     "memory",
     "nbytes is never below 2 x B x H_kv x L x D x itemsize",
@@ -88,6 +100,8 @@ MEMORY = Property(
     kvst.cache_plans(room=0, min_chunks=1),
     failures.WRONG_RESULTS,
     reaches=tuple(reach.Edge(name) for name in SPEC_EDGES),
+    every_plan=every_memory_plan,
+    exhaustive_tokens=12,
 )
 
 

@@ -30,7 +30,7 @@ from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.harness import build, warm
 from kvcheck.kit import KitTests, Property, path_for, property_test
-from kvcheck.properties.rejection import check_refused
+from kvcheck.properties.rejection import check_refused, every_import
 from kvcheck.session import Engine
 from kvref import BlockPool, CacheFactory, CacheRows, ModelConfig
 
@@ -277,6 +277,8 @@ BAD_IMPORT = Property(
     requires=("move",),
     examples_share=0.25,
     since="1.5",
+    every_plan=every_import,
+    exhaustive_tokens=10,
 )
 
 

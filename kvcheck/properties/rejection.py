@@ -11,18 +11,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Iterator
 
 import torch
 from hypothesis import strategies as st
 
 from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
+from kvcheck import devices as kvdevices
 from kvcheck import failures, reach
+from kvcheck import scope as kvscope
+from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.harness import SPEC_EDGES, note_spec, warm
 from kvcheck.kit import KitTests, Property, property_test
 from kvcheck.reach import Edge
-from kvref import CacheFactory
+from kvref import CacheFactory, CacheSpec
 
 # The states bad input is tried on (contract, section 3), noted as each is warmed.
 STATE_EDGES = tuple(
@@ -147,6 +151,155 @@ def check_bad_model_call(factory: CacheFactory, plan: kvst.ModelPlan, case: kvba
     kvassert.assert_clear_error(error, case, bad, where=where)
 
 
+# --- Bounded-exhaustive enumerations (kvcheck.scope) -----------------------------------
+# A cache-level plan has no model: its spec is that of one layer of a layout of the scope.
+
+
+def layer_specs(scope: kvscope.Scope, *, latent: bool = False) -> tuple[dict, ...]:
+    """The distinct cache specs (less max_length) the layers of the scope's layouts are built
+    for, in layout order: each layout's batch, kv heads and head width, windowed on its even
+    layers where it has a window (so a window layout gives a window spec and a global one);
+    the scope's dtype, on the kit's device. Layouts that differ only in query heads (which a
+    cache spec does not hold) give one spec. With ``latent``, a latent layer's (contract,
+    section 10.2): one "head", the rope key the first declared rope width (else the
+    layout's head width), the latent the first declared latent width, else the first of
+    ``latent_widths``' widths that differs from the key's (6 for a key 2 wide: a latent as
+    wide as the key would hide keys and latents swapped)."""
+    domain = kvsizes.domain()
+    specs: dict[tuple, dict] = {}
+    for layout in scope.layouts:
+        windows = (layout.window, None) if layout.window and layout.layers > 1 else (layout.window,)
+        for window in windows:
+            spec = {
+                "batch": layout.batch,
+                "kv_heads": layout.kv_heads,
+                "head_dim": layout.head_dim,
+                "dtype": scope.dtype,
+                "device": kvdevices.current(),
+                "window": window,
+            }
+            if latent:
+                rope = domain.rope_dims[0] if domain.rope_dims else layout.head_dim
+                widths = domain.latent_dims or [w for w in (2, 6, 16, 64, 512) if w != rope]
+                spec.update(kv_heads=1, head_dim=rope, value_dim=widths[0])
+            specs.setdefault(tuple(spec.items()), spec)
+    return tuple(specs.values())
+
+
+def warm_ups(rows: int, min_chunks: int = 0) -> Iterator[tuple[int, ...]]:
+    """Every split of ``rows`` warm-up rows into appends, of at least ``min_chunks`` appends
+    (no append at all for 0 rows): 2^(rows-1) of them for ``min_chunks`` 1, and 1 for 0 rows
+    where ``min_chunks`` is 0."""
+    if rows == 0:
+        if min_chunks == 0:
+            yield ()
+        return
+    yield from (chunks for chunks in kvscope.compositions(rows) if len(chunks) >= min_chunks)
+
+
+def every_cache_plan(
+    scope: kvscope.Scope,
+    room: int = 1,
+    *,
+    min_chunks: int = 0,
+    max_new: int = 0,
+    overflow: bool = False,
+    latent: bool = False,
+) -> Iterator[kvst.CachePlan]:
+    """Every ``CachePlan`` within ``scope``, fewest tokens first, then by spec
+    (``layer_specs``, in the scope's layout order), then by the next append's size, the room
+    and the warm-up: a cache warmed by every split of W rows into appends (at least
+    ``min_chunks`` of them; W = 0 is the empty cache), built for max_length W + ``room``.
+
+    The tokens of a plan are every row it feeds a cache: the W warm-up rows; with
+    ``max_new``, the next append's ``new_tokens`` (every size 1 to ``max_new``); else the
+    property does not read ``new_tokens`` and it is 1, uncounted. With ``overflow`` the
+    room is every size from ``room`` up and counted too: the overflowing append fills the
+    room and ``new_tokens`` more. Per spec, with c(0) = 1 where ``min_chunks`` is 0 (else
+    0) and c(w) = 2^(w-1) for w >= 1 (``min_chunks`` <= 1), the plans of exactly t tokens
+    number:
+
+    - nothing new: c(t);
+    - ``max_new`` M: sum over n = 1..M of c(t - n);
+    - ``overflow``: sum over r >= ``room``, n = 1..M of c(t - r - n).
+
+    The seeds are fixed: warm-up rows from ``random_rows`` seeds 0, 1, ... as ``warm`` makes
+    them. Not enumerated: half precision (the scope's dtype), and max_length beyond W +
+    ``room`` (a cache with more room is, to every case here, a cache warmed by more rows;
+    ``overflow`` is the exception, and enumerates it)."""
+    specs = layer_specs(scope, latent=latent)
+    news = range(1, max_new + 1) if max_new else (0,)
+    for total in range(scope.tokens + 1):
+        for fields in specs:
+            for new in news:
+                for extra in range(room, total + 1) if overflow else (room,):
+                    rows = total - new - (extra if overflow else 0)
+                    if rows < 0 or rows + extra < 1:
+                        continue
+                    spec = CacheSpec(max_length=rows + extra, **fields)
+                    for chunks in warm_ups(rows, min_chunks):
+                        yield kvst.CachePlan(spec, chunks, new or 1)
+
+
+def every_bad_append(scope: kvscope.Scope) -> Iterator[kvst.CachePlan]:
+    """``every_cache_plan`` with room 3 and next appends of 1 to 3 rows (the strategy's):
+    per spec, the plans of t tokens number 1, 2, 4 for t = 1, 2, 3, and 7 x 2^(t-4) from
+    t = 4 (sum over n = 1..3 of c(t - n)); crossed with every case by the runner."""
+    return every_cache_plan(scope, room=3, max_new=3)
+
+
+def every_overflow(scope: kvscope.Scope) -> Iterator[kvst.CachePlan]:
+    """``every_cache_plan`` with every room from 1 up (one row to read the cache back after
+    a refusal) and 1 to 3 rows past max_length: an append of room + n rows after every
+    warm-up, counted whole."""
+    return every_cache_plan(scope, room=1, max_new=3, overflow=True)
+
+
+def every_refusal(scope: kvscope.Scope) -> Iterator[kvst.CachePlan]:
+    """``every_cache_plan`` with room 1 (to read the cache back) and no next append: an
+    empty cache (0 tokens, first), then every warm-up of W rows, 2^(W-1) per spec; for
+    ``truncate`` and ``reorder``'s tables, whose cases are made from the cache or its spec."""
+    return every_cache_plan(scope, room=1)
+
+
+def every_import(scope: kvscope.Scope) -> Iterator[kvst.CachePlan]:
+    """``every_cache_plan`` with room 1, at least one warm-up append and no next append:
+    2^(W-1) plans of W tokens per spec; the bad rows of ``import_rows``' table are made
+    from the spec (an import into a cache that holds tokens: into the warm one)."""
+    return every_cache_plan(scope, room=1, min_chunks=1)
+
+
+def every_latent_plan(scope: kvscope.Scope) -> Iterator[kvst.CachePlan]:
+    """``every_bad_append``'s plans on latent specs (``layer_specs(latent=True)``): the next
+    append's 1 to 3 rows are the key and value of the bad ``attend_latent``."""
+    return every_cache_plan(scope, room=3, max_new=3, latent=True)
+
+
+def every_model_plan(scope: kvscope.Scope) -> Iterator[kvst.ModelPlan]:
+    """Every ``ModelPlan`` within ``scope``, fewest tokens first, then by layout, then by
+    the layer a case picks on, then by the split: caches fed t tokens in every split into
+    a prefill and decode steps (2^(t-1)), on each layout's model with at least 2 layers (a
+    1-layer layout raised to 2: the strategy's least, and the cases of two layers need
+    them), every layer, the layout's batch, the scope's dtype, token seed 0. Per layout of
+    L layers, L x 2^(t-1) plans of t tokens (the good next tokens are the case's, not
+    counted)."""
+    layouts = dict.fromkeys(
+        dataclasses.replace(layout, layers=max(2, layout.layers)) for layout in scope.layouts
+    )
+    for total in range(1, scope.tokens + 1):
+        for layout in layouts:
+            for layer in range(layout.layers):
+                for chunks in kvscope.compositions(total):
+                    yield kvst.ModelPlan(
+                        config=layout.config(),
+                        dtype=scope.dtype,
+                        batch=layout.batch,
+                        chunks=chunks,
+                        layer=layer,
+                        token_seed=0,
+                    )
+
+
 BAD_APPEND = Property(
     "bad append",
     "a bad append is refused with a ValueError naming the problem, changing nothing",
@@ -158,6 +311,8 @@ BAD_APPEND = Property(
     # Each of the many cases has its own search; what varies within one is only the warm
     # cache it is tried on, and the thorough profile still gives it hundreds.
     examples_share=0.4,
+    every_plan=every_bad_append,
+    exhaustive_tokens=7,
 )
 OVERFLOW = Property(
     "overflow",
@@ -166,6 +321,8 @@ OVERFLOW = Property(
     kvst.cache_plans(room=1),  # after a refusal, room for one row to read the cache back
     failures.DATA_LOSS,
     reaches=STATE_EDGES,
+    every_plan=every_overflow,
+    exhaustive_tokens=11,
 )
 BAD_MODEL_CALL = Property(
     "bad model call",
@@ -175,6 +332,8 @@ BAD_MODEL_CALL = Property(
     failures.ACCEPTS_BAD_INPUT,
     cases=tuple(kvbad.BAD_CALLS),
     examples_share=0.25,
+    every_plan=every_model_plan,
+    exhaustive_tokens=6,
 )
 BAD_LATENT_ATTEND = Property(
     "bad latent attend",
@@ -188,6 +347,8 @@ BAD_LATENT_ATTEND = Property(
     reaches=STATE_EDGES[:4],  # a latent layer's cache has one kv head
     examples_share=0.25,
     since="1.6",
+    every_plan=every_latent_plan,
+    exhaustive_tokens=9,
 )
 
 

@@ -19,8 +19,9 @@ every event (``kvcheck.pool_books``).
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -29,6 +30,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from kvcheck import failures, reach
+from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.devices import dtype_name
@@ -330,6 +332,216 @@ def _finish(draw, state: _Drawing, request: int, poison: bool) -> None:
         state.reusable[request] = batch
 
 
+# --- the bounded-exhaustive mode (kvcheck.scope) ---------------------------------------------
+
+POISON_ROWS = (1, 2, 3)  # the rows a poisoned finish leaves, as the strategy draws them
+POISON = "nan"  # the kind an enumerated plan poisons with (every_request_plan says why)
+
+
+def every_request_plan(
+    scope: kvscope.Scope,
+    *,
+    forks: bool = True,
+    truncates: bool = False,
+    reorders: bool = True,
+    poison: bool = True,
+    specials: int = 1,
+    fork_first: bool = False,
+) -> Iterator[RequestPlan]:
+    """Every ``RequestPlan`` of 1 to ``scope.tokens`` tokens on each model of the scope
+    within the bounds below, fewest tokens first, each once. Its tokens are every row it
+    feeds: the Feeds' sizes and the rows a poisoned Finish leaves (a fork feeds none).
+
+    A plan is a stream of steps, ended whenever no request is live:
+
+    - a request starts (batch: the layout's) and is fed its first chunk at once, as the
+      strategy does: every size from 1 up;
+    - a live request is fed a chunk of every size from 1 up;
+    - a request finishes by drop right after a step of its own (its last feed, or the fork
+      it made or was made by): every finish point relative to the other request's steps.
+
+    So every split of each request's tokens into chunks and every interleaving of the
+    requests' steps appear. Beside these, up to ``specials`` events of (where the plan has
+    them):
+
+    - a ``Fork`` of a live request into a new one, at every point (after each step);
+    - a ``Truncate`` of a live request before one of its feeds, every ``back`` from 0 to its
+      length; a ``Reorder`` before one of its feeds, by every map of its rows but the
+      identity, which moves nothing (batch^batch - 1: none at batch 1, 3 at batch 2);
+    - a finish by reset (after which a request that starts may take its reset caches, or
+      fresh ones: both), or after poisoned rows (1 to 3 of them, each a token; by drop or
+      by reset), where a later feed could read them (a poisoned finish that nothing follows
+      shows nothing).
+
+    With ``fork_first`` every plan forks (``fork``'s plans), its fork one of the specials.
+
+    Bounds, so that the plans are finite and few: at most ``scope.requests`` requests in a
+    plan, forks and reused caches included (the handoff of the strategy, a fork, its parent
+    finished, a newcomer into the freed blocks, then the fork fed, needs 3); ``specials``
+    events beyond starts, feeds and finishes by drop. Fixed: token seed 0; margin 0, the
+    tightest pool (a leaked or overtaken block shows first there; spare blocks only hide
+    it); the append path (``core``'s ``logits`` enumerates the attend path of every chunk
+    split); poison ``nan``, the kind no arithmetic hides (0 * nan, a mask added to it, a max
+    over it are all nan), so that every stale or freed row read into attention shows; inf,
+    -inf and huge show a subset of the same reads.
+
+    Requests are numbered in the order they start or fork (``kvcheck.scope.first_use_order``
+    holds for every plan): one representative per renaming, sound because a correct cache
+    cannot tell requests apart but by what each is fed, and every request here is built
+    alike (the same batch, model and kind of caches). No closed form: the count is held to
+    an independent one in tests/test_exhaustive_requests.py.
+
+    Blocks: a plan crosses a block edge where a request holds more rows than the pool's
+    ``block_size`` (``factory.block_size``, not the scope's): with the built-in pool's 16-row
+    blocks (kvimpl.paged.DEFAULT_BLOCK_SIZE) only from N = 17; a pool of 2-row blocks
+    (``kvimpl.PagedPool(2)``) crosses an edge from N = 3, shares a full block with a fork
+    from N = 2, and frees one for another request from N = 3.
+    """
+    for tokens in range(1, scope.tokens + 1):
+        for layout in scope.layouts:
+            config = layout.config()
+            kinds = dict(forks=forks, truncates=truncates, reorders=reorders, poison=poison)
+            for events in _request_streams(
+                layout.batch, tokens, scope.requests, specials, fork_first, **kinds
+            ):
+                yield RequestPlan(config, scope.dtype, events, token_seed=0)
+
+
+def _request_streams(
+    batch: int,
+    budget: int,
+    most: int,
+    specials: int,
+    fork_first: bool,
+    *,
+    forks: bool,
+    truncates: bool,
+    reorders: bool,
+    poison: bool,
+) -> Iterator[tuple[Event, ...]]:
+    """The event streams of exactly ``budget`` tokens, in a fixed order (depth first)."""
+    events: list[Event] = []
+    live: dict[int, int] = {}  # request -> length
+    reusable: list[int] = []  # requests finished by reset, their caches not yet reused
+    # Every map of the rows but the identity, which moves nothing (none at batch 1).
+    identity = tuple(range(batch))
+    maps = [rows for rows in itertools.product(identity, repeat=batch) if rows != identity]
+    maps = maps if reorders else []
+    spare = [specials]
+
+    def special() -> bool:
+        return spare[0] > 0
+
+    def extend(left: int, started: int) -> Iterator[tuple[Event, ...]]:
+        forked = not fork_first or any(isinstance(event, Fork) for event in events)
+        if not live and not left and _poison_read(events) and forked:
+            yield tuple(events)
+        last = _requests_of(events[-1]) if events else ()
+        if left and started < most:  # a request starts, fed its first chunk
+            for reuse in (None, *reusable):
+                if reuse is not None:
+                    reusable.remove(reuse)
+                events.append(Start(started, batch, reuse))
+                live[started] = 0
+                yield from feeds(started, left, started + 1)
+                del live[started]
+                events.pop()
+                if reuse is not None:
+                    reusable.append(reuse)
+                    reusable.sort()
+        for request in sorted(live):
+            length = live[request]
+            if left:
+                yield from feeds(request, left, started)
+                modifiers: list[Event] = []
+                if special():
+                    if truncates:
+                        modifiers += [Truncate(request, back) for back in range(length + 1)]
+                    modifiers += [Reorder(request, rows) for rows in maps]
+                for modifier in modifiers:
+                    events.append(modifier)
+                    spare[0] -= 1
+                    if isinstance(modifier, Truncate):
+                        live[request] = length - modifier.back
+                    yield from feeds(request, left, started)
+                    live[request] = length
+                    spare[0] += 1
+                    events.pop()
+            if forks and started < most and special():
+                events.append(Fork(request, started))
+                live[started] = length
+                spare[0] -= 1
+                yield from extend(left, started + 1)
+                spare[0] += 1
+                del live[started]
+                events.pop()
+            if request not in last:
+                continue  # it finishes right after a step of its own
+            finishes = [Finish(request, "drop")]
+            if special():
+                finishes.append(Finish(request, "reset"))
+                if poison:
+                    finishes += [
+                        Finish(request, how, POISON, rows)
+                        for how in ("drop", "reset")
+                        for rows in POISON_ROWS
+                        if rows <= left
+                    ]
+            for finish in finishes:
+                events.append(finish)
+                del live[request]
+                cost = finish != Finish(request, "drop")
+                spare[0] -= cost
+                if finish.how == "reset":
+                    reusable.append(request)
+                yield from extend(left - finish.poison_rows, started)
+                if finish.how == "reset":
+                    reusable.remove(request)
+                spare[0] += cost
+                live[request] = length
+                events.pop()
+
+    def feeds(request: int, left: int, started: int) -> Iterator[tuple[Event, ...]]:
+        length = live[request]
+        for size in range(1, left + 1):
+            events.append(Feed(request, size))
+            live[request] = length + size
+            yield from extend(left - size, started)
+            live[request] = length
+            events.pop()
+
+    yield from extend(budget, 0)
+
+
+def _requests_of(event: Event) -> tuple[int, ...]:
+    """The requests an event is a step of: a fork's parent and child, else its request."""
+    return (event.parent, event.child) if isinstance(event, Fork) else (event.request,)
+
+
+def _poison_read(events: list[Event]) -> bool:
+    """Whether every poisoned finish is followed by a feed (or start) that could read its
+    rows: one after which nothing is fed shows nothing, and is left out."""
+    fed_after = False
+    for event in reversed(events):
+        if isinstance(event, Finish) and event.poison and not fed_after:
+            return False
+        fed_after = fed_after or isinstance(event, Feed)
+    return True
+
+
+def every_requests_plan(scope: kvscope.Scope) -> Iterator[RequestPlan]:
+    """The plans of ``requests`` (``request_plans()``): forks, reorders and poisoned
+    finishes, no truncates; ``every_request_plan`` says what and how many."""
+    return every_request_plan(scope)
+
+
+def every_fork_plan(scope: kvscope.Scope) -> Iterator[RequestPlan]:
+    """The plans of ``fork`` (``request_plans(forks=3, truncates=True, poison=False)``):
+    those of ``every_request_plan`` with truncates, no poison, and two specials of which
+    one is a fork (every drawn plan of ``forks`` above 1 forks)."""
+    return every_request_plan(scope, truncates=True, poison=False, specials=2, fork_first=True)
+
+
 def serve(factory: CacheFactory, plan: RequestPlan) -> None:
     """Run ``plan`` on caches from ``factory`` (a tight pool of its kind, audited after every
     event, when it is a BlockPool); every step of every request must give the uncached
@@ -574,6 +786,8 @@ REQUESTS = Property(
     # It runs on every cache under test (a quarter of the profile's examples, after the
     # pinned plans); on a pool, "pool" searches the same plans in full.
     examples_share=0.25,
+    every_plan=every_requests_plan,
+    exhaustive_tokens=4,
 )
 FORK = Property(
     "fork",
@@ -584,6 +798,8 @@ FORK = Property(
     requires=("fork",),
     pinned=on_both_paths(PINNED_FORKS),
     reaches=FORK_EDGES,
+    every_plan=every_fork_plan,
+    exhaustive_tokens=4,
 )
 
 

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -16,11 +18,13 @@ from hypothesis import strategies as st
 
 from kvcheck import asserts as kvassert
 from kvcheck import failures, reach
+from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.harness import SPEC_EDGES, assert_served, give, note_spec, recorded, spec_on_path
 from kvcheck.kit import KitTests, Property, property_test
 from kvcheck.properties.core import POISONED_EDGES, check_logits_match_uncached
+from kvcheck.properties.rejection import layer_specs, warm_ups
 from kvcheck.strategies import POISON_VALUES, cache_specs, chunk_plans
 from kvref import CacheFactory, CacheSpec
 
@@ -97,6 +101,82 @@ def clear(factory: CacheFactory, cache, plan: StaleRowsPlan, spec, path, when: s
     return cache
 
 
+POISON_KINDS = tuple(sorted(POISON_VALUES))
+MOST_POISON_ROWS = 4  # the strategy's (kvcheck.strategies.finish_session)
+
+
+def every_poisoned_scenario(scope: kvscope.Scope) -> Iterator[kvst.Scenario]:
+    """Every scenario of 2 or 3 sessions (the strategy's most) within ``scope``, fewest
+    tokens first, then by layout, then by shape: each session in every split into a prefill
+    and decode chunks; the first on fresh caches, each later one on reset or fresh ones;
+    every session but the last followed by 1 to 4 rows (the strategy's) of each poison kind
+    (nan, inf, -inf, huge: each breaks another masking, so none stands for another). The
+    tokens are every session's and every poison row; the buffers end where the longest
+    session and its poison do (slack 0). Session i has token seed i: sessions of the same
+    tokens would let old rows pass for new ones.
+
+    Per layout, the plans of up to N tokens number the sum, over sessions of lengths
+    a, b (, c) >= 1 and poison rows p (, q) in 1..4 within N, of 2^(a-1) 2^(b-1) x 2 x 4
+    for two sessions and 2^(a-1) 2^(b-1) 2^(c-1) x 4 x 16 for three: 48 at N = 4, 1,152 at
+    N = 6 (the test counts them another way)."""
+    for total in range(1, scope.tokens + 1):
+        for layout in scope.layouts:
+            for count in (2, 3):
+                yield from poisoned_scenarios(layout, scope, total, count)
+
+
+def poisoned_scenarios(layout, scope, total: int, count: int) -> Iterator[kvst.Scenario]:
+    """The scenarios of ``count`` sessions of exactly ``total`` tokens (poison rows too)."""
+    poisoned = count - 1
+    for poisons in itertools.product(range(1, MOST_POISON_ROWS + 1), repeat=poisoned):
+        left = total - sum(poisons)
+        for lengths in kvscope.compositions(left) if left >= count else ():
+            if len(lengths) != count:
+                continue
+            splits = [kvscope.compositions(length) for length in lengths]
+            for chunks in itertools.product(*map(tuple, splits)):
+                for starts in itertools.product(("reset", "fresh"), repeat=poisoned):
+                    for kinds in itertools.product(POISON_KINDS, repeat=poisoned):
+                        sessions = [
+                            kvst.Session(
+                                chunks[i],
+                                token_seed=i,
+                                start="fresh" if i == 0 else starts[i - 1],
+                                poison=kinds[i] if i < poisoned else None,
+                                poison_rows=poisons[i] if i < poisoned else 0,
+                            )
+                            for i in range(count)
+                        ]
+                        yield kvscope.scenario(layout, scope, sessions)
+
+
+def every_stale_rows_plan(scope: kvscope.Scope) -> Iterator[StaleRowsPlan]:
+    """Every ``StaleRowsPlan`` within ``scope``, fewest tokens first, then by spec
+    (``rejection.layer_specs``), then by shape: P poisoned and C clean rows (each >= 1) in
+    every split into appends, a reset or a fresh cache, each poison kind (nan, inf, -inf,
+    huge), and every number of rounds R the scope holds; max_length max(P, C), the least
+    that holds both. The tokens are R x (P + C): every round feeds its rows again.
+
+    Per spec, the plans of exactly t tokens number 8 x the sum, over R dividing t with
+    m = t / R >= 2, of (m - 1) x 2^(m - 2) (the splits of P and of C with P + C = m): 8, 32,
+    104, 256, 680 for t = 2..6, so 1,080 up to N = 6 and 144 up to N = 4."""
+    specs = layer_specs(scope)
+    for total in range(2, scope.tokens + 1):
+        for fields in specs:
+            for rounds in range(1, total // 2 + 1):
+                if total % rounds:
+                    continue
+                rows = total // rounds
+                for poisoned_rows in range(1, rows):
+                    clean_rows = rows - poisoned_rows
+                    spec = CacheSpec(max_length=max(poisoned_rows, clean_rows), **fields)
+                    for poisoned in warm_ups(poisoned_rows, 1):
+                        for clean in warm_ups(clean_rows, 1):
+                            for how in ("reset", "fresh cache"):
+                                for poison in POISON_KINDS:
+                                    yield StaleRowsPlan(spec, poisoned, how, poison, clean, rounds)
+
+
 RESET = Property(
     "reset",
     "after reset() or on fresh caches, a session after a poisoned one matches the model",
@@ -106,6 +186,8 @@ RESET = Property(
     paths=True,
     pinned=kvst.PINNED[:1],
     reaches=POISONED_EDGES,
+    every_plan=every_poisoned_scenario,
+    exhaustive_tokens=5,
 )
 STALE_ROWS = Property(
     "stale rows",
@@ -121,6 +203,8 @@ STALE_ROWS = Property(
     ),
     paths=True,
     attend_dtypes=kvst.DTYPES,  # attend's output judged at the dtype's tolerance
+    every_plan=every_stale_rows_plan,
+    exhaustive_tokens=6,
 )
 
 

@@ -17,7 +17,7 @@ Events a cache does not offer (it has ``append_rows`` but no ``join``, say) are 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from kvcheck import devices as kvdevices
 from kvcheck import failures, reach
+from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.devices import dtype_name
@@ -397,6 +398,67 @@ NEEDS = {
 }
 
 
+# --- Every plan within a scope (kvcheck.scope), for the bounded-exhaustive mode ---
+
+
+def row_counts(tokens: int, batch: int) -> Iterator[tuple[int, ...]]:
+    """Every way to give ``batch`` rows ``tokens`` new tokens in one call, a count each (0
+    allowed: an idle row, an empty slot): C(tokens + batch - 1, batch - 1), the first row's
+    count highest first."""
+    if batch == 1:
+        yield (tokens,)
+        return
+    for first in range(tokens, -1, -1):
+        for rest in row_counts(tokens - first, batch - 1):
+            yield first, *rest
+
+
+def row_feeds(tokens: int, batch: int) -> Iterator[tuple[tuple[int, ...], ...]]:
+    """Every sequence of calls that feeds ``batch`` rows ``tokens`` tokens in all, each call
+    a count per row, one at least not 0: the compositions of ``tokens`` into vectors of
+    ``batch`` counts, sum over k calls of sum over j of (-1)^j C(k, j) C(tokens + (k - j)
+    batch - 1, (k - j) batch - 1) (the calls with every row idle taken out); for 2 rows 2,
+    7, 24, 82, 280, 956 at 1 to 6 tokens (c(n) = 4 c(n-1) - 2 c(n-2)). Fewest calls first."""
+    for calls in range(1, tokens + 1):
+        yield from feeds_in(tokens, batch, calls)
+
+
+def feeds_in(tokens: int, batch: int, calls: int) -> Iterator[tuple[tuple[int, ...], ...]]:
+    """The sequences of ``row_feeds`` of exactly ``calls`` calls."""
+    if calls == 1:
+        yield from ((counts,) for counts in row_counts(tokens, batch))
+        return
+    for first in range(1, tokens - calls + 2):
+        for counts in row_counts(first, batch):
+            for rest in feeds_in(tokens - first, batch, calls - 1):
+                yield counts, *rest
+
+
+def every_rows_plan(scope: kvscope.Scope) -> Iterator[RowsPlan]:
+    """Every plan of feeds with a count per row (``row_feeds``: prompts of their own, rows
+    idle beside rows decoding, chunks) of 1 to ``scope.tokens`` tokens over all rows: fewest
+    tokens first, then the scope's layouts (a batch of 1 taken as 2: rows of their own need
+    two), c_B(n) plans of n tokens a layout of B rows (``row_feeds``).
+
+    Fixed, and why: the rows start at position 0 (no ``reset_at``: the scope bounds tokens,
+    not positions; first positions are the search's), pads of nan (what any read of a pad
+    shows first; the other poisons are the search's), and no ``truncate_rows``,
+    ``select_rows``, ``join`` or restart events (each multiplies the plans by the lengths or
+    rows held: the search draws them)."""
+    for tokens in range(1, scope.tokens + 1):
+        for layout in scope.layouts:
+            batch = max(layout.batch, 2)
+            config = layout.config()
+            for feeds in row_feeds(tokens, batch):
+                yield RowsPlan(
+                    config=config,
+                    dtype=scope.dtype,
+                    batch=batch,
+                    events=tuple(("feed", counts) for counts in feeds),
+                    token_seed=0,
+                )
+
+
 # Tried first on every run: rows that start elsewhere than 0, differ in length, roll back by
 # their own counts, and a row that leaves and one that joins with decode steps after each
 # (a first position dropped by select_rows needs both, which a search of 20 rarely draws).
@@ -486,6 +548,8 @@ MIXED_LENGTHS = Property(
     pinned=PINNED,
     since="1.2",
     reaches=EDGES,
+    every_plan=every_rows_plan,
+    exhaustive_tokens=6,
 )
 
 

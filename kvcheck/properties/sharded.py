@@ -17,7 +17,8 @@ to the unsharded uncached model and every rank must agree on every length.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator
 
 import torch
 from hypothesis import strategies as st
@@ -25,6 +26,7 @@ from hypothesis import strategies as st
 from kvcheck import devices as kvdevices
 from kvcheck import distributed as kvdistributed
 from kvcheck import failures, reach, scripts
+from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.kit import KitTests, Property, offered, path_for, property_test
@@ -261,6 +263,133 @@ RESHARDED = dataclasses.replace(
     moves_to=(2, 4),
 )
 
+
+# --- Every plan within a scope (kvcheck.scope), for the bounded-exhaustive mode ---
+@functools.cache
+def reorder_seeds(batch: int) -> tuple[int, ...]:
+    """A seed of a script's reorder (``kvcheck.scripts.play`` draws its indices from it) for
+    each of the batch^batch index tuples of ``batch`` rows (repeats and the identity too):
+    the smallest giving it, in the order first found."""
+    found: dict[tuple[int, ...], int] = {}
+    seed = 0
+    while len(found) < batch**batch:
+        generator = torch.Generator().manual_seed(seed)
+        indices = tuple(torch.randint(0, batch, (batch,), generator=generator).tolist())
+        found.setdefault(indices, seed)
+        seed += 1
+    return tuple(found.values())
+
+
+def every_script(
+    tokens: int, kinds: tuple[str, ...], batch: int, requests: int = 1
+) -> Iterator[tuple[tuple, ...]]:
+    """Every script (``kvcheck.scripts``) that feeds exactly ``tokens`` tokens in all (over
+    every request), in which an edit follows a feed (never another edit: each edit is read by
+    the feed after it before the next), on a request that holds tokens: a truncate by each of
+    1..held, a reorder by each index tuple of the batch (``reorder_seeds``), a reset, a fork
+    (while fewer than ``requests`` requests live; events after it on either request); the
+    first event a feed of request A, the last a feed, two feeds at least (a decode after the
+    prefill, as the strategy's scripts). Of ``kinds``, those beside "feed" are the edits."""
+    edits = [kind for kind in kinds if kind != "feed"]
+
+    def extend(script: tuple, held: tuple[int, ...], left: int) -> Iterator[tuple]:
+        if not left and script[-1][0] == "feed" and len(script) > 1:
+            yield script
+        for request in range(len(held)):
+            for size in range(1, left + 1):
+                fed = (*held[:request], held[request] + size, *held[request + 1 :])
+                yield from extend((*script, ("feed", request, size)), fed, left - size)
+        if script[-1][0] != "feed":
+            return
+        for request, length in enumerate(held):
+            if not length:
+                continue
+            for kind in edits:
+                if kind == "truncate":
+                    for back in range(1, length + 1):
+                        cut = (*held[:request], length - back, *held[request + 1 :])
+                        yield from extend((*script, ("truncate", request, back)), cut, left)
+                elif kind == "reorder":
+                    for seed in reorder_seeds(batch):
+                        yield from extend((*script, ("reorder", request, seed)), held, left)
+                elif kind == "reset":
+                    gone = (*held[:request], 0, *held[request + 1 :])
+                    yield from extend((*script, ("reset", request)), gone, left)
+                elif kind == "fork" and len(held) < requests:
+                    yield from extend((*script, ("fork", request)), (*held, length), left)
+
+    for size in range(1, tokens):  # a feed after it at least
+        yield from extend((("feed", 0, size),), (size,), tokens - size)
+
+
+def shardable(layout: kvscope.Layout, world: int) -> kvscope.Layout | None:
+    """``layout`` with its query heads made as many as ``world`` ranks can shard (kv heads
+    fewer than the ranks: each group a multiple of the replicas, rounded up; as many or
+    more: a multiple of the ranks), or None where its kv heads cannot be (more, not a
+    multiple)."""
+    kv_heads, group = layout.kv_heads, layout.heads // layout.kv_heads
+    if kv_heads < world:
+        if world % kv_heads:
+            return None
+        replicas = world // kv_heads
+        group = -(-group // replicas) * replicas
+    elif kv_heads % world:
+        return None
+    return dataclasses.replace(layout, heads=kv_heads * group, why="")
+
+
+def every_shard_layout(scope: kvscope.Scope) -> Iterator[tuple[int, kvscope.Layout]]:
+    """Each (world of 2 or 4 ranks, layout of the scope made shardable there, ``shardable``)
+    inside the domain, each once (layouts that differ only by why they are there are one)."""
+    seen = set()
+    for layout in scope.layouts:
+        for world in (2, 4):
+            made = shardable(layout, world)
+            if made is None or (world, made) in seen:
+                continue
+            seen.add((world, made))
+            if fits_the_domain(made.config(), world):
+                yield world, made
+
+
+def every_sharded_plan(
+    scope: kvscope.Scope, kinds: tuple[str, ...] = EVENTS
+) -> Iterator[ShardedPlan]:
+    """Every script (``every_script``: feeds in every split, truncates by every count, a
+    reorder by every index tuple, resets, forks up to ``scope.requests`` requests) of 1 to
+    ``scope.tokens`` tokens fed in all, on every (world, layout) of ``every_shard_layout``.
+    Fixed, and why: the append path (the attend path is the search's: the ranks' caches
+    take it where offered, and it doubles every plan), no moves between worlds (each needs
+    a model both worlds can shard and multiplies the plans by the moments: the search and
+    the pinned ``RESHARDED`` move), seed 0."""
+    for tokens in range(2, scope.tokens + 1):
+        for world, layout in every_shard_layout(scope):
+            config = layout.config()
+            for events in every_script(tokens, kinds, layout.batch, scope.requests):
+                yield ShardedPlan(
+                    world=world,
+                    config=config,
+                    path="append",
+                    batch=layout.batch,
+                    dtype=scope.dtype,
+                    events=events,
+                    token_seed=0,
+                )
+
+
+RUNTIME_TOKENS = 3  # a plan runs on every process: its enumeration ends sooner
+
+
+def every_sharded_runtime_plan(scope: kvscope.Scope) -> Iterator[ShardedPlan]:
+    """``every_sharded_plan`` of the scope's dtype where the runtime judges it (float64 or
+    float32), each run on the processes of a torch.distributed group: the same plans, the
+    default tokens kept small (``RUNTIME_TOKENS``); in a half-precision scope, float32 (the
+    runtime judges float64 and float32 alone: ``SHARDED_RUNTIME.dtypes``)."""
+    if scope.dtype not in kvst.DTYPES:
+        scope = dataclasses.replace(scope, dtype=torch.float32)
+    yield from every_sharded_plan(scope)
+
+
 SHARDED = Property(
     "sharded",
     "kv heads sharded over tensor-parallel ranks (replicated where fewer) give, together, "
@@ -271,6 +400,8 @@ SHARDED = Property(
     pinned=(REPLICATED, RESHARDED),
     reaches=SHARD_EDGES + MOVE_EDGES,
     since="1.5",
+    every_plan=every_sharded_plan,
+    exhaustive_tokens=5,
 )
 
 
@@ -291,6 +422,8 @@ SHARDED_RUNTIME = Property(
     context=kvdistributed.serving,
     shrinks=False,
     since="1.5",
+    every_plan=every_sharded_runtime_plan,
+    exhaustive_tokens=RUNTIME_TOKENS,
 )
 
 

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+from collections.abc import Iterator
 from typing import ClassVar
 
 import torch
@@ -39,6 +41,7 @@ from torch import Tensor
 from kvcheck import asserts as kvassert
 from kvcheck import devices as kvdevices
 from kvcheck import failures, reach
+from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.harness import Recorder, builder, record
@@ -233,6 +236,55 @@ LAST_TWO_READ_ONE = SharedPlan(
     token_seed=5,
 )
 
+
+# --- Every plan within a scope (kvcheck.scope), for the bounded-exhaustive mode ---
+def every_kv_sources(config: ModelConfig) -> Iterator[tuple[int | None, ...]]:
+    """Every assignment of which earlier layer each layer reads (None: its own cache) that
+    ``kv_sources`` draws: a layer reads one of the earlier layers with a cache of its own and
+    the same window and sinks, at least one layer reads. For 2 layers of one window: one,
+    (None, 0)."""
+
+    def attends(layer: int) -> tuple:
+        return config.layer_window(layer), config.layer_sinks(layer)
+
+    def extend(sources: tuple) -> Iterator[tuple]:
+        layer = len(sources)
+        if layer == config.num_layers:
+            if any(source is not None for source in sources):
+                yield sources
+            return
+        eligible = [j for j in range(layer) if sources[j] is None and attends(j) == attends(layer)]
+        for source in (None, *eligible):
+            yield from extend((*sources, source))
+
+    yield from extend(())
+
+
+def every_shared_config(scope: kvscope.Scope) -> Iterator[tuple[kvscope.Layout, ModelConfig]]:
+    """Each 2-layer layout of the scope (one layer has none to read) with each of its
+    ``every_kv_sources``: its window on both layers (as ``shared_configs`` makes a 2-layer
+    model: alternate windows would leave no layer one it can read)."""
+    for layout in scope.layouts:
+        if layout.layers != 2:
+            continue
+        windows = {"window_layers": "all"} if layout.window is not None else {}
+        plain = layout.config(**windows)
+        for sources in every_kv_sources(plain):
+            yield layout, dataclasses.replace(plain, kv_sources=sources)
+
+
+def every_shared_plan(scope: kvscope.Scope) -> Iterator[SharedPlan]:
+    """Every prompt of 1 to ``scope.tokens`` tokens in every split of its chunked feeding
+    (``kvscope.compositions``), on each shared model of ``every_shared_config``: 2^(T - 1)
+    plans of T tokens a model (3 models in the default scope, one kv_sources each). The
+    tokens counted are the prompt's: the plan feeds them three times (one prefill, its
+    chunks, token by token), which are not choices of the plan but its check. Seed 0."""
+    for tokens in range(1, scope.tokens + 1):
+        for layout, config in every_shared_config(scope):
+            for chunks in kvscope.compositions(tokens):
+                yield SharedPlan(config, layout.batch, scope.dtype, chunks, token_seed=0)
+
+
 SHARED_LAYERS = Property(
     "shared layers",
     "layers that read an earlier layer's cache compute what the uncached model computes, "
@@ -243,6 +295,8 @@ SHARED_LAYERS = Property(
     pinned=(LAST_TWO_READ_ONE,),
     reaches=SHARING_EDGES,
     since="1.4",
+    every_plan=every_shared_plan,
+    exhaustive_tokens=9,
 )
 
 
@@ -608,6 +662,60 @@ TREE_PAST_A_LAYER = SharedTreePlan(
     token_seed=9,
 )
 
+
+def every_shared_rows_plan(scope: kvscope.Scope) -> Iterator[SharedRowsPlan]:
+    """Every plan of feeds with a count per row (``kvrows.row_feeds``: prompts of their own,
+    an empty slot, rows idle beside rows decoding, chunks) of 1 to ``scope.tokens`` tokens
+    over all rows, on each shared model of ``every_shared_config`` (a batch of 1 taken as
+    2: rows of their own need two): c_B(n) plans of n tokens a model, as ``mixed lengths``'
+    (for 2 rows 2, 7, 24, 82, 280, 956 at 1 to 6 tokens).
+
+    Fixed, and why: as ``kvrows.every_rows_plan``: rows at position 0, pads of nan, no
+    ``truncate_rows`` or ``select_rows`` events (each multiplies the plans by the lengths or
+    rows held: the search draws them), seed 0."""
+    for tokens in range(1, scope.tokens + 1):
+        for layout, config in every_shared_config(scope):
+            batch = max(layout.batch, 2)
+            for feeds in kvrows.row_feeds(tokens, batch):
+                yield SharedRowsPlan(
+                    config=config,
+                    dtype=scope.dtype,
+                    batch=batch,
+                    events=tuple(("feed", counts) for counts in feeds),
+                    token_seed=0,
+                )
+
+
+TREE_ENUMERATED_NODES = 3  # the most nodes of an enumerated tree
+
+
+def every_shared_tree_plan(scope: kvscope.Scope) -> Iterator[SharedTreePlan]:
+    """Every plan of a prefix of p >= 1 tokens in every split, a tree of n <= 3 nodes in
+    every parent assignment (``kvtree.every_parents``), every path accepted (none, or a root
+    down to any node) and a >= 1 decode steps after, p + n + a tokens in all, on each shared
+    model of ``every_shared_config``: at T tokens, sum over p + n + a = T of 2^(p - 1) x n!
+    x (n + 1) plans a model. Seed 0."""
+    for tokens in range(1, scope.tokens + 1):
+        for layout, config in every_shared_config(scope):
+            for prefix_tokens in range(1, tokens - 1):
+                for nodes in range(1, min(tokens - prefix_tokens - 1, TREE_ENUMERATED_NODES) + 1):
+                    after = tokens - prefix_tokens - nodes
+                    for prefix, parents in itertools.product(
+                        list(kvscope.compositions(prefix_tokens)), list(kvtree.every_parents(nodes))
+                    ):
+                        for accepted in ((), *tree_paths(parents)):
+                            yield SharedTreePlan(
+                                config=config,
+                                dtype=scope.dtype,
+                                batch=layout.batch,
+                                prefix=prefix,
+                                parents=parents,
+                                accepted=accepted,
+                                after=after,
+                                token_seed=0,
+                            )
+
+
 SHARED_ROWS = Property(
     "shared layers through rows",
     "layers that read an earlier layer's cache through append_rows compute what each row "
@@ -620,6 +728,8 @@ SHARED_ROWS = Property(
     pinned=(ROWS_PAST_A_LAYER,),
     reaches=SHARED_ROWS_EDGES,
     since="1.6",
+    every_plan=every_shared_rows_plan,
+    exhaustive_tokens=5,
 )
 
 SHARED_TREE = Property(
@@ -633,6 +743,8 @@ SHARED_TREE = Property(
     pinned=(TREE_PAST_A_LAYER,),
     reaches=SHARED_TREE_EDGES,
     since="1.6",
+    every_plan=every_shared_tree_plan,
+    exhaustive_tokens=7,
 )
 
 

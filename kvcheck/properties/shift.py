@@ -27,6 +27,8 @@ model's over those rows (``Engine.shift``). Each shift run notes the edges it re
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +38,7 @@ from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
 from kvcheck import devices as kvdevices
 from kvcheck import failures, reach
+from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.devices import dtype_name
@@ -46,6 +49,7 @@ from kvcheck.properties.rows import (
     drawn_rows_plan,
     held_lengths,
     prompt_counts,
+    row_feeds,
     rows_engine,
 )
 from kvcheck.session import Engine
@@ -310,6 +314,79 @@ def shift_edges(
     return [name for name, reached in cases.items() if reached]
 
 
+# --- Every plan within a scope (kvcheck.scope), for the bounded-exhaustive mode ---
+#
+# Shifts go between feeds only, never last: what a shift left is read back by the feed after
+# it, as in every drawn plan. At most ``MOST_SHIFTS`` a plan (the second a repeated shift:
+# more make the plans explode). The first position is 0 and the path append (positions
+# elsewhere and the attend path are the search's); the RoPE base is the layout's, 10,000:
+# on heads 2 wide a rotation has one frequency, 1 whatever the base, so another base would
+# change nothing (a base written in is the search's, OTHER_BASE).
+MOST_SHIFTS = 2
+
+
+def spans_of(held: int) -> Iterator[tuple[int, int]]:
+    """Every span ``(start, count)`` of ``held`` tokens: held (held + 1) / 2 of them."""
+    for start in range(held):
+        for count in range(1, held - start + 1):
+            yield start, count
+
+
+def shifted_chunks(
+    chunks: tuple[int, ...], most: int = MOST_SHIFTS
+) -> Iterator[tuple[tuple[str, tuple[int, ...]], ...]]:
+    """The events of feeding ``chunks`` with 1 to ``most`` shifts, each of every span of the
+    tokens then held, before some of the chunks after the first."""
+
+    def events(index: int, held: int, left: int, shifted: bool):
+        if index == len(chunks):
+            if shifted:
+                yield ()
+            return
+        feed = ("feed", (chunks[index],))
+        for rest in events(index + 1, held + chunks[index], left, shifted):
+            yield feed, *rest
+        if index and left:
+            for start, count in spans_of(held):
+                after = held - count + chunks[index]
+                for rest in events(index + 1, after, left - 1, True):
+                    yield ("shift", (start, count)), feed, *rest
+
+    yield from events(0, 0, most, False)
+
+
+def most_held(events) -> int:
+    """The most tokens a plan's events hold at once: the caches' max_length (their exact
+    end: a shift makes room in a full cache, and the session runs on past it)."""
+    held = most = 0
+    for kind, arg in events:
+        held += arg[0] if kind == "feed" else -arg[1]
+        most = max(most, held)
+    return most
+
+
+def every_shift_plan(scope: kvscope.Scope) -> Iterator[ShiftPlan]:
+    """Every plan of chunks of 1 to ``scope.tokens`` tokens with 1 to ``MOST_SHIFTS`` shifts
+    between them (``shifted_chunks``), each of every span of the tokens held: fewest tokens
+    first, then the scope's layouts. With one shift, at n tokens 2^(n-2) (n - 1) n (n + 1)
+    / 6 plans a layout (the shift after a tokens: 2^(a-1) splits before, a (a + 1) / 2
+    spans, 2^(n-a-1) splits after); with two, 0, 1, 9, 62, 388, 2184 at 1 to 6 tokens
+    (tests/test_exhaustive_edits.py counts them another way)."""
+    for tokens in range(1, scope.tokens + 1):
+        for layout in scope.layouts:
+            config = layout.config()
+            for chunks in kvscope.compositions(tokens):
+                for events in shifted_chunks(chunks):
+                    yield ShiftPlan(
+                        config=config,
+                        dtype=scope.dtype,
+                        batch=layout.batch,
+                        max_length=most_held(events),
+                        events=events,
+                        token_seed=0,
+                    )
+
+
 # Tried first on every run: a session started at 255, shifted from index 0 across a block
 # edge, then past n_keep 4 by one token, with decode steps and a chunk after each, on a model
 # whose even layers have a window of 5 (a shift that moves what the window sees), the last
@@ -369,6 +446,8 @@ CONTEXT_SHIFT = Property(
     pinned=(*on_both_paths(PINNED), FAR_PINNED),
     since="1.2",
     reaches=EDGES,
+    every_plan=every_shift_plan,
+    exhaustive_tokens=6,
 )
 
 
@@ -551,6 +630,70 @@ def row_shift_edges(
     return [name for name, reached in cases.items() if reached]
 
 
+# Shifts per row: as above, at most ``MOST_ROW_SHIFTS`` a plan (rows multiply the spans).
+MOST_ROW_SHIFTS = 1
+
+
+def row_spans(held: int) -> Iterator[tuple[int, int]]:
+    """A row's part of a shift per row: untouched ``(0, 0)``, or every span of its tokens."""
+    yield 0, 0
+    yield from spans_of(held)
+
+
+def row_shifted_feeds(feeds, most: int = MOST_ROW_SHIFTS):
+    """The events of the calls ``feeds`` (a count per row each) with 1 to ``most`` shifts
+    per row before some of the calls after the first, each of every span per row of the
+    rows then held (one row moved at least)."""
+
+    def events(index: int, held: tuple[int, ...], left: int, shifted: bool):
+        if index == len(feeds):
+            if shifted:
+                yield ()
+            return
+        counts = feeds[index]
+        feed = ("feed", counts)
+        fed = tuple(n + count for n, count in zip(held, counts, strict=True))
+        for rest in events(index + 1, fed, left, shifted):
+            yield feed, *rest
+        if not index or not left:
+            return
+        for spans in itertools.product(*(row_spans(n) for n in held)):
+            if not any(count for _, count in spans):
+                continue  # no row moved: no shift
+            starts, discarded = zip(*spans, strict=True)
+            after = tuple(
+                n - gone + count for n, gone, count in zip(held, discarded, counts, strict=True)
+            )
+            for rest in events(index + 1, after, left - 1, True):
+                yield ("shift", (starts, discarded)), feed, *rest
+
+    yield from events(0, (0,) * len(feeds[0]), most, False)
+
+
+def every_row_shift_plan(scope: kvscope.Scope) -> Iterator[RowShiftPlan]:
+    """Every plan of calls with a count per row (``rows.row_feeds``) of 1 to
+    ``scope.tokens`` tokens over all rows, with a shift per row between two of them of every
+    span per row (``row_shifted_feeds``): fewest tokens first, then the scope's layouts (a
+    batch of 1 taken as 2: rows of their own need two). For 2 rows, 0, 4, 56, 515, 3928
+    plans a layout at 1 to 5 tokens (tests/test_exhaustive_edits.py counts them another
+    way).
+    Fixed as for ``every_shift_plan``, and the rows start at 0 and pads are nan (as
+    ``rows.every_rows_plan``)."""
+    for tokens in range(1, scope.tokens + 1):
+        for layout in scope.layouts:
+            batch = max(layout.batch, 2)
+            config = layout.config()
+            for feeds in row_feeds(tokens, batch):
+                for events in row_shifted_feeds(feeds):
+                    yield RowShiftPlan(
+                        config=config,
+                        dtype=scope.dtype,
+                        batch=batch,
+                        events=events,
+                        token_seed=0,
+                    )
+
+
 # Tried first on every run: three rows from positions 8180, 0 and 255 (row 0 across the end
 # of the rotation table), row 1 full; row 0 and 1 shifted by counts of their own beside row 2
 # untouched, a decode step, then every row's whole tail from an index of its own by a
@@ -585,6 +728,8 @@ CONTEXT_SHIFT_PER_ROW = Property(
     pinned=(ROW_PINNED,),
     since="1.6",
     reaches=ROW_EDGES,
+    every_plan=every_row_shift_plan,
+    exhaustive_tokens=4,
 )
 
 
@@ -673,6 +818,31 @@ def check_bad_row_shift(engine: Engine, batch, case: kvbad.BadInput, tokens) -> 
         kvassert.assert_clear_error(error, case, bad, where=where)
 
 
+def every_warm_rows(scope: kvscope.Scope) -> Iterator[WarmRows]:
+    """Every ``WarmRows`` within ``scope``, fewest tokens first, then by layout, then by
+    shape: 2 or 3 rows (the strategy's batch) of distinct lengths (the strategy's: a row's
+    own length shows in a refusal), in every order (row b is not row c to a cache), summing
+    to t; on each layout's model cut to one layer (the strategy's), the scope's dtype,
+    token seed 0. The tokens are the rows' warm-up tokens; the one token per row each case's
+    read-back feeds is the property's, the same for every plan (``BAD_READS`` x the rows),
+    and not counted.
+
+    Per layout, the plans of t tokens number (t - 1 - [t even]) ordered pairs of distinct
+    lengths, plus 6 x the partitions of t into 3 distinct parts: 0, 0, 2, 2, 4, 10, 12, 18
+    for t = 1..8; 4 up to N = 4, 18 up to N = 6, 48 up to N = 8."""
+    most_rows = min(3, kvsizes.domain().max_batch or 3)
+    longest = ROW_MAX_LENGTH - BAD_READS
+    configs = dict.fromkeys(
+        dataclasses.replace(layout, layers=1).config() for layout in scope.layouts
+    )
+    for total in range(1, scope.tokens + 1):
+        for config in configs:
+            for rows in range(2, most_rows + 1):
+                for lengths in itertools.product(range(1, min(longest, total) + 1), repeat=rows):
+                    if sum(lengths) == total and len(set(lengths)) == rows:
+                        yield WarmRows(config, scope.dtype, lengths, token_seed=0)
+
+
 BAD_SHIFT_PER_ROW = Property(
     "bad shift per row",
     "a bad shift per row is refused with a ValueError naming the row and the problem, "
@@ -682,6 +852,8 @@ BAD_SHIFT_PER_ROW = Property(
     failures.ACCEPTS_BAD_INPUT,
     requires=("shift per row",),
     since="1.6",
+    every_plan=every_warm_rows,
+    exhaustive_tokens=9,
 )
 
 

@@ -20,11 +20,13 @@ offers it: the other properties draw 0 sinks, so only here do the sinks meet an 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 from hypothesis import strategies as st
 
 from kvcheck import failures, reach
+from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
@@ -199,6 +201,48 @@ def run_edit(engine: Engine, request, edit: SinkEdit, sinks: int, kept: int, whe
     engine.check(f"{where}, {edit.describe()}")
 
 
+# --- Every plan within a scope (kvcheck.scope), for the bounded-exhaustive mode ---
+
+
+def sink_shapes(tokens: int, counts: tuple[int, ...]) -> Iterator[tuple[int, int]]:
+    """``(sinks, window)`` for a session of ``tokens`` tokens: each of ``counts`` from 1 to
+    ``tokens - 1`` (a session of no more tokens than sinks is all sinks: no window to
+    wrap), beside each window of 1 to ``tokens - sinks``: those under which some query of
+    the session sees fewer than all the tokens (up to ``tokens - sinks - 1``) and the one
+    that just holds them all (the ring full to its last slot, where a ring a slot too small
+    shows)."""
+    for sinks in counts:
+        if 0 < sinks < tokens:
+            for window in range(1, tokens - sinks + 1):
+                yield sinks, window
+
+
+def every_sink_plan(scope: kvscope.Scope) -> Iterator[SinkPlan]:
+    """Every session of 1 to ``scope.tokens`` tokens, in every split into a prefill and
+    decode chunks, on fresh caches, on each of the scope's layouts with each sink count the
+    domain takes and each window (``sink_shapes``), on the append and the attend path:
+    fewest tokens first, then the layouts. At n tokens 2 * 2^(n-1) * sum over the counts s
+    below n of (n - s) plans a layout; for counts 1, 2, 4: 0, 4, 24, 80, 256, 704 at 1 to 6
+    tokens.
+
+    Fixed, and why: sinks at their original positions (a cache is handed the same calls
+    under either convention on the append path and returns the same rows, which every step
+    reads back bit for bit; the attend path takes the original ones alone); one session, no
+    reset (a session on reset caches is the search's); no truncate or reorder between the
+    chunks (the search's: each multiplies the plans by the lengths held or the rows)."""
+    counts = tuple(count for count in kvsizes.domain().sink_counts if count)
+    for tokens in range(1, scope.tokens + 1):
+        for layout in scope.layouts:
+            for sinks, window in sink_shapes(tokens, counts):
+                for chunks in kvscope.compositions(tokens):
+                    session = kvst.Session(chunks, token_seed=0, start="fresh")
+                    scenario = kvscope.scenario(
+                        layout, scope, [session], window=window, sinks=sinks
+                    )
+                    for path in ("append", "attend"):
+                        yield SinkPlan(scenario, path)
+
+
 # Tried first on every run: four sinks beside a window of 3, a prompt that fills the sinks
 # and part of the window, then decode steps until the ring has wrapped three times, on a
 # reset cache too (a sink evicted on the first wrap shows at the step after it).
@@ -246,6 +290,8 @@ ATTENTION_SINKS = Property(
     pinned=on_both_paths((SinkPlan(WRAPS), EDITED_WRAPS)),
     reaches=SINK_EDGES,
     since="1.2",
+    every_plan=every_sink_plan,
+    exhaustive_tokens=6,
 )
 
 

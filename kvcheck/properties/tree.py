@@ -34,6 +34,7 @@ own steps (``draft``, ``commit``) are here.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
 from kvcheck import devices as kvdevices
 from kvcheck import failures, reach
+from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.devices import dtype_name
@@ -705,6 +707,79 @@ def check_tree_drafts(factory: CacheFactory, plan: TreePlan) -> None:
     engine.finish()
 
 
+# --- Every plan within a scope (kvcheck.scope), for the bounded-exhaustive mode ---
+ENUMERATED_NODES = 3  # the most nodes of an enumerated tree ("a few draft tokens")
+
+
+def every_parents(nodes: int) -> Iterator[tuple[int, ...]]:
+    """Every draft tree of ``nodes`` nodes whose parents come first (node i's parent -1, a
+    root, or one of nodes 0..i-1): nodes! parent assignments, those with more than
+    ``MAX_ROOTS`` roots left out (the strategy's bound: one at 4 nodes, the all-roots tree);
+    chains first."""
+    for parents in itertools.product(*(range(node - 1, -2, -1) for node in range(nodes))):
+        if parents.count(-1) <= MAX_ROOTS:
+            yield parents
+
+
+def every_acceptance(parents: tuple[int, ...], batch: int) -> Iterator[tuple[tuple[int, ...], ...]]:
+    """Per batch row, every path a row may accept: none, or a root down to any node (part of
+    a branch or a whole one): (nodes + 1)^batch, each row its own."""
+    choices = ((), *tree_paths(parents))
+    return itertools.product(choices, repeat=batch)
+
+
+def off_the_paths(parents: tuple[int, ...], accepted) -> tuple[tuple[int, ...], ...]:
+    """Per row, every node off the path it accepts (a closed set: a node off the path has
+    its subtree off it too)."""
+    return tuple(
+        tuple(node for node in range(len(parents)) if node not in path) for path in accepted
+    )
+
+
+def every_tree_plan(scope: kvscope.Scope) -> Iterator[TreePlan]:
+    """Every plan of one tree round: a prefix of p tokens in every split (none at p = 0: the
+    tree on an empty cache), a tree of n nodes in every parent assignment (``every_parents``,
+    n <= ``ENUMERATED_NODES``), per batch row every accepted path (``every_acceptance``), the
+    nodes off each row's path poisoned or none (the poisoned variant only where some node is
+    off a path), then a >= 1 tokens fed after the commit in every split; p + n + a tokens
+    in all (the rows fed up to one length for a cache of rows of their own are the accepted
+    paths' difference, at most n, which the nodes bound already). Per layout of B rows, at T
+    tokens: sum over p + n + a = T of c(p) x sum over trees of sum over acceptances of
+    (1 + [some node off a path]) x 2^(a - 1), c(0) = 1, c(p) = 2^(p - 1).
+
+    Fixed, and why: one round (a second multiplies the plans by the first's; the search
+    draws two), no later events (truncate, reorder, fork, reset after the commit) and no bad
+    tree calls (those are the search's and ``bad tree call``'s), poison nan (the first any
+    read of a poisoned row shows; 1e30 in bfloat16, ``poison_held``), the append path (the
+    tree itself goes through append_tree on either path), token seed 0. Poisoning every node
+    off the paths, or none, stands for its subsets: all of them is where any row a cache
+    keeps that it should not shows, none is where every node's logits are compared."""
+    for tokens in range(1, scope.tokens + 1):
+        for layout in scope.layouts:
+            config = layout.config()
+            for prefix_tokens in range(tokens - 1):
+                for prefix in [(prefix_tokens,) if prefix_tokens else ()]:
+                    room = tokens - prefix_tokens
+                    for nodes in range(1, min(room - 1, ENUMERATED_NODES) + 1):
+                        for parents in every_parents(nodes):
+                            for accepted in every_acceptance(parents, layout.batch):
+                                off = off_the_paths(parents, accepted)
+                                poisons = [tuple(() for _ in accepted)]
+                                if any(off):
+                                    poisons.append(off)
+                                for poisoned in poisons:
+                                    for after in kvscope.compositions(room - nodes):
+                                        tree = TreeRound(parents, accepted, poisoned, after)
+                                        yield TreePlan(
+                                            config=config,
+                                            dtype=scope.dtype,
+                                            batch=layout.batch,
+                                            prefix=prefix,
+                                            rounds=(tree,),
+                                            token_seed=0,
+                                        )
+
+
 # Tried first on every run: a tree that crosses the 16-row block edge, two roots, the
 # accepted paths neither the first nodes in order nor of one length, the nodes before them in
 # order poisoned (a sibling seen, or a rejected row kept, shows as nan), then a second tree;
@@ -809,6 +884,8 @@ TREE = Property(
     pinned=PINNED,
     since="1.3",
     reaches=TREE_EDGES,
+    every_plan=every_tree_plan,
+    exhaustive_tokens=5,
 )
 
 

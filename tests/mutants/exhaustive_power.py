@@ -131,9 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", nargs="*", default=None, help="these mutants alone")
     parser.add_argument("--write", type=Path, default=None)
     args = parser.parse_args(argv)
-    indices = [
-        i for i, m in enumerate(kvmut.MUTANTS) if not args.only or m.name in args.only
-    ]
+    indices = [i for i, m in enumerate(kvmut.MUTANTS) if not args.only or m.name in args.only]
     work = [(i, args.tokens, args.cap) for i in indices]
     with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
         rows = []
