@@ -103,10 +103,14 @@ def budgets_for(caches: Sequence) -> dict:
 LOSSY_FACTOR = 32.0
 
 
+def coarser(*declared: Quantized | None) -> Quantized | None:
+    """The lossiest of the storages ``declared`` (by its step), None where none is."""
+    parts = [part for part in declared if part is not None]
+    return max(parts, key=lambda part: part.relative_step, default=None)
+
+
 def coarsest(caches: Sequence) -> Quantized | None:
     """The lossiest storage the (recorded) caches declare, None where all store as given."""
-    from kvcheck.harness import coarser
-
     carried = [getattr(cache, "carried", (None, None)) for cache in caches]  # rows moved in
     return coarser(*(part for cache, more in zip(caches, carried, strict=True)
                      for part in (*cache.storage, *more)))  # fmt: skip
@@ -562,7 +566,6 @@ MOVED_CODES = 3.0
 def _moved_codes_bound(cache, given: Tensor, index: int, dtype) -> Tensor | float:
     """What a moved key given at ``index`` may carry from its codes, per (batch row, head):
     0 where its row is not one the cache may hold in codes."""
-    from kvcheck.harness import coarser
 
     parts = getattr(cache, "storage", (None, None))
     declared = coarser(parts[0], getattr(cache, "carried", (None, None))[0])

@@ -886,6 +886,35 @@ TITLES = {
     "engine shift": "after shift(), keys attend from their new positions",
     "engine mixed": "every operation offered, in any order",
 }
+# What each holds, in full, for its row of docs/properties.md (kvcheck.catalogue).
+HOLDS = {
+    "engine decode": (
+        "one sequence (any id, from position 0 or another), a prefill and decode steps: "
+        "every token's logits"
+    ),
+    "engine sequences": (
+        "1 to 3 batches, each mixing 2 or more sequences with counts of their own: each "
+        "sequence's logits equal it alone"
+    ),
+    "engine clear": (
+        "sequences fed, `clear()`, then sequences fed afresh (the same ids among them)"
+    ),
+    "engine remove": (
+        "`remove(sequence, start, end)` of a tail, a middle span (a gap left), the head, "
+        "the whole sequence or a span past its end, then every sequence fed again (where "
+        "`remove` is offered)"
+    ),
+    "engine copy": (
+        "`copy(source, target)` into an empty sequence (another emptied first where "
+        "`remove` is offered), then both fed apart (where `copy` is offered)"
+    ),
+    "engine shift": (
+        "a context shift (a span removed and what follows moved back over it, an earlier "
+        "gap closed too) where `remove` is offered, or a suffix moved on: the moved keys "
+        "attend from their new positions (where `shift` is offered)"
+    ),
+    "engine mixed": ("up to 5 events of every kind the engine offers, each followed by a batch"),
+}
 ENGINE_PROPERTIES = tuple(
     Property(
         name=name,
@@ -896,6 +925,7 @@ ENGINE_PROPERTIES = tuple(
         # "engine remove" needs remove(), and so on; the others need no operation.
         requires=tuple(op for op in ENGINE_OPERATIONS if name == f"engine {op}"),
         since="1.7",
+        holds=HOLDS[name],
         reaches=EDGES[name],
     )
     for name, title in TITLES.items()

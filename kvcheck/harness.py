@@ -21,8 +21,15 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from kvcheck import asserts as kvassert
 from kvcheck import failures
 from kvcheck import sizes as kvsizes
+from kvcheck.asserts import (
+    assert_returned_rows,
+    coarser,
+    differing_rows,
+    needs_reference,
+)
 from kvcheck.strategies import DTYPES, CachePlan, random_rows, supported_dtypes
 from kvref import (
     CacheContractError,
@@ -45,12 +52,6 @@ from kvref.protocol import (
 )
 
 PATHS = ("append", "attend")
-
-
-def coarser(*declared: Quantized | None) -> Quantized | None:
-    """The lossiest of the storages ``declared`` (by its step), None where none is."""
-    parts = [part for part in declared if part is not None]
-    return max(parts, key=lambda part: part.relative_step, default=None)
 
 
 def offers_attend(cache: object) -> bool:
@@ -275,7 +276,6 @@ class Recorder:
         copies = self.returned if self.rows_returned is None else self.rows_returned
         if self.views is None or copies is None:
             return None
-        from kvcheck.asserts import differing_rows
 
         changed: set[int] = set()
         for view, copy in zip(self.views, copies[:2], strict=True):
@@ -496,7 +496,6 @@ def warm(factory: CacheFactory, plan: CachePlan) -> Recorder:
     """A recorded cache from ``factory`` after the plan's appends of random rows, each
     append's rows checked: a cache that goes wrong while warming up is reported as that,
     before any call the property is about."""
-    from kvcheck.asserts import assert_returned_rows
 
     cache = recorded(factory, plan.spec)
     where = f"while warming the cache up, before any call under test: {plan.describe()}"
@@ -531,7 +530,6 @@ def assert_served(cache: Recorder, *, who: str, where: str) -> None:
     append path exactly those rows; on the attend path the reference attention over them
     (at the dtype's tolerance: the cache-level attend path draws float64 and float32)."""
     __tracebackhide__ = True
-    from kvcheck import asserts as kvassert
     from kvcheck.failures import DataLoss
 
     if cache.path == "append":
@@ -558,7 +556,6 @@ def spec_on_path(spec: CacheSpec, path: str) -> CacheSpec:
     to its budget through the model, by ``logits`` and ``reset``); and it takes values as
     wide as the keys (``attend`` returns one row shaped like the query; a latent layer's own
     attention, ``attend_latent``, is the property ``latent attend``'s, contract 10.2)."""
-    from kvcheck.asserts import needs_reference
 
     if path != "attend":
         return spec

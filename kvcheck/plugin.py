@@ -81,10 +81,6 @@ class KitRun:
 
 
 RUN = pytest.StashKey[KitRun]()
-# The edges a kit test's plans reached (kvcheck.reach), read by its verdict entry.
-REACHED = pytest.StashKey[set]()
-# What an exhaustive block ran (kvcheck.exhaustive.recording), read by its verdict entry.
-EXHAUSTED = pytest.StashKey[dict]()
 
 
 @pytest.fixture
@@ -229,8 +225,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "kv_not_counted(since, reason): arrived after the contract version the run holds to",
     )
-    config.stash[RUN] = read_options(config)
-    verdict.configure(config)
+    config.stash[RUN] = run = read_options(config)
+    verdict.configure(config, held_to=run.contract)
 
 
 def read_options(config: pytest.Config) -> KitRun:
@@ -650,8 +646,8 @@ def pytest_runtest_call(item: pytest.Item):
 
     # The edges its plans ran (kvcheck.reach) and what an exhaustive block of them did, for
     # its verdict entry.
-    with reach.collecting() as item.stash[REACHED], exhaustive.recording() as record:
-        item.stash[EXHAUSTED] = record
+    with reach.collecting() as item.stash[verdict.REACHED], exhaustive.recording() as record:
+        item.stash[verdict.EXHAUSTED] = record
         try:
             return (yield)
         finally:

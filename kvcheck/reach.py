@@ -96,10 +96,3 @@ def table(properties) -> str:
     unnamed = [prop.name for prop in properties if not prop.reaches]
     lines += ["", f"Properties that name no edge yet: {', '.join(unnamed) or 'none'}.", ""]
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    from kvcheck.engines import ENGINE_PROPERTIES
-    from kvcheck.properties import ALL
-
-    print(table((*ALL, *ENGINE_PROPERTIES)), end="")

@@ -39,6 +39,10 @@ PASS, FAIL, SKIPPED, NOT_OFFERED = "pass", "FAIL", "skipped", "not offered"
 # A property that passed on some of the paths the cache offers and did not run on the others
 # (a -k or a deselect): never a pass.
 PARTLY = "partly run"
+# What the plugin keeps on a kit test's item for its entry: the edges its plans reached
+# (kvcheck.reach), and what an exhaustive block ran (kvcheck.exhaustive.recording).
+REACHED = pytest.StashKey[set]()
+EXHAUSTED = pytest.StashKey[dict]()
 
 
 def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport) -> dict | None:
@@ -68,10 +72,8 @@ def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestRepor
     entry["since"] = contract.of_property(prop)
     if newer := item.get_closest_marker("kv_not_counted"):  # after the pinned version
         entry.update(since=newer.args[0], counted=False)
-    from kvcheck import plugin
-
     stash = getattr(item, "stash", {})  # a stand-in item (the plugin's tests) may have none
-    if (record := stash.get(plugin.EXHAUSTED, {})).get("tokens"):  # one block of plans
+    if (record := stash.get(EXHAUSTED, {})).get("tokens"):  # one block of plans
         block = item.callspec.params["kv_block"]
         entry["exhaustive"] = {**record, "group": item.nodeid.replace(f"-{block}]", "]")}
     elif record.get("searched"):  # an exhaustive run's search of a property it cannot enumerate
@@ -104,7 +106,7 @@ def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestRepor
 def _reach(item: pytest.Item, name: str, factory) -> dict:
     """The edges the property names that its passed test reached, and those it never did
     that the cache could reach (``kvcheck.reach``); nothing for a property naming none."""
-    from kvcheck import kit, plugin, reach, sizes
+    from kvcheck import kit, reach, sizes
     from kvcheck.properties import BY_NAME
 
     if getattr(item.get_closest_marker("kv_cache"), "kwargs", {}).get("kind") == "engine":
@@ -112,7 +114,7 @@ def _reach(item: pytest.Item, name: str, factory) -> dict:
 
         declared = engines.BY_NAME[name].reaches if name in engines.BY_NAME else ()
         offered = item.stash.get(engines.OFFERED, frozenset())
-        hit, missed = reach.split(declared, item.stash.get(plugin.REACHED, set()), offered)
+        hit, missed = reach.split(declared, item.stash.get(REACHED, set()), offered)
         return {"reached": hit, "not reached": missed} if declared else {}
     declared = BY_NAME[name].reaches if name in BY_NAME else ()
     if not declared or factory is None:
@@ -121,7 +123,7 @@ def _reach(item: pytest.Item, name: str, factory) -> dict:
     if any(edge.needs for edge in declared):
         with sizes.aiming_at(sizes.declared_by(factory, getattr(item, "cls", None))):
             offered = kit.offered_and_methods(factory)
-    hit, missed = reach.split(declared, item.stash.get(plugin.REACHED, set()), offered)
+    hit, missed = reach.split(declared, item.stash.get(REACHED, set()), offered)
     return {"reached": hit, "not reached": missed}
 
 
@@ -131,16 +133,18 @@ def _skip_reason(report: pytest.TestReport) -> str:
     return str(report.longrepr)
 
 
-def configure(config: pytest.Config) -> None:
+def configure(config: pytest.Config, held_to: str) -> None:
+    """Gather the verdict of a run that holds its caches to contract version ``held_to``."""
     if not hasattr(config, "workerinput"):  # the controller, or a run without xdist
-        config.pluginmanager.register(Verdict(config), "kvcheck-verdict")
+        config.pluginmanager.register(Verdict(config, held_to), "kvcheck-verdict")
 
 
 class Verdict:
     """Gathers the entries of a run (on the controller) and reports them at its end."""
 
-    def __init__(self, config: pytest.Config) -> None:
+    def __init__(self, config: pytest.Config, held_to: str) -> None:
         self.config = config
+        self.contract = held_to  # the contract version the run holds the caches to
         self.entries: list[dict] = []
         self.workers_lines: list[str] = []  # the kit's lines after collection, from a worker
         # kvcheck.properties.SINCE (each property's contract version, in order), from a worker
@@ -169,14 +173,8 @@ class Verdict:
         if path:
             terminalreporter.write_line(f"(written as JSON to {path})")
 
-    def held_to(self) -> str:
-        """The contract version the run holds the caches to (``--kv-contract``)."""
-        from kvcheck import plugin
-
-        return self.config.stash[plugin.RUN].contract
-
     def caches(self) -> dict[str, dict]:
-        return tabulate(self.entries, self.kit_properties, self.held_to())
+        return tabulate(self.entries, self.kit_properties, self.contract)
 
     def never_reached(self) -> dict[str, list[str]]:
         """Per property that passed somewhere in the run, the edges it names that some cache
@@ -209,7 +207,7 @@ class Verdict:
 
             report = {
                 "kvcache-verify": _version(),
-                "contract": {"version": contract.VERSION, "held to": self.held_to()},
+                "contract": {"version": contract.VERSION, "held to": self.contract},
                 "kit_profile": self.config.getoption("--kv-profile") or profiles.default_name(),
                 "environment": environment(self.config.getoption("--kv-device") or "cpu"),
                 "caches": self.caches(),

@@ -7,7 +7,7 @@ chunk by chunk where the chunks lie, merging them with an online softmax
 (``kvimpl.blockwise``), so decoding through ``attend`` copies nothing but the new rows.
 Tree drafts (contract, section 9.2) come from ``kvimpl.tree``, through ``append`` and
 ``truncate``: every row accepts a path of one length, and moves (section 11.2) from
-``kvimpl.moves``, through ``append``.
+``kvimpl.movable``, through ``append``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from kvimpl.blockwise import attend_blocks
-from kvimpl.moves import MovableMixin
+from kvimpl.movable import MovableMixin
 from kvimpl.tree import TreeDraftsMixin
 from kvref.protocol import CacheSpec, check_append, check_attend, check_reorder, check_truncate
 

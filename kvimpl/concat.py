@@ -1,12 +1,12 @@
 """The simplest cache: grow by ``torch.cat`` along the length axis (copies everything held).
-Its rows move to and from other layouts (``kvimpl.moves``)."""
+Its rows move to and from other layouts (``kvimpl.movable``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from kvimpl.moves import MovableMixin
+from kvimpl.movable import MovableMixin
 from kvref.protocol import CacheSpec, check_append, check_reorder, check_truncate
 
 

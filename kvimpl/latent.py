@@ -7,7 +7,7 @@ means one write per token and one copy per reorder; what ``append`` returns are 
 of that buffer, the rope keys and the latents, neither of them contiguous. The cache takes
 any spec, of one head or many, of one width or two, and declares the latent layout so that
 the kit draws MLA models for it. Its rows move (contract, section 11.2) from
-``kvimpl.moves``: rope keys as the keys, latents as the values, as ``append`` returns them.
+``kvimpl.movable``: rope keys as the keys, latents as the values, as ``append`` returns them.
 
 It computes attention itself too: ``attend_latent`` (MLA's absorbed path, contract section
 10.2) is one matmul of the absorbed query (latent channels, then rope channels) over the
@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvimpl.moves import MovableMixin
+from kvimpl.movable import MovableMixin
 from kvimpl.streaming import grouped_softmax_attention
 from kvref.protocol import (
     CacheSpec,

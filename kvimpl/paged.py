@@ -55,7 +55,7 @@ needs, it raises ``ValueError`` naming the pool and the blocks needed and free, 
 changed nothing. ``attend`` computes attention block by block where the blocks lie
 (``kvimpl.blockwise``), never joining the history into one tensor.
 
-Moves (contract, section 11.2, ``kvimpl.moves``): ``export_rows`` joins the rows from the
+Moves (contract, section 11.2, ``kvimpl.movable``): ``export_rows`` joins the rows from the
 blocks, with the pool's ``block_size``; ``import_rows`` takes blocks for them as one append
 does (refusing, having changed nothing, when too few are free), re-blocking the rows into this
 pool's block size whatever block size they came from. Rows of their own move only while every
@@ -78,7 +78,7 @@ import torch
 from torch import Tensor
 
 from kvimpl.blockwise import attend_blocks
-from kvimpl.moves import MovableMixin
+from kvimpl.movable import MovableMixin
 from kvimpl.prefix_index import BlockHash, Prefix, PrefixIndex
 from kvimpl.rows import RowBook
 from kvimpl.tree import TreeDraftsMixin
@@ -481,7 +481,7 @@ class PagedCache(TreeDraftsMixin, RowBook, MovableMixin):  # RowBook's _movable 
         self._length += new_tokens
         self._publish_full_blocks()
 
-    # --- moves (contract, section 11.2; ``kvimpl.moves``) ---------------------------------
+    # --- moves (contract, section 11.2; ``kvimpl.movable``) ---------------------------------
     def _movable(self, call: str) -> CacheSpec:
         self._usable(call)
         return super()._movable(call)

@@ -10,7 +10,7 @@ key re-rotated back by the span's length, as llama.cpp shifts its cache when it 
 session then runs on past ``max_length`` tokens. With a tuple of starts and of counts each
 row shifts on its own (llama.cpp's ``llama_memory_seq_rm`` and ``seq_add`` of one sequence).
 
-Its rows move to and from other layouts (section 11.2, ``kvimpl.moves``) while every row
+Its rows move to and from other layouts (section 11.2, ``kvimpl.movable``) while every row
 holds one length from position 0; an import past ``max_length`` is refused, as an append is.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvimpl.moves import MovableMixin
+from kvimpl.movable import MovableMixin
 from kvimpl.rows import RowBook
 from kvref.model import rerotate
 from kvref.protocol import (

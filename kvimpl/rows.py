@@ -2,7 +2,7 @@
 8.3): each row's length and first position, and the checks of the per-row calls. The
 built-ins that offer rows (``preallocated``, ``paged``) keep their storage their own way and
 share this bookkeeping, and what it allows of a move (section 11.2: ``_movable``, which
-overrides ``kvimpl.moves.MovableMixin``'s where a cache lists ``RowBook`` before it)."""
+overrides ``kvimpl.movable.MovableMixin``'s where a cache lists ``RowBook`` before it)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ cache").
 With ``sinks = 0`` it is a plain ring-buffer window cache; with no window the ring keeps
 every row and doubles when full.
 
-Only then do its rows move (section 11.2, ``kvimpl.moves.RecentRunMixin``, as ``window``'s):
+Only then do its rows move (section 11.2, ``kvimpl.movable.RecentRunMixin``, as ``window``'s):
 ``kvref.CacheRows`` is one run of the most recent rows, which has no place for the sinks, so
 ``export_rows`` and ``import_rows`` refuse a cache with sinks (not designed yet).
 """
@@ -35,7 +35,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvimpl.moves import RecentRunMixin
+from kvimpl.movable import RecentRunMixin
 from kvref.protocol import (
     CacheSpec,
     check_append,

@@ -16,7 +16,7 @@ overwritten: the ring keeps every row and doubles when full.
 
 ``export_rows`` gives the rows the ring holds, its recent run, and ``import_rows`` takes such
 a run (at least the ``spec.rows_needed`` last rows), each row into the slot of its position
-(section 11.2, ``kvimpl.moves.RecentRunMixin``).
+(section 11.2, ``kvimpl.movable.RecentRunMixin``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import math
 import torch
 from torch import Tensor
 
-from kvimpl.moves import RecentRunMixin
+from kvimpl.movable import RecentRunMixin
 from kvref.protocol import CacheSpec, check_append, check_reorder, check_truncate
 
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from torch.utils.benchmark import Timer
 
-from kvcheck import distributed as kvdistributed
+from kvcheck import rank_processes
 from kvcheck.properties.moves import ACROSS_BLOCK_SIZES, check_moves
-from kvcheck.properties.sharded import REPLICATED, check_sharded
+from kvcheck.properties.sharded import REPLICATED, check_sharded, run_sharded
 from kvimpl import ConcatCache, PagedPool
 
 DOC = Path(__file__).parents[1] / "docs" / "distributed.md"
@@ -41,7 +41,7 @@ def seconds(run, repeats: int) -> float:
 
 
 def started_and_joined() -> None:
-    with kvdistributed.Runtime(ConcatCache) as runtime:
+    with rank_processes.Runtime(run_sharded, ConcatCache) as runtime:
         runtime._start()
 
 
@@ -49,7 +49,7 @@ def rows(repeats: int) -> list[tuple[str, float]]:
     measured = [
         ("a group of 4 ranks forked and joined (gloo)", seconds(started_and_joined, repeats))
     ]
-    with kvdistributed.Runtime(ConcatCache) as runtime:
+    with rank_processes.Runtime(run_sharded, ConcatCache) as runtime:
         runtime.run(REPLICATED)  # started
         for name, plan in (("4 ranks", REPLICATED), ("2 ranks", OF_TWO)):
             measured.append(

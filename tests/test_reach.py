@@ -39,7 +39,9 @@ def test_split_names_what_was_reached_and_what_a_cache_could_have_reached():
 
 def test_a_search_runs_each_distinct_plan_once():
     ran = []
-    prop = kit.Property("p", "t", ran.append, st.integers(0, 3), failures.WRONG_RESULTS)
+    prop = kit.Property(
+        "p", "t", ran.append, st.integers(0, 3), failures.WRONG_RESULTS, since="1.0"
+    )
     kit.search(prop, ran.append)
     assert sorted(ran) == sorted(set(ran)), ran
     assert set(ran) == {0, 1, 2, 3}, ran
@@ -50,7 +52,7 @@ def test_a_plan_that_failed_is_run_again_to_be_reported():
     def check(drawn):
         assert drawn < 2
 
-    prop = kit.Property("p", "t", check, st.integers(0, 3), failures.WRONG_RESULTS)
+    prop = kit.Property("p", "t", check, st.integers(0, 3), failures.WRONG_RESULTS, since="1.0")
     with pytest.raises(AssertionError):
         kit.search(prop, check)
 
@@ -147,14 +149,3 @@ def test_require_reach_fails_a_run_whose_draws_miss_an_edge(pytester, monkeypatc
     assert named, result.stdout
     assert named[0].endswith("; a plan no draw makes"), result.stdout
     assert run_in_process(pytester, *args).returncode == pytest.ExitCode.OK
-
-
-def test_the_reach_page_is_what_the_registry_names():
-    from pathlib import Path
-
-    from kvcheck.engines import ENGINE_PROPERTIES
-    from kvcheck.properties import ALL
-
-    page = Path(__file__).parents[1] / "docs" / "reach.md"
-    expected = reach.table((*ALL, *ENGINE_PROPERTIES))
-    assert page.read_text() == expected, "run: python -m kvcheck.reach > docs/reach.md"

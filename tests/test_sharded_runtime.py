@@ -1,4 +1,4 @@
-"""The sharded runtime itself (``kvcheck.distributed``): a hung rank fails the plan with a
+"""The sharded runtime itself (``kvcheck.rank_processes``): a hung rank fails the plan with a
 message naming it and the event it reached, a rank that dies is named, a failure on one
 rank comes back with its severity, and the group restarts for the next plan."""
 
@@ -8,14 +8,13 @@ import time
 
 import pytest
 
-from kvcheck import distributed as kvdistributed
-from kvcheck import failures
-from kvcheck.properties.sharded import REPLICATED, check_sharded_runtime
+from kvcheck import failures, rank_processes
+from kvcheck.properties.sharded import REPLICATED, check_sharded_runtime, run_sharded
 from kvimpl import ConcatCache
 from tests.mutants.shards import SHARD_MUTANTS
 
 pytestmark = pytest.mark.skipif(
-    kvdistributed.unavailable() is not None, reason=f"{kvdistributed.unavailable()}"
+    rank_processes.unavailable() is not None, reason=f"{rank_processes.unavailable()}"
 )
 
 
@@ -38,7 +37,7 @@ class DiesOnRankTwo(ConcatCache):
 
 
 def test_a_hung_rank_fails_the_plan_naming_it_and_its_event():
-    with kvdistributed.Runtime(HangsOnRankOne, deadline=1.5) as runtime:
+    with rank_processes.Runtime(run_sharded, HangsOnRankOne, deadline=1.5) as runtime:
         with pytest.raises(TimeoutError) as raised:
             runtime.run(REPLICATED)
         assert not runtime.ranks  # every rank killed
@@ -49,7 +48,7 @@ def test_a_hung_rank_fails_the_plan_naming_it_and_its_event():
 
 def test_a_rank_that_dies_is_named():
     with (
-        kvdistributed.Runtime(DiesOnRankTwo, deadline=10) as runtime,
+        rank_processes.Runtime(run_sharded, DiesOnRankTwo, deadline=10) as runtime,
         pytest.raises((RuntimeError, TimeoutError)) as raised,
     ):
         runtime.run(REPLICATED)
@@ -57,7 +56,7 @@ def test_a_rank_that_dies_is_named():
 
 
 def test_a_failure_comes_back_with_its_severity_and_the_group_restarts_for_any_factory():
-    with kvdistributed.Runtime() as runtime:  # factories sent with the plans
+    with rank_processes.Runtime(run_sharded) as runtime:  # factories sent with the plans
         with pytest.raises(failures.DataLoss, match=r"on rank 3 .* length is 6, expected 0"):
             runtime.run(REPLICATED, SHARD_MUTANTS[-1])
         no_reset = dataclasses.replace(REPLICATED, events=REPLICATED.events[:-1])

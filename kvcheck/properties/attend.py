@@ -338,6 +338,13 @@ ATTEND = Property(
     dtypes=kvst.DTYPES,
     every_plan=every_attend_plan,
     exhaustive_tokens=7,
+    since="1.0",
+    holds=(
+        "every `attend` equals `kvref.attention` over the rows given since the reset, on one cache "
+        "without a model: causal and window masks, H a multiple of H_kv, chunks of several queries "
+        "on a warm cache, appends and attends mixed, half the plans with queries and keys scaled "
+        "(x30 in float64, x8 in float32) until scores pass exp's overflow"
+    ),
 )
 
 
@@ -538,6 +545,13 @@ LATENT_ATTEND = Property(
     since="1.6",
     every_plan=every_latent_attend_plan,
     exhaustive_tokens=7,
+    holds=(
+        "every `attend_latent` on a latent cache, without a model, equals `kvref.attention` over "
+        "[latent ; rope key] of the rows given since the reset, the latents as values, at the scale"
+        " given: causal and window masks, heads, chunks of several rows on a warm cache, latents up"
+        " to 512 wide (contract, section 10.2; where `attend_latent` is offered and `latent` "
+        "declared)"
+    ),
 )
 
 

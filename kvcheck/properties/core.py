@@ -283,6 +283,12 @@ LOGITS = Property(
     reaches=SCENARIO_EDGES,
     every_plan=every_session,
     exhaustive_tokens=8,
+    since="1.0",
+    holds=(
+        "cached logits equal uncached logits at every new position, every step (`assert_close`: "
+        "float64 at 1e-9, float32 at 1e-4; bfloat16 and float16 within an [error "
+        "budget](half-precision.md) against the float64 model), also at hand-picked edges"
+    ),
 )
 LENGTHS = Property(
     "lengths",
@@ -295,6 +301,11 @@ LENGTHS = Property(
     reaches=SCENARIO_EDGES + LOSSY_EDGES,
     every_plan=every_session,
     exhaustive_tokens=8,
+    since="1.0",
+    holds=(
+        "lengths grow by each chunk in every layer; `append` returns exactly the rows given since "
+        "the reset, bit for bit"
+    ),
 )
 CONTENTS = Property(
     "contents",
@@ -307,6 +318,7 @@ CONTENTS = Property(
     reaches=SCENARIO_EDGES,
     every_plan=every_session,
     exhaustive_tokens=8,
+    since="1.0",
 )
 
 

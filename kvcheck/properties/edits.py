@@ -596,6 +596,14 @@ TRUNCATE = Property(
     reaches=TRUNCATE_EDGES,
     every_plan=every_truncate_plan,
     exhaustive_tokens=6,
+    since="1.0",
+    holds=(
+        "a session of chunks, speculative rollbacks (draft k tokens, keep 0 to k, truncate) and "
+        "rewinds (a few tokens, past the window's edge, all, none), each step equal to the uncached"
+        " model on the history left; a window cache may refuse a rollback or rewind only when the "
+        "next query needs a position it was not bound to keep (and then must change nothing); any "
+        "other refusal is a crash"
+    ),
 )
 BAD_TRUNCATE = Property(
     "bad truncate",
@@ -608,6 +616,8 @@ BAD_TRUNCATE = Property(
     reaches=STATE_EDGES,
     every_plan=every_refusal,
     exhaustive_tokens=10,
+    since="1.0",
+    holds=("a negative, too large or non-int length is refused, changing nothing"),
 )
 REORDER = Property(
     "reorder",
@@ -621,6 +631,11 @@ REORDER = Property(
     reaches=REORDER_EDGES,
     every_plan=every_reorder_plan,
     exhaustive_tokens=6,
+    since="1.0",
+    holds=(
+        "reorders with repeats (never the identity) between chunks: every later step equals the "
+        "uncached model on the permuted histories"
+    ),
 )
 BAD_REORDER = Property(
     "bad reorder",
@@ -633,6 +648,11 @@ BAD_REORDER = Property(
     reaches=STATE_EDGES,
     every_plan=every_refusal,
     exhaustive_tokens=9,
+    since="1.0",
+    holds=(
+        "indices of another dtype, shape or device, out of range, or not a tensor are refused, "
+        "changing nothing"
+    ),
 )
 EDITS = Property(
     "truncate and reorder",
@@ -647,6 +667,8 @@ EDITS = Property(
     examples_share=0.5,  # truncate and reorder each have their own full search
     every_plan=every_mixed_plan,
     exhaustive_tokens=4,
+    since="1.0",
+    holds=("the two mixed in one session: a reorder after a rollback, a rollback after a reorder"),
 )
 
 

@@ -102,6 +102,13 @@ MEMORY = Property(
     reaches=tuple(reach.Edge(name) for name in SPEC_EDGES),
     every_plan=every_memory_plan,
     exhaustive_tokens=12,
+    since="1.0",
+    holds=(
+        "`nbytes` is never below 2 x B x H_kv x L x D x itemsize (`kvref.min_nbytes`; under a "
+        "declared lossy storage, the packed size of the rows that may be in codes, and then never "
+        "above what the cache's tensors take, `kvref.held_nbytes`), at every step, filled to "
+        "`max_length` and after a reset"
+    ),
 )
 
 

@@ -25,7 +25,7 @@ from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
 from kvcheck import devices as kvdevices
 from kvcheck import failures, reach, scripts
-from kvcheck import moves as kvmoves
+from kvcheck import layouts as kvlayouts
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.harness import build, warm
@@ -57,7 +57,7 @@ class MovePlan:
 
     def describe(self) -> str:
         layouts = "; ".join(
-            f"{n}: {kvmoves.said(layout)} ({path} path)"
+            f"{n}: {kvlayouts.said(layout)} ({path} path)"
             for n, (layout, path) in enumerate(zip(self.layouts, self.paths, strict=True))
         )
         return (
@@ -80,11 +80,11 @@ def layouts(draw, count: int) -> tuple:
     """``count`` layouts, the cache under test at one end of every move at least, each
     of another block size or the reference; resolved against the factory when run."""
     sizes = kvsizes.domain().pages or BLOCK_SIZES
-    chosen = [kvmoves.THE_CACHE]
+    chosen = [kvlayouts.THE_CACHE]
     for _ in range(count - 1):
-        options = [kvmoves.THE_CACHE, *(("block size", size) for size in sizes)]
-        if chosen[-1] != kvmoves.REFERENCE:
-            options.append(kvmoves.REFERENCE)
+        options = [kvlayouts.THE_CACHE, *(("block size", size) for size in sizes)]
+        if chosen[-1] != kvlayouts.REFERENCE:
+            options.append(kvlayouts.REFERENCE)
         chosen.append(draw(st.sampled_from(options), label="layout"))
     return tuple(chosen)
 
@@ -118,11 +118,12 @@ def resolved(factory: CacheFactory, plan: MovePlan) -> list[tuple[CacheFactory, 
     out = []
     for layout, path in zip(plan.layouts, plan.paths, strict=True):
         if (isinstance(layout, tuple) and not pool) or (
-            layout == kvmoves.REFERENCE and not kvmoves.reference_fits(factory, probe)
+            layout == kvlayouts.REFERENCE and not kvlayouts.reference_fits(factory, probe)
         ):
-            layout = kvmoves.THE_CACHE
-        made = kvmoves.factory_of(factory, layout)
-        out.append((made, path_for(path, made) if made is not kvmoves.ReferenceRows else "append"))
+            layout = kvlayouts.THE_CACHE
+        made = kvlayouts.factory_of(factory, layout)
+        reference = made is kvlayouts.ReferenceRows
+        out.append((made, "append" if reference else path_for(path, made)))
     return out
 
 
@@ -169,8 +170,8 @@ def move_edges(plan: MovePlan, ends: list, layout: int, held: int, last: str) ->
         TO_BLOCK_SIZE: None not in (size, to_size) and size != to_size,
         AT_BLOCK_END: size is not None and held > 0 and held % size == 0,
         INSIDE_BLOCK: size is not None and held % size != 0,
-        TO_REFERENCE: target is kvmoves.ReferenceRows,
-        FROM_REFERENCE: source is kvmoves.ReferenceRows,
+        TO_REFERENCE: target is kvlayouts.ReferenceRows,
+        FROM_REFERENCE: source is kvlayouts.ReferenceRows,
         AFTER_WRAP: any(held > w for w in windows),
         AFTER_REORDER: last == "reorder",
         AFTER_TRUNCATE: last == "truncate",
@@ -238,7 +239,7 @@ ACROSS_BLOCK_SIZES = MovePlan(
     config=ModelConfig(vocab_size=23, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4),
     batch=2,
     dtype=torch.float64,
-    layouts=(kvmoves.THE_CACHE, ("block size", 3), kvmoves.REFERENCE, kvmoves.THE_CACHE),
+    layouts=(kvlayouts.THE_CACHE, ("block size", 3), kvlayouts.REFERENCE, kvlayouts.THE_CACHE),
     paths=("append", "attend", "append", "attend"),
     events=(
         ("feed", 0, 19),
@@ -265,6 +266,13 @@ MOVE = Property(
     pinned=(ACROSS_BLOCK_SIZES,),
     reaches=MOVE_EDGES,
     since="1.5",
+    holds=(
+        "a request prefilled on one layout and moved, up to three times, to another (the pool with "
+        "another block size where it has `with_block_size`, the kit's reference cache, the cache "
+        "again): every export holds the rows given bit for bit, every step's logits equal the "
+        "uncached model's, the pool left gets every block back (contract, section 11.2; caches with"
+        " `export_rows` and `import_rows`)"
+    ),
 )
 BAD_IMPORT = Property(
     "bad import",
@@ -279,6 +287,11 @@ BAD_IMPORT = Property(
     since="1.5",
     every_plan=every_import,
     exhaustive_tokens=10,
+    holds=(
+        "rows of another batch, kv heads, width, dtype or device, more rows than their length, "
+        "fewer than the next query needs, a length that is no int, not a `CacheRows`, or into a "
+        "cache that holds tokens: refused, changing nothing"
+    ),
 )
 
 

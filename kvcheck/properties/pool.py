@@ -223,6 +223,11 @@ POOL = Property(
     requires=("block pool",),
     pinned=PINNED,
     reaches=REQUEST_EDGES,
+    since="1.0",
+    holds=(
+        "the requests plans on a tight pool, its books checked after every event ([contract.md, "
+        '"Block pools"](contract.md#block-pools))'
+    ),
 )
 EXHAUSTED_POOL = Property(
     "exhausted pool",
@@ -231,6 +236,12 @@ EXHAUSTED_POOL = Property(
     exhaustion_plans(),
     failures.REFUSAL_CHANGED_STATE,
     requires=("block pool",),
+    since="1.0",
+    holds=(
+        "on a tight pool filled until 0 to 2 blocks are free, an `append`, `attend` or a fork's "
+        "write that needs more is refused with `ValueError` naming the pool or its blocks, and "
+        "changes nothing, down to the rows read back bit for bit once blocks are free again"
+    ),
 )
 
 

@@ -313,6 +313,12 @@ BAD_APPEND = Property(
     examples_share=0.4,
     every_plan=every_bad_append,
     exhaustive_tokens=7,
+    since="1.0",
+    holds=(
+        "every kind of bad `append` in `kvcheck.badinput.BAD_APPENDS` (one test each) is refused "
+        "(`ValueError`; `TypeError` too for non-tensors; T = 0 may be a no-op) with a message that "
+        "names the problem, and changes nothing"
+    ),
 )
 OVERFLOW = Property(
     "overflow",
@@ -323,6 +329,8 @@ OVERFLOW = Property(
     reaches=STATE_EDGES,
     every_plan=every_overflow,
     exhaustive_tokens=11,
+    since="1.0",
+    holds=("past `max_length` an append is refused, changing nothing, or held exactly"),
 )
 BAD_MODEL_CALL = Property(
     "bad model call",
@@ -334,6 +342,12 @@ BAD_MODEL_CALL = Property(
     examples_share=0.25,
     every_plan=every_model_plan,
     exhaustive_tokens=6,
+    since="1.0",
+    holds=(
+        "every kind of bad model call in `kvcheck.badinput.BAD_CALLS` (wrong number of caches, one "
+        "cache for two layers, unequal layers, another batch, bad token ids) is refused before any "
+        "cache changes"
+    ),
 )
 BAD_LATENT_ATTEND = Property(
     "bad latent attend",
@@ -349,6 +363,13 @@ BAD_LATENT_ATTEND = Property(
     since="1.6",
     every_plan=every_latent_plan,
     exhaustive_tokens=9,
+    holds=(
+        "every kind of bad `attend_latent` in `kvcheck.badinput.BAD_LATENT_ATTENDS` (a query of the"
+        " wrong width, heads or dtype, a scale that is not a positive finite number, rows of "
+        "another width) sent to a warm latent cache is refused with a `ValueError` naming the "
+        "problem, and the cache reads back as it was (contract, section 10.2; where `attend_latent`"
+        " is offered and `latent` declared)"
+    ),
 )
 
 

@@ -788,6 +788,15 @@ REQUESTS = Property(
     examples_share=0.25,
     every_plan=every_requests_plan,
     exhaustive_tokens=4,
+    since="1.0",
+    holds=(
+        'several requests on one factory as a scheduler interleaves them ([contract.md, "Requests '
+        'side by side"](contract.md#requests-side-by-side)): each with its own batch (1 to 3), '
+        "prompt and chunks, up to 4 alive at once, started fresh or on a finished request's reset "
+        "caches, finished by `reset()` or by being dropped; forks where `fork` is offered. Every "
+        "step of every request equals the uncached model on its own history. On a `BlockPool` the "
+        "plans run on a tight pool (`with_blocks`)"
+    ),
 )
 FORK = Property(
     "fork",
@@ -800,6 +809,12 @@ FORK = Property(
     reaches=FORK_EDGES,
     every_plan=every_fork_plan,
     exhaustive_tokens=4,
+    since="1.0",
+    holds=(
+        "request plans heavy on forks, with truncates when offered: forks of forks, forks of "
+        "prompts ending inside a block, a parent reset or dropped while its forks decode; each step"
+        " of parent and child equals the uncached model on its own history"
+    ),
 )
 
 

@@ -188,6 +188,11 @@ RESET = Property(
     reaches=POISONED_EDGES,
     every_plan=every_poisoned_scenario,
     exhaustive_tokens=5,
+    since="1.0",
+    holds=(
+        "after `reset()` or on fresh caches, a session after one that left nan/inf/-inf/huge rows "
+        "matches the uncached model"
+    ),
 )
 STALE_ROWS = Property(
     "stale rows",
@@ -205,6 +210,11 @@ STALE_ROWS = Property(
     attend_dtypes=kvst.DTYPES,  # attend's output judged at the dtype's tolerance
     every_plan=every_stale_rows_plan,
     exhaustive_tokens=6,
+    since="1.0",
+    holds=(
+        "rows written before a reset, even poisoned ones, never come back, through one cache "
+        "object's many resets"
+    ),
 )
 
 

@@ -550,6 +550,13 @@ MIXED_LENGTHS = Property(
     reaches=EDGES,
     every_plan=every_rows_plan,
     exhaustive_tokens=6,
+    holds=(
+        "a batch whose rows bring their own counts of new tokens (0 too; prompts that differ by 0, "
+        "1 and many), roll back by their own counts, leave and join, from first positions of their "
+        "own (`reset_at`, where offered): each row's logits, and the rows `append_rows` marks "
+        "valid, equal the uncached model on that row alone, at batch 1, at its positions (contract,"
+        " section 8; where `append_rows` is offered)"
+    ),
 )
 
 

@@ -1029,6 +1029,20 @@ PREFIX_CACHING = Property(
     pinned=PINNED,
     since="1.3",
     reaches=_PREFIX_EDGES,
+    holds=(
+        "request streams over a vocabulary of 2 or 3 tokens from shared system prompts, two tenants"
+        " (salts) with identical prompts, on a tight pool whose blocks are keyed by the pool's own "
+        "hash, one where every block collides or one of two values: prompts of 16-token phrases "
+        "under different parents, or the next turn of an earlier request's chat (as it is, or "
+        "before its last rollback), declared and looked up (`lookup_prefix`), fed in chunks while "
+        "others arrive, write and leave, decode steps declared first, rollbacks, parallel samples "
+        "(`fork`), swaps, preemption by recompute. Every hit's blocks were last written full, in "
+        "that layer, for that salt and those tokens, their rows read back bit for bit; a hit is no "
+        "shorter than a live request's once-written blocks of that prefix; the books "
+        "(`blocks_cached`, `blocks_evictable`) balance after every event; every step equals the "
+        "uncached model on its own tokens (contract, section 9.1; where the factory is a "
+        "`kvref.PrefixCaching` pool)"
+    ),
 )
 OFFLOAD = Property(
     "offload",
@@ -1041,6 +1055,12 @@ OFFLOAD = Property(
     pinned=OFFLOAD_PINNED,
     since="1.3",
     reaches=_OFFLOAD_EDGES,
+    holds=(
+        "the same streams, swapping often: a request offloaded while others take, write and free "
+        "its blocks, then restored, reads its rows back bit for bit and decodes as the uncached "
+        "model; an offloaded cache holds no block; a restore into a full pool is refused, changing "
+        "nothing (contract, section 9.3; where `offload` is offered)"
+    ),
 )
 
 

@@ -6,12 +6,12 @@ A plan draws a world of 2 or 4 ranks, a model whose kv heads are fewer than (rep
 as many as or more than the ranks, with query groups that make the shard boundary matter,
 the path each rank's caches take, and a list of events on one request and its forks: feeds
 in chunks, truncates, reorders, forks and resets. The session engine (``kvcheck.session``)
-runs it on ``ShardedCache`` layers (``kvcheck.sharding``), so every step's logits are held
+runs it on ``ShardedCache`` layers (``kvcheck.sharded_cache``), so every step's logits are held
 to the unsharded uncached model and every rank must agree on every length.
 
 - ``sharded``: the ranks simulated in one process; searched and shrunk like every property.
 - ``sharded runtime``: the same plans on real processes, ``torch.distributed``
-  (``kvcheck.distributed``); it does not shrink (a retry restarts the group).
+  (``kvcheck.rank_processes``); it does not shrink (a retry restarts the group).
 """
 
 from __future__ import annotations
@@ -24,14 +24,13 @@ import torch
 from hypothesis import strategies as st
 
 from kvcheck import devices as kvdevices
-from kvcheck import distributed as kvdistributed
-from kvcheck import failures, reach, scripts
+from kvcheck import failures, rank_processes, reach, scripts
 from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.kit import KitTests, Property, offered, path_for, property_test
 from kvcheck.session import Engine
-from kvcheck.sharding import Ranks, ShardedFactory, SimulatedRanks, plan_for
+from kvcheck.sharded_cache import Ranks, ShardedFactory, SimulatedRanks, plan_for
 from kvref import CacheFactory, ModelConfig, shard_heads
 
 MOST_TOKENS = 2 * kvst.EDGE + 4
@@ -229,7 +228,7 @@ def check_sharded(factory: CacheFactory, plan: ShardedPlan) -> None:
 
 def check_sharded_runtime(factory: CacheFactory, plan: ShardedPlan) -> None:
     """Every rank a process of its own, in a ``torch.distributed`` group."""
-    kvdistributed.run_on_processes(factory, plan)
+    rank_processes.run_on_processes(run_sharded, factory, plan)
     note_plan(factory, plan)  # here: the ranks' own notes stay in their processes
 
 
@@ -402,6 +401,13 @@ SHARDED = Property(
     since="1.5",
     every_plan=every_sharded_plan,
     exhaustive_tokens=5,
+    holds=(
+        "each layer's kv heads over 2 or 4 ranks simulated in one process (fewer kv heads than "
+        "ranks: replicated), each rank's caches from the factory for its shard: feeds, truncates, "
+        "reorders, forks, resets and moves between shard counts reach every rank, the ranks agree "
+        "on every length and the logits equal the unsharded uncached model's (contract, section "
+        "11.1; every cache; [distributed.md](distributed.md))"
+    ),
 )
 
 
@@ -419,11 +425,16 @@ SHARDED_RUNTIME = Property(
     examples_share=0.1,  # each plan runs on every process; `sharded` searches the same plans
     dtypes=kvst.DTYPES,  # on the CPU, where half precision is slow and adds nothing here
     attend_dtypes=kvst.DTYPES,
-    context=kvdistributed.serving,
+    context=rank_processes.serving,
     shrinks=False,
     since="1.5",
     every_plan=every_sharded_runtime_plan,
     exhaustive_tokens=RUNTIME_TOKENS,
+    holds=(
+        "the same plans, without moves, on 4 forked processes in a gloo group on 127.0.0.1 (one "
+        "group per pytest process), a tenth of the examples and no shrinking; a rank that hangs "
+        "past 60 s fails, named with its last event (every cache)"
+    ),
 )
 
 

@@ -297,6 +297,14 @@ SHARED_LAYERS = Property(
     since="1.4",
     every_plan=every_shared_plan,
     exhaustive_tokens=9,
+    holds=(
+        "a model of 2 or 3 layers, some reading an earlier layer's cache (`ModelConfig.kv_sources`:"
+        " the last layers sharing one source, a layer reading the one before, any other), windows "
+        "and MLA included: the same tokens fed as one prefill, in drawn chunks on the reset caches "
+        "and token by token on fresh ones, every step's logits equal the uncached model's over the "
+        "same sharing, and each source layer's `append` returns the rows given (contract, section "
+        "10.3; every cache)"
+    ),
 )
 
 
@@ -730,6 +738,15 @@ SHARED_ROWS = Property(
     since="1.6",
     every_plan=every_shared_rows_plan,
     exhaustive_tokens=5,
+    holds=(
+        "a shared model's batch of 2 or 3 rows through `forward_rows`: prompts of their own lengths"
+        " (an empty slot, pads poisoned with nan, inf, -inf or 1e30, first positions of their own "
+        "where `reset_at` is offered), then decode steps, chunks, per-row rollbacks "
+        "(`truncate_rows`) and rows leaving or reordered (`select_rows`) on the source layers where"
+        " offered, each followed by a feed; every row's new logits equal that row alone through the"
+        " uncached model over the same sharing (contract, section 10.3; where `append_rows` is "
+        "offered)"
+    ),
 )
 
 SHARED_TREE = Property(
@@ -745,6 +762,13 @@ SHARED_TREE = Property(
     since="1.6",
     every_plan=every_shared_tree_plan,
     exhaustive_tokens=7,
+    holds=(
+        "a shared model's prefix, then a draft tree (up to 6 nodes, siblings and several roots) "
+        "through `forward_tree`: each node's logits equal the uncached model's on the prefix and "
+        "the node's path; one path committed on the source layers, then 1 or 2 decode steps equal "
+        "the uncached model's on the prefix, the path and the steps (contract, section 10.3; where "
+        "`append_tree` is offered)"
+    ),
 )
 
 

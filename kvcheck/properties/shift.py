@@ -448,6 +448,17 @@ CONTEXT_SHIFT = Property(
     reaches=EDGES,
     every_plan=every_shift_plan,
     exhaustive_tokens=6,
+    holds=(
+        "a session that discards spans of its history (`shift(start, count)`: from index 0, after 1"
+        " or 4 kept tokens or anywhere; 1 token, a block's worth around its edge, half the rest, "
+        "any) before any feed that would overflow and anywhere else, repeated, with decode steps "
+        "and chunks after, from a first position of its own where `reset_at` is offered: every "
+        "step's logits equal the model's over the uncached pass's rows with the spans removed and "
+        "the keys after them re-rotated in float64 (`kvref.model.HeldRows`), and every `append` "
+        "returns the rows given, the moved keys within the rounding of a re-rotation in their dtype"
+        " (`kvcheck.asserts.shift_rounding`: 4 roundings of the dtype per shift, and the angle's, "
+        "`count` roundings of float32) (contract, section 8.4; where `shift` is offered)"
+    ),
 )
 
 
@@ -730,6 +741,17 @@ CONTEXT_SHIFT_PER_ROW = Property(
     reaches=ROW_EDGES,
     every_plan=every_row_shift_plan,
     exhaustive_tokens=4,
+    holds=(
+        "a batch of 2 or 3 rows of their own (lengths and first positions of their own), fed by "
+        "row, each row discarding a span of its own (`shift(starts, counts)`, a tuple each: "
+        "untouched, from index 0, after a few kept, its whole tail, anywhere) before any feed that "
+        "would overflow it and anywhere else: every row's new logits equal the model's over that "
+        "row's rows alone at batch 1, the uncached pass's with its spans removed and the keys after"
+        " them re-rotated by its own counts in float64 (`kvref.model.HeldRows`), and what "
+        "`append_rows` marks valid for each row is the rows given, moved keys within "
+        "`kvcheck.asserts.shift_rounding` (contract, section 8.4, shifts per row; where a cache "
+        "declares `shift_per_row`)"
+    ),
 )
 
 
@@ -854,6 +876,14 @@ BAD_SHIFT_PER_ROW = Property(
     since="1.6",
     every_plan=every_warm_rows,
     exhaustive_tokens=9,
+    holds=(
+        "each bad shift per row (`kvcheck.badinput.BAD_ROW_SHIFTS`: a tuple one entry short, a "
+        "start past a short row's length, a negative count, a count past a short row's end, an int "
+        "beside a tuple, every count 0, a float count), each within the longest row, sent to a warm"
+        " batch of rows of different lengths: refused with a `ValueError` naming the problem, every"
+        " row read back through `append_rows` as it was (contract, section 8.4; where a cache "
+        "declares `shift_per_row`)"
+    ),
 )
 
 

@@ -292,6 +292,16 @@ ATTENTION_SINKS = Property(
     since="1.2",
     every_plan=every_sink_plan,
     exhaustive_tokens=6,
+    holds=(
+        "a model whose window layers keep the session's first S tokens beside a window of W "
+        "(`ModelConfig.sinks`), S each of the counts the cache declares (`supports: sinks`), W "
+        "around the chunk sizes, in scenarios long enough that the ring wraps many times, fresh and"
+        " reset, on both paths, the sinks at the positions they were given or at their positions in"
+        " the cache as StreamingLLM numbers it (`ModelConfig.sink_positions`): every step's logits "
+        "equal the uncached model's under the sink-and-window mask, and every `append` returns the "
+        "sinks, then a recent run, bit for bit the rows given (contract, section 8.5; where the "
+        "cache declares a sink count other than 0)"
+    ),
 )
 
 

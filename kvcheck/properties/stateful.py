@@ -189,6 +189,12 @@ STATEFUL = Property(
     None,
     failures.WRONG_RESULTS,
     paths=True,
+    since="1.0",
+    holds=(
+        "any interleaving of prefill, one-token and chunk decode, reset, fresh caches, bad calls, "
+        "and truncate and reorder when offered keeps lengths and logits right (a Hypothesis state "
+        "machine)"
+    ),
 )
 
 

@@ -886,6 +886,11 @@ TREE = Property(
     reaches=TREE_EDGES,
     every_plan=every_tree_plan,
     exhaustive_tokens=5,
+    holds=(
+        "each node of a draft tree verified in one call (`append_tree`) equals the uncached model "
+        "on the committed tokens and its path, and after `commit_tree` the cache holds the accepted"
+        " path alone ([contract.md, section 9.2](contract.md#92-tree-drafts-speculative-decoding))"
+    ),
 )
 
 

@@ -76,5 +76,5 @@ def said(layout) -> str:
     if isinstance(layout, tuple):
         return f"the cache's pool with blocks of {layout[1]} tokens"
     if layout == REFERENCE:
-        return "the kit's reference cache (kvcheck.moves.ReferenceRows)"
+        return "the kit's reference cache (kvcheck.layouts.ReferenceRows)"
     return "the cache under test"

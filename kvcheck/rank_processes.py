@@ -5,8 +5,9 @@ rank 0 hosts at 127.0.0.1 (an unused port; gloo bound to the loopback interface)
 group of the first two ranks for plans of two. The store is not this process's: a thread
 serving it here could hold a lock at the moment of a fork, and a rank would hang on it.
 
-Each plan is sent to every rank over a pipe; each rank runs it through
-``kvcheck.properties.sharded.run_sharded`` on caches from the factory, gathering attention
+Each plan is sent to every rank over a pipe; each rank runs it through the runner the
+runtime was made with (``kvcheck.properties.sharded.run_sharded``: given, not imported, so
+that this module stays below the properties) on caches from the factory, gathering attention
 outputs with ``torch.distributed.all_gather``, and answers "ok" or the failure it raised. A
 rank reports each event before it runs it, so a plan that passes its deadline fails naming
 the ranks that did not answer and the event each had reached; the runtime is then torn down
@@ -64,7 +65,7 @@ def unavailable() -> str | None:
 
 
 class ProcessGroupRanks:
-    """This process's rank of a ``torch.distributed`` group (``kvcheck.sharding.Ranks``)."""
+    """This process's rank of a ``torch.distributed`` group (``kvcheck.sharded_cache.Ranks``)."""
 
     def __init__(self, group=None) -> None:
         self.group = group
@@ -80,10 +81,14 @@ class ProcessGroupRanks:
 
 
 class Runtime:
-    """``world`` forked ranks serving sharded plans, each on caches from the factory sent
-    with it, or from ``factory``, which the ranks inherit (for one that does not pickle)."""
+    """``world`` forked ranks serving sharded plans through ``runner(factory, plan, ranks,
+    progress=...)``, each on caches from the factory sent with it, or from ``factory``,
+    which the ranks inherit (for one that does not pickle)."""
 
-    def __init__(self, factory=None, world: int = WORLD, deadline: float = DEADLINE) -> None:
+    def __init__(
+        self, runner, factory=None, world: int = WORLD, deadline: float = DEADLINE
+    ) -> None:
+        self.runner = runner
         self.factory = factory
         self.world = world
         self.deadline = deadline
@@ -106,7 +111,7 @@ class Runtime:
                 ours, theirs = context.Pipe()
                 process = context.Process(
                     target=_serve,
-                    args=(rank, self.world, port, self.factory, theirs, self.deadline),
+                    args=(rank, self.world, port, self.runner, self.factory, theirs, self.deadline),
                     name=f"kvcheck rank {rank}",
                     daemon=True,
                 )
@@ -228,10 +233,8 @@ def _as_raised(rank: int, kind: str, detail: list, plan) -> BaseException:
     return severity(text) if severity is not None else RuntimeError(f"{name}: {text}")
 
 
-def _serve(rank: int, world: int, port: int, factory, pipe, deadline: float) -> None:
+def _serve(rank: int, world: int, port: int, runner, factory, pipe, deadline: float) -> None:
     """A rank's process: join the group, then run each plan sent until told to stop."""
-    from kvcheck.properties.sharded import run_sharded
-
     torch.set_num_threads(1)
     kvdevices.choose("cpu")
     if os.path.exists("/sys/class/net/lo"):
@@ -254,7 +257,7 @@ def _serve(rank: int, world: int, port: int, factory, pipe, deadline: float) -> 
                     pipe.send(("ok",))
                     continue
                 with kvsizes.aiming_at(sizes):
-                    run_sharded(
+                    runner(
                         factory if sent is None else sent,
                         plan,
                         lambda world: ProcessGroupRanks(groups[world]),
@@ -270,7 +273,8 @@ def _serve(rank: int, world: int, port: int, factory, pipe, deadline: float) -> 
         torch.distributed.destroy_process_group()
 
 
-_shared: list[Runtime] = []  # this process's runtime, for every factory that pickles
+# This process's runtime of each runner, for every factory that pickles.
+_shared: dict = {}
 
 
 @contextlib.contextmanager
@@ -284,11 +288,12 @@ def serving(factory) -> Iterator[None]:
     yield
 
 
-def run_on_processes(factory, plan) -> None:
-    """``plan`` on this process's runtime (started at its first plan, again after a plan
-    that failed), the factory sent with it; a factory that does not pickle (a lambda, a
-    class defined in a function) gets a runtime of its own, forked with it. A cache that
-    declares devices without the CPU, where the ranks run, skips the test, saying so."""
+def run_on_processes(runner, factory, plan) -> None:
+    """``plan`` through ``runner`` on this process's runtime (started at its first plan,
+    again after a plan that failed), the factory sent with it; a factory that does not
+    pickle (a lambda, a class defined in a function) gets a runtime of its own, forked with
+    it. A cache that declares devices without the CPU, where the ranks run, skips the test,
+    saying so."""
     devices = kvsizes.domain().devices
     if devices is not None and "cpu" not in devices:
         import pytest
@@ -300,10 +305,10 @@ def run_on_processes(factory, plan) -> None:
     try:
         pickle.dumps(factory)
     except (pickle.PicklingError, AttributeError, TypeError):
-        with Runtime(factory) as runtime:
+        with Runtime(runner, factory) as runtime:
             runtime.run(plan)
         return
-    if not _shared:
-        _shared.append(Runtime())
-        atexit.register(_shared[0].close)
-    _shared[0].run(plan, factory)
+    if runner not in _shared:
+        _shared[runner] = Runtime(runner)
+        atexit.register(_shared[runner].close)
+    _shared[runner].run(plan, factory)

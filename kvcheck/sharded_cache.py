@@ -7,7 +7,7 @@ slices the rank's heads, attends through its cache (``attend`` where the cache o
 ``append`` and ``kvref.attention`` over the rows returned otherwise) and gathers every
 rank's output into the query heads the plan gave it. The ranks live either here
 (``SimulatedRanks``: all of them in this process, the gather a list) or one per process
-(``kvcheck.distributed.ProcessGroupRanks``: ``torch.distributed``), so both tests of
+(``kvcheck.rank_processes.ProcessGroupRanks``: ``torch.distributed``), so both tests of
 ``kvcheck/properties/sharded.py`` run one engine.
 
 Every event the session engine sends (reset, truncate, reorder, fork) reaches every rank's
