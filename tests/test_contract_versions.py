@@ -214,9 +214,10 @@ def test_an_entry_list_of_property_names_counts_them_all():
 
 
 def test_the_versions_on_record_change_only_on_purpose():
-    # A new property or case takes the default since ("1.0", counted under every pin) unless
-    # it says otherwise: this record makes its author choose.
-    assert {
+    # A property says its version (``since`` is required); this record keeps those already
+    # released from changing by mistake (a rule moved to a later version stops counting
+    # under earlier pins). A property not on record is new: it arrives in the newest version.
+    recorded = {
         **dict.fromkeys(
             [
                 *("logits", "lengths", "contents", "reset", "stale rows", "isolation"),
@@ -237,7 +238,11 @@ def test_the_versions_on_record_change_only_on_purpose():
             ],
             "1.6",
         ),
-    } == SINCE
+    }
+    assert {name: SINCE[name] for name in recorded if name in SINCE} == recorded
+    assert set(recorded) <= set(SINCE), "a property on record is gone"
+    new = {name: since for name, since in SINCE.items() if name not in recorded}
+    assert all(since == contract.VERSION for since in new.values()), new
     assert (
         dict.fromkeys(
             [
