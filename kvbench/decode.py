@@ -118,15 +118,15 @@ def decode_setup(
     bench: Bench, factories: dict[str, CacheFactory], length: int, ideal: str = "ideal"
 ) -> dict[str, Timed]:
     """The ideal (labelled ``ideal``) and every cache of ``factories``, filled with the
-    first ``length - 1`` tokens and checked (``check_against_ideal``), each with a timer
+    first ``length - 1`` tokens and checked (``_check_against_ideal``), each with a timer
     of decoding token ``length``."""
     caches = {
         label: bench.model.new_caches(factory, batch=bench.workload.batch, max_length=length)
         for label, factory in factories.items()
     }
-    caches = {ideal: ideal_caches(bench, length), **caches}
-    restores = {label: restorer(bench, layers, length) for label, layers in caches.items()}
-    check_against_ideal(bench, caches, restores, length, ideal)
+    caches = {ideal: _ideal_caches(bench, length), **caches}
+    restores = {label: _restorer(bench, layers, length) for label, layers in caches.items()}
+    _check_against_ideal(bench, caches, restores, length, ideal)
     model = MLA if bench.model.config.attention == "mla" else GQA
     step = partial(bench.model, bench.tokens[:, length - 1 : length])
     setups = {}
@@ -153,7 +153,7 @@ def decode_rows(
     timers = {label: setup.timer for label, setup in setups.items()}
     measured = take_turns(timers, bench.workload, after_round)
     return [
-        row(
+        _results_row(
             bench,
             label,
             length,
@@ -167,7 +167,7 @@ def decode_rows(
     ]
 
 
-def check_against_ideal(
+def _check_against_ideal(
     bench: Bench,
     caches: dict[str, list[LayerCache]],
     restores: dict[str, Callable[[], None]],
@@ -213,14 +213,15 @@ def uncached_row(bench: Bench, length: int) -> Row:
     """Time the model recomputing all ``length`` tokens, which is how it decodes the last."""
     timer = bench.timer(partial(bench.model, bench.tokens[:, :length]), restore=lambda: None)
     measurement = timer.blocked_autorange(min_run_time=bench.workload.min_run_time)
-    return row(bench, "uncached", length, measurement, nbytes=0)
+    return _results_row(bench, "uncached", length, measurement, nbytes=0)
 
 
 def skipped_row(bench: Bench, label: str, length: int, note: str) -> Row:
-    return row(bench, label, length, None, nbytes=0, note=note)
+    """A row left untimed (as ``uncached`` above ``--uncached-max-length``), ``note`` saying why."""
+    return _results_row(bench, label, length, None, nbytes=0, note=note)
 
 
-def ideal_caches(bench: Bench, length: int) -> list[LayerCache]:
+def _ideal_caches(bench: Bench, length: int) -> list[LayerCache]:
     """The ideal's cache of every layer: the rows token ``length`` attends to, as given."""
     window = bench.workload.config.window or length
     first = max(length - window, 0)
@@ -230,7 +231,7 @@ def ideal_caches(bench: Bench, length: int) -> list[LayerCache]:
     ]
 
 
-def restorer(bench: Bench, caches: Sequence[LayerCache], length: int) -> Callable[[], None]:
+def _restorer(bench: Bench, caches: Sequence[LayerCache], length: int) -> Callable[[], None]:
     """Fill ``caches`` with the first ``length - 1`` tokens; return what puts them back
     there after a decode step (by ``truncate`` where it works, else by refilling)."""
     prefix = [
@@ -248,7 +249,7 @@ def restorer(bench: Bench, caches: Sequence[LayerCache], length: int) -> Callabl
     return restore
 
 
-def row(
+def _results_row(
     bench: Bench,
     label: str,
     length: int,
