@@ -12,7 +12,11 @@ import pytest
 import torch
 
 import kvimpl
-from kvimpl import bench
+from kvbench.bench import Bench
+from kvbench.cli import main, parse_args
+from kvbench.report import shared_prefix_table
+from kvbench.shared_prefix import PrefixRow, shared_prefix_rows
+from kvbench.workload import LATENT, LOSSY, QUICK, QUICK_BLOCK_SIZE, SharedPrefix, latent_config
 
 LENGTHS = (8, 48)  # 48: the forked samples share a full block of 16
 COLUMNS = {"cache", "length", "ms_per_token", "ms_spread", "nbytes", "formula_bytes"}
@@ -21,13 +25,13 @@ COLUMNS = {"cache", "length", "ms_per_token", "ms_spread", "nbytes", "formula_by
 def test_quick_run_writes_results_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     argv = ["--quick", "--lengths", ",".join(map(str, LENGTHS)), "--min-run-time", "0.005"]
-    bench.main([*argv, "--out", str(tmp_path)])
+    main([*argv, "--out", str(tmp_path)])
 
     with (tmp_path / "results.csv").open(newline="") as file:
         reader = csv.DictReader(file)
         assert set(reader.fieldnames) >= COLUMNS, f"missing columns in {reader.fieldnames}"
         rows = list(reader)
-    labels = [*kvimpl.CACHES, *bench.LOSSY, *bench.LATENT, "ideal", "ideal (MLA)", "uncached"]
+    labels = [*kvimpl.CACHES, *LOSSY, *LATENT, "ideal", "ideal (MLA)", "uncached"]
     expected = {(label, length) for label in labels for length in LENGTHS}
     got = [(row["cache"], int(row["length"])) for row in rows]
     assert sorted(got) == sorted(expected), f"want one row per (cache, length), got {got}"
@@ -62,8 +66,8 @@ def test_quick_run_writes_results_and_plot(tmp_path):
         requests[next(k for k in requests if "forked" in k[0])],
     )
     # Per request and layer the pool wastes under one block: the rest of the last one.
-    block_bytes = 2 * 4 * bench.QUICK_BLOCK_SIZE * 16 * 4  # 4 kv heads of 16, float32
-    waste = len(bench.QUICK.requests) * bench.QUICK.config.num_layers * block_bytes
+    block_bytes = 2 * 4 * QUICK_BLOCK_SIZE * 16 * 4  # 4 kv heads of 16, float32
+    waste = len(QUICK.requests) * QUICK.config.num_layers * block_bytes
     formula, in_use = int(mixed["formula_bytes"]), int(mixed["in_use_bytes"])
     assert formula <= in_use < formula + waste, f"paged, mixed lengths: {mixed}"
     # Forked samples share the prompt's blocks: less in use than their formulas' sum.
@@ -88,29 +92,29 @@ def test_quick_run_writes_results_and_plot(tmp_path):
 
 def latent_formula(length: int) -> int:
     """The MLA model's full-precision formula: a latent and a rope key per token and layer."""
-    config = bench.latent_config(bench.QUICK.config)
+    config = latent_config(QUICK.config)
     width = config.latent_dim + config.rope_dim
-    return config.num_layers * bench.QUICK.batch * length * width * 4  # float32
+    return config.num_layers * QUICK.batch * length * width * 4  # float32
 
 
 # 3 requests, each a system prompt of two 16-token blocks, 4 tokens of its own, 2 decoded.
 TINY_SHARED_PREFIX = replace(
-    bench.QUICK,
+    QUICK,
     lengths=(2,),  # the Bench's own prefill, unused here
     min_run_time=0.001,
     rounds=1,
-    shared_prefix=bench.SharedPrefix(requests=3, system=32, own=4, decode=2),
+    shared_prefix=SharedPrefix(requests=3, system=32, own=4, decode=2),
 )
 
 
-def shared_prefix_rows(pool) -> dict[str, bench.PrefixRow]:
-    runner = bench.Bench(TINY_SHARED_PREFIX, torch.device("cpu"), threads=1)
-    return {row.scenario: row for row in runner.shared_prefix_rows(pool)}
+def rows_by_scenario(pool) -> dict[str, PrefixRow]:
+    bench = Bench(TINY_SHARED_PREFIX, torch.device("cpu"), threads=1)
+    return {row.scenario: row for row in shared_prefix_rows(bench, pool)}
 
 
 @pytest.mark.long  # the workload, with and without prefix caching
 def test_shared_prefix_hits_the_system_prompt_and_holds_it_once():
-    rows = shared_prefix_rows(partial(kvimpl.PagedPool, bench.QUICK_BLOCK_SIZE))
+    rows = rows_by_scenario(partial(kvimpl.PagedPool, QUICK_BLOCK_SIZE))
     cached, unshared, alone = (
         rows[scenario] for scenario in ("prefix caching", "one pool, no lookups", "separate caches")
     )
@@ -125,7 +129,7 @@ def test_shared_prefix_hits_the_system_prompt_and_holds_it_once():
     for row in rows.values():  # timed, but nothing asserted about how fast
         assert row.prefill_ms > 0, row
         assert row.samples >= 1, row
-    table = bench.shared_prefix_table(list(rows.values()))
+    table = shared_prefix_table(list(rows.values()))
     assert "| prefix caching | paged | 3 x 32+4+2 | 108 | 64 | 0.59 |" in table, table
 
 
@@ -143,7 +147,7 @@ def test_shared_prefix_is_not_timed_when_the_logits_disagree():
     # separate caches' before anything is timed: a wrong pool raises, as a wrong cache
     # does in the decode table (and main exits naming it).
     with pytest.raises(AssertionError, match="prefix caching computes the requests' logits"):
-        shared_prefix_rows(partial(_UnderstatesHits, bench.QUICK_BLOCK_SIZE))
+        rows_by_scenario(partial(_UnderstatesHits, QUICK_BLOCK_SIZE))
 
 
 @pytest.mark.parametrize(
@@ -159,7 +163,7 @@ def test_shared_prefix_is_not_timed_when_the_logits_disagree():
 )
 def test_bad_options_are_named(argv, complaint, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        bench.parse_args(argv)
+        parse_args(argv)
     assert exit_info.value.code == 2
     assert complaint in capsys.readouterr().err
 
@@ -168,7 +172,7 @@ def test_a_cache_that_decodes_wrongly_is_not_timed(tmp_path):
     argv = ["--quick", "--lengths", "8", "--min-run-time", "0.005", "--out", str(tmp_path)]
     broken = "tests.mutants.caches:SwapsKeysAndValues"
     with pytest.raises(SystemExit, match="SwapsKeysAndValues decodes token 8 unlike the ideal"):
-        bench.main([*argv, "--kv-impl", broken])
+        main([*argv, "--kv-impl", broken])
     assert not (tmp_path / "results.csv").exists(), "a wrong cache's timings were written"
 
 
@@ -177,7 +181,7 @@ def test_without_matplotlib_the_table_and_csv_are_still_written(tmp_path, monkey
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
     argv = ["--quick", "--lengths", "8", "--min-run-time", "0.005", "--out", str(tmp_path)]
-    bench.main([*argv, "--kv-impl", "concat"])
+    main([*argv, "--kv-impl", "concat"])
     out = capsys.readouterr().out
     assert "| concat | full precision | 8 |" in out, out
     assert "for the plot, pip install 'kvcache-verify[bench]'" in out, out
@@ -187,7 +191,7 @@ def test_without_matplotlib_the_table_and_csv_are_still_written(tmp_path, monkey
 
 def test_with_a_window_the_window_cache_holds_less_than_the_rest(tmp_path):
     argv = ["--quick", "--window", "8", "--lengths", "256", "--min-run-time", "0.005"]
-    bench.main([*argv, "--kv-impl", "window", "--kv-impl", "concat", "--out", str(tmp_path)])
+    main([*argv, "--kv-impl", "window", "--kv-impl", "concat", "--out", str(tmp_path)])
     with (tmp_path / "results.csv").open(newline="") as file:
         nbytes = {row["cache"]: int(row["nbytes"]) for row in csv.DictReader(file)}
     # W - 1 rows and one prefill chunk of 64 (71 rows), against all 256.

@@ -1,0 +1,5 @@
+"""``python -m kvbench``: the benchmark's command line (kvbench.cli)."""
+
+from kvbench.cli import main
+
+main()
