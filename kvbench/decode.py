@@ -30,7 +30,7 @@ from kvbench.bench import Bench, fill, formula_bytes
 from kvbench.timing import spread_ms, take_turns
 from kvbench.workload import COMPRESSED, FULL_PRECISION, GQA, MLA
 from kvcheck import asserts as kvassert
-from kvcheck.harness import coarser
+from kvcheck.asserts import coarser
 from kvref import CacheFactory, LayerCache
 from kvref.protocol import storage
 
