@@ -71,7 +71,9 @@ from kvcheck.harness import coarser
 from kvimpl.latent import LatentCache
 from kvimpl.quantized import QuantizedCache
 from kvref import CacheFactory, LayerCache, ModelConfig, ReferenceTransformer, min_nbytes
-from kvref.protocol import keys_stored, row_slots, storage
+from kvref.protocol import keys_stored
+from kvref.quantized import storage
+from kvref.rows import row_slots
 
 
 @dataclass(frozen=True)

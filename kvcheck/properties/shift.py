@@ -11,7 +11,7 @@ of a real model (10,000, 500,000, 1,000,000). One plan in ``FAR_ONE_IN`` is far:
 400 rows filled and a shift of 100 tokens or more, on wide heads in half precision often,
 where an angle rounded in half precision shows (tests/measure_shift.py). The oracle is
 the uncached pass's rows with each span removed and the keys after it rotated in float64,
-held in a trusted cache (``kvref.model.HeldRows``); every later step's logits are the
+held in a trusted cache (``kvref.shift_oracle.HeldRows``); every later step's logits are the
 model's over those rows (``Engine.shift``). Each shift run notes the edges it reached
 (``EDGES``, ``kvcheck.reach``).
 
@@ -54,7 +54,7 @@ from kvcheck.properties.rows import (
 )
 from kvcheck.session import Engine
 from kvref import CacheFactory, ModelConfig
-from kvref.model import ROPE_TABLE_POSITIONS
+from kvref.rope import ROPE_TABLE_POSITIONS
 
 EDGE = kvst.EDGE
 CAPACITIES = (EDGE, EDGE + 1, 2 * EDGE - 1, 2 * EDGE, 2 * EDGE + 1, 48)
