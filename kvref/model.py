@@ -36,11 +36,7 @@ from torch import Tensor, nn
 
 from kvref.checks import (
     check_counts,
-    check_reorder,
-    check_shift,
     check_tree,
-    check_truncate,
-    is_row_shift,
 )
 from kvref.guards import (
     check_caches,
@@ -51,10 +47,15 @@ from kvref.guards import (
     check_row_caches,
     check_token_ids,
     checked_positions,
-    checked_row_shift,
     first_position,
 )
 from kvref.latent import cache_latent_attention, latent_attention
+from kvref.layer_caches import (
+    reorder_every_layer,
+    shift_every_layer,
+    truncate_every_layer,
+    widest_window_first,
+)
 from kvref.protocol import (
     KEYS_STORED,
     CacheFactory,
@@ -248,6 +249,31 @@ class ModelConfig:
         return self.num_heads * self.head_dim
 
 
+def at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half precision, else ``dtype``: half-precision models take norms in
+    float32, as real ones do (attention, in float64: ``attention``). It also keeps their
+    results independent of how many tokens a call holds (torch's half-precision rsqrt and exp
+    take other paths for other sizes), so that a cached run differs from an uncached one only
+    by what its cache did; and torch's half-precision matmuls on the CPU are slow."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        wide = x.to(at_least_float32(x.dtype))
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+# The dtypes whose attention the reference computes in float64 (see ``attention``).
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def causal_mask(
     query_positions: Tensor,
     key_positions: Tensor,
@@ -331,30 +357,6 @@ def attention(
     # Each query sums values of its own: (B, H, T, rows, D), every row it may not see zeroed.
     seen_values = values.to(wide)[:, :, None].masked_fill(~allowed[..., None], 0)
     return (weights[..., None, :] @ seen_values).squeeze(-2).to(query.dtype)
-
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def at_least_float32(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half precision, else ``dtype``: half-precision models take norms in
-    float32, as real ones do (attention, in float64: ``attention``). It also keeps their
-    results independent of how many tokens a call holds (torch's half-precision rsqrt and exp
-    take other paths for other sizes), so that a cached run differs from an uncached one only
-    by what its cache did; and torch's half-precision matmuls on the CPU are slow."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, width: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(width))
-
-    def forward(self, x: Tensor) -> Tensor:
-        wide = x.to(at_least_float32(x.dtype))
-        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.weight
 
 
 class Attention(nn.Module):
@@ -818,61 +820,25 @@ class ReferenceTransformer(nn.Module):
         return by_node
 
     def truncate(self, caches: Sequence[LayerCache], length: int) -> None:
-        """Forget every token at position >= ``length`` in every layer's cache (speculative
-        decoding, regenerate). Checks the caches and ``length`` before touching any layer.
-
-        A window layer may refuse when it has dropped a position that the next query needs;
-        the widest windows are asked first, so that such a refusal comes before any layer
-        changed (layers of one window keep the same positions)."""
-        held = check_caches(self, caches, batch=None)
-        check_offered(caches, "truncate")
-        if isinstance(length, bool) or not isinstance(length, int):
-            raise TypeError(f"truncate: length must be an int, got {type(length).__name__}")
-        check_truncate(held, length)
-        for layer in self.widest_window_first():
-            caches[layer].truncate(length)
+        """Forget every token at position >= ``length`` in every layer's cache, checked
+        before any layer is touched (``kvref.layer_caches.truncate_every_layer``)."""
+        truncate_every_layer(self, caches, length)
 
     def shift(self, caches: Sequence[LayerCache], start, count) -> None:
         """Discard the tokens of indices ``start`` to ``start + count - 1`` in every layer's
-        cache and move the later ones down (a context shift, contract section 8.4); with a
-        tuple each, row b's ``start[b]`` and ``count[b]`` (a shift per row). Checks the caches
-        and the span before touching any layer; a window layer may refuse where the next
-        query needs a row it was not bound to keep, the widest asked first."""
-        if is_row_shift(start, count):
-            start, count = checked_row_shift(self, caches, start, count)
-        else:
-            held = check_caches(self, caches, batch=None)
-            check_offered(caches, "shift")
-            check_shift(held, start, count)
-        for layer in self.widest_window_first():
-            caches[layer].shift(start, count)
+        cache, or per row with a tuple each, checked before any layer is touched (a context
+        shift, contract section 8.4: ``kvref.layer_caches.shift_every_layer``)."""
+        shift_every_layer(self, caches, start, count)
 
     def widest_window_first(self) -> list[int]:
-        """The layers, widest window first and global layers last: a window layer that must
-        refuse a rollback or a shift then refuses before any layer changed (layers of one
-        window keep the same positions, and a global layer never needs to refuse)."""
-        windows = [self.config.layer_window(layer) for layer in range(self.config.num_layers)]
-        return sorted(
-            self.config.cache_layers,
-            key=lambda layer: (windows[layer] is None, -(windows[layer] or 0)),
-        )
+        """The layers with a cache of their own, widest window first and global layers last
+        (``kvref.layer_caches.widest_window_first``)."""
+        return widest_window_first(self.config)
 
     def reorder(self, caches: Sequence[LayerCache], indices: Tensor) -> None:
-        """Batch row b of every layer's cache becomes the old row ``indices[b]`` (beam
-        search). Checks the caches and ``indices`` before touching any layer."""
-        check_caches(self, caches, batch=None)
-        check_offered(caches, "reorder")
-        if not isinstance(indices, Tensor):
-            raise TypeError(
-                f"reorder: indices must be a torch.Tensor, got {type(indices).__name__}"
-            )
-        # The batch a cache's spec says, else the one the indices imply.
-        specs = [getattr(caches[layer], "spec", None) for layer in self.config.cache_layers]
-        batches = {spec.batch for spec in specs if isinstance(spec, CacheSpec)}
-        batch = batches.pop() if len(batches) == 1 else indices.numel()
-        check_reorder(self.cache_spec(batch, 1), indices)
-        for layer in self.config.cache_layers:
-            caches[layer].reorder(indices)
+        """Batch row b of every layer's cache becomes the old row ``indices[b]``, checked
+        before any layer is touched (beam search: ``kvref.layer_caches.reorder_every_layer``)."""
+        reorder_every_layer(self, caches, indices)
 
     @torch.no_grad()
     def forward_with_kv(
