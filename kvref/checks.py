@@ -79,6 +79,7 @@ def check_append(
 
 
 def same_device(actual: torch.device, wanted: torch.device) -> bool:
+    """Whether a tensor on ``actual`` is on the device a spec names, ``wanted``."""
     # A spec that says "cuda" accepts "cuda:0"; one that says "cuda:1" does not.
     return actual.type == wanted.type and wanted.index in (None, actual.index)
 
