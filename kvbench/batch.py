@@ -13,7 +13,7 @@ from torch import Tensor
 from kvbench.bench import PREFILL_CHUNK, Bench, formula_bytes
 from kvbench.timing import spread_ms, take_turns
 from kvref import CacheFactory, LayerCache
-from kvref.protocol import row_slots
+from kvref.rows import row_slots
 
 
 @dataclass

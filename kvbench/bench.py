@@ -14,7 +14,8 @@ import kvimpl
 from kvbench import timing
 from kvbench.workload import Workload
 from kvref import CacheFactory, LayerCache, ReferenceTransformer, min_nbytes
-from kvref.protocol import keys_stored, storage
+from kvref.protocol import keys_stored
+from kvref.quantized import storage
 
 PREFILL_CHUNK = 64  # tokens per append when a cache is filled before a timed step
 

@@ -32,7 +32,7 @@ from kvbench.workload import COMPRESSED, FULL_PRECISION, GQA, MLA
 from kvcheck import asserts as kvassert
 from kvcheck.asserts import coarser
 from kvref import CacheFactory, LayerCache
-from kvref.protocol import storage
+from kvref.quantized import storage
 
 
 @dataclass

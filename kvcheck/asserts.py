@@ -27,7 +27,9 @@ from kvcheck.failures import (
     set_root,
 )
 from kvcheck.strategies import as_values, random_rows
-from kvref.protocol import Quantized, _same_device, rows_needed
+from kvref.checks import same_device
+from kvref.protocol import rows_needed
+from kvref.quantized import Quantized
 
 # float64 and float32 are exact enough for a fixed tolerance: float64 tight.
 TOLERANCES = {
@@ -473,7 +475,8 @@ LOSSY_CAPABILITIES = {
 def lossy_capabilities(cache: object) -> set[str]:
     """Which of ``LOSSY_CAPABILITIES`` the storage ``cache`` declares (none where its
     declaration is bad: the kit's checks say so where they read it)."""
-    from kvref.protocol import CacheContractError, storage
+    from kvref.protocol import CacheContractError
+    from kvref.quantized import storage
 
     try:
         parts = [part for part in storage(cache) if part is not None]
@@ -771,7 +774,7 @@ def row_changes(
         return [f"{name}: returned {describe_argument(got)}, not a 4-D tensor"]
     width = spec.value_width if name == "values" else spec.head_dim
     bhd, want = got.shape[:2] + got.shape[3:], (spec.batch, spec.kv_heads, width)
-    if tuple(bhd) != want or not _same_device(got.device, torch.device(spec.device)):
+    if tuple(bhd) != want or not same_device(got.device, torch.device(spec.device)):
         return [
             f"{name}: returned shaped {tuple(got.shape)} on {got.device}: (B, H_kv, D) "
             f"{tuple(bhd)}, was {want} on {spec.device}"

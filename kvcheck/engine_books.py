@@ -24,7 +24,8 @@ from torch import Tensor
 
 from kvref import ReferenceTransformer
 from kvref.engine import Step
-from kvref.model import attention, rerotate
+from kvref.model import attention
+from kvref.rope import rerotate
 
 
 class _Rows:

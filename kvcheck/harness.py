@@ -40,16 +40,11 @@ from kvref import (
     attention,
     capabilities,
 )
-from kvref.model import shifted_rows
-from kvref.protocol import (
-    Quantized,
-    is_row_shift,
-    kept_rows,
-    keys_stored,
-    row_slots,
-    rows_needed,
-    storage,
-)
+from kvref.checks import is_row_shift
+from kvref.protocol import kept_rows, keys_stored, rows_needed
+from kvref.quantized import Quantized, storage
+from kvref.rows import row_slots
+from kvref.shift_oracle import shifted_rows
 
 PATHS = ("append", "attend")
 

@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from kvref import CacheFactory, CacheRows, CacheSpec, check_append, check_import
-from kvref.protocol import keys_stored, no_rows
+from kvref.moves import no_rows
+from kvref.protocol import keys_stored
 
 REFERENCE = "the reference"
 THE_CACHE = "the cache"

@@ -50,8 +50,10 @@ from kvref import (
     may_refuse_shift,
     may_refuse_truncate,
 )
-from kvref.model import HeldRows, rows_laid_out, shifted_rows
-from kvref.protocol import Quantized, is_count, kept_rows, keys_stored, row_slots, rows_needed
+from kvref.protocol import is_count, kept_rows, keys_stored, rows_needed
+from kvref.quantized import Quantized
+from kvref.rows import row_slots, rows_laid_out
+from kvref.shift_oracle import HeldRows, shifted_rows
 
 
 @dataclass

@@ -36,7 +36,7 @@ from kvref import (
     attention,
     shard_heads,
 )
-from kvref.protocol import capabilities
+from kvref.capabilities import capabilities
 
 POOL_BLOCKS = 4096  # each rank's pool, where the factory is a kvref.BlockPool
 

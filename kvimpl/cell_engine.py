@@ -40,7 +40,8 @@ import torch
 from torch import Tensor
 
 from kvref.engine import EngineSpec, Step
-from kvref.model import ReferenceTransformer, apply_rope, rerotate
+from kvref.model import ReferenceTransformer
+from kvref.rope import apply_rope, rerotate
 
 
 class CellEngine:

@@ -20,7 +20,8 @@ from torch import Tensor
 from kvimpl.blockwise import attend_blocks
 from kvimpl.movable import MovableMixin
 from kvimpl.tree import TreeDraftsMixin
-from kvref.protocol import CacheSpec, check_append, check_attend, check_reorder, check_truncate
+from kvref.checks import check_append, check_attend, check_reorder, check_truncate
+from kvref.protocol import CacheSpec
 
 DEFAULT_CHUNK_SIZE = 16
 

@@ -7,7 +7,8 @@ import torch
 from torch import Tensor
 
 from kvimpl.movable import MovableMixin
-from kvref.protocol import CacheSpec, check_append, check_reorder, check_truncate
+from kvref.checks import check_append, check_reorder, check_truncate
+from kvref.protocol import CacheSpec
 
 
 class ConcatCache(MovableMixin):

@@ -71,7 +71,8 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from kvref.protocol import CacheSpec, Quantized
+from kvref.protocol import CacheSpec
+from kvref.quantized import Quantized
 
 TESTED_WITH = {"transformers": "5.24.0", "optimum-quanto": "0.2.7", "hqq": "0.2.8.post1"}
 TRANSFORMERS_VERSION = transformers.__version__

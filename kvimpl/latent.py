@@ -24,14 +24,14 @@ from torch import Tensor
 
 from kvimpl.movable import MovableMixin
 from kvimpl.streaming import grouped_softmax_attention
-from kvref.protocol import (
-    CacheSpec,
+from kvref.checks import (
     check_append,
     check_attend,
     check_attend_latent,
     check_reorder,
     check_truncate,
 )
+from kvref.protocol import CacheSpec
 
 
 class LatentCache(MovableMixin):

@@ -33,7 +33,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kvref.protocol import CacheRows, CacheSpec, check_import, no_rows
+from kvref.checks import check_import
+from kvref.moves import CacheRows, no_rows
+from kvref.protocol import CacheSpec
 
 
 class MovableMixin:

@@ -82,15 +82,15 @@ from kvimpl.movable import MovableMixin
 from kvimpl.prefix_index import BlockHash, Prefix, PrefixIndex
 from kvimpl.rows import RowBook
 from kvimpl.tree import TreeDraftsMixin
-from kvref.protocol import (
-    CacheRows,
-    CacheSpec,
+from kvref.checks import (
     check_append,
     check_append_rows,
     check_attend,
     check_reorder,
     check_truncate,
 )
+from kvref.moves import CacheRows
+from kvref.protocol import CacheSpec
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_NUM_BLOCKS = 2**20  # only what is used is allocated; the suite never comes near it

@@ -21,9 +21,7 @@ from torch import Tensor
 
 from kvimpl.movable import MovableMixin
 from kvimpl.rows import RowBook
-from kvref.model import rerotate
-from kvref.protocol import (
-    CacheSpec,
+from kvref.checks import (
     check_append,
     check_append_rows,
     check_reorder,
@@ -32,6 +30,8 @@ from kvref.protocol import (
     check_truncate,
     is_row_shift,
 )
+from kvref.protocol import CacheSpec
+from kvref.rope import rerotate
 
 
 class PreallocatedCache(RowBook, MovableMixin):  # RowBook's _movable first

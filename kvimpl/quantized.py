@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvref.protocol import CacheSpec, Quantized, check_append, check_reorder, check_truncate
+from kvref.checks import check_append, check_reorder, check_truncate
+from kvref.protocol import CacheSpec
+from kvref.quantized import Quantized
 
 BITS = 8
 LEVELS = 2**BITS - 1

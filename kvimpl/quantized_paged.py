@@ -34,7 +34,8 @@ from torch import Tensor
 
 from kvimpl.paged import PagedCache, PagedPool, _Group
 from kvimpl.quantized import BITS, dequantize, quantize
-from kvref.protocol import CacheSpec, Quantized
+from kvref.protocol import CacheSpec
+from kvref.quantized import Quantized
 
 SCALES = 4  # per token and head: the key's scale and zero point, the value's
 

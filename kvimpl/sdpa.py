@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvimpl.preallocated import PreallocatedCache
-from kvref.protocol import check_attend
+from kvref.checks import check_attend
 
 FUSED = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
 # Head widths the fused CUDA kernels take, of those the kit draws: multiples of 8 to 256.

@@ -36,14 +36,8 @@ import torch
 from torch import Tensor
 
 from kvimpl.movable import RecentRunMixin
-from kvref.protocol import (
-    CacheSpec,
-    check_append,
-    check_attend,
-    check_reorder,
-    check_truncate,
-    kept_rows,
-)
+from kvref.checks import check_append, check_attend, check_reorder, check_truncate
+from kvref.protocol import CacheSpec, kept_rows
 
 
 class StreamingCache(RecentRunMixin):

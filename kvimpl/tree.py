@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from kvref.protocol import check_accepted, check_tree, row_slots
+from kvref.checks import check_accepted, check_tree
+from kvref.rows import row_slots
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from kvimpl.movable import RecentRunMixin
-from kvref.protocol import CacheSpec, check_append, check_reorder, check_truncate
+from kvref.checks import check_append, check_reorder, check_truncate
+from kvref.protocol import CacheSpec
 
 
 class WindowCache(RecentRunMixin):

@@ -1,32 +1,24 @@
-"""The reference transformer and the public key/value cache protocol."""
+"""The reference transformer and the public key/value cache protocol.
 
-from kvref.engine import (
-    EngineFactory,
-    EngineSpec,
-    SequenceEngine,
-    Step,
-    engine_capabilities,
-)
-from kvref.model import ModelConfig, ReferenceTransformer, attention, rerotate
-from kvref.protocol import (
+Every public name is importable from here (``from kvref import CacheSpec``). The protocol's
+core is ``kvref.protocol``, the optional capabilities ``kvref.capabilities``, the argument
+checks offered to implementers ``kvref.checks``; the reference model is ``kvref.model``, the
+engine-level contract ``kvref.engine``.
+"""
+
+from kvref.capabilities import (
     Attending,
-    BlockPool,
-    BlockTables,
-    CacheContractError,
-    CacheFactory,
-    CacheRows,
-    CacheSpec,
     Forkable,
-    LayerCache,
     Movable,
     Offloadable,
-    PrefixCaching,
-    Quantized,
     Reorderable,
-    Shard,
     TreeDrafts,
     Truncatable,
     capabilities,
+    may_refuse_shift,
+    may_refuse_truncate,
+)
+from kvref.checks import (
     check_accepted,
     check_append,
     check_append_rows,
@@ -38,12 +30,22 @@ from kvref.protocol import (
     check_shift_rows,
     check_tree,
     check_truncate,
-    may_refuse_shift,
-    may_refuse_truncate,
-    min_nbytes,
-    shard_heads,
-    storage,
 )
+from kvref.engine import (
+    EngineFactory,
+    EngineSpec,
+    SequenceEngine,
+    Step,
+    engine_capabilities,
+)
+from kvref.memory import min_nbytes
+from kvref.model import ModelConfig, ReferenceTransformer, attention
+from kvref.moves import CacheRows
+from kvref.pools import BlockPool, BlockTables, PrefixCaching
+from kvref.protocol import CacheContractError, CacheFactory, CacheSpec, LayerCache, Shard
+from kvref.quantized import Quantized, storage
+from kvref.rope import rerotate
+from kvref.shards import shard_heads
 
 __all__ = [
     "Attending",

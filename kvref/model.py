@@ -12,6 +12,14 @@ a chunk of several new tokens on a warm cache is masked correctly. ``forward_row
 each batch row new tokens of its own count, and ``forward_tree`` verifies a tree of draft
 tokens in one call, each node seeing the committed tokens, its ancestors and itself alone
 (speculative decoding).
+
+This module holds the math a reader reads once, in nanoGPT's order: the config, the norm,
+attention, the block and the model. What each call leans on lives beside it, one idea per
+module: rotary embeddings (``kvref.rope``), the guards on what the model is handed and what
+caches return (``kvref.guards``), rows of their own and their varlen attention
+(``kvref.rows``, ``kvref.varlen``), draft trees (``kvref.tree``), latent attention
+(``kvref.latent``), layers that read another's cache (``kvref.shared``) and the oracle of a
+context shift (``kvref.shift_oracle``).
 """
 
 from __future__ import annotations
@@ -26,27 +34,42 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kvref.checks import (
+    check_counts,
+    check_tree,
+)
+from kvref.guards import (
+    check_caches,
+    check_offered,
+    check_output,
+    check_returned_row_batch,
+    check_returned_rows,
+    check_row_caches,
+    check_token_ids,
+    checked_positions,
+    first_position,
+)
+from kvref.latent import cache_latent_attention, latent_attention
+from kvref.layer_caches import (
+    reorder_every_layer,
+    shift_every_layer,
+    truncate_every_layer,
+    widest_window_first,
+)
 from kvref.protocol import (
     KEYS_STORED,
-    CacheContractError,
     CacheFactory,
     CacheSpec,
     LayerCache,
-    check_counts,
-    check_reorder,
-    check_shift,
-    check_shift_rows,
-    check_tree,
-    check_truncate,
     is_count,
-    is_row_shift,
     kept_rows,
     keys_stored,
-    row_slots,
-    rows_needed,
-    shifts_per_row,
-    tree_depths,
 )
+from kvref.rope import apply_rope
+from kvref.rows import RowBatch, row_positions, row_slots
+from kvref.shared import SharedReader, SharedRows, caches_as_handed, is_cached
+from kvref.tree import TreeBatch, tree_depths, tree_mask, tree_paths
+from kvref.varlen import rotating_keys, varlen_attention
 
 
 @dataclass(frozen=True)
@@ -226,106 +249,29 @@ class ModelConfig:
         return self.num_heads * self.head_dim
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, base: float, dtype: torch.dtype):
-    """cos and sin of the rotation angles, each shaped (T, head_dim // 2): rows of a table
-    of every position below a power of two (``rope_table``), or computed for these positions
-    alone where they reach past ``ROPE_TABLE_POSITIONS``."""
-    low, high = (int(end) for end in positions.aminmax())
-    if low < 0 or high >= ROPE_TABLE_POSITIONS:
-        return rope_angles_cos_sin(positions, head_dim, base, dtype)
-    rows = max(64, 1 << high.bit_length())
-    cos, sin = rope_table(rows, head_dim, base, dtype, positions.device)
-    return cos[positions], sin[positions]
+def at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half precision, else ``dtype``: half-precision models take norms in
+    float32, as real ones do (attention, in float64: ``attention``). It also keeps their
+    results independent of how many tokens a call holds (torch's half-precision rsqrt and exp
+    take other paths for other sizes), so that a cached run differs from an uncached one only
+    by what its cache did; and torch's half-precision matmuls on the CPU are slow."""
+    return torch.promote_types(dtype, torch.float32)
 
 
-# A model's step recomputed cos and sin for every position, a fifth of a small model's step;
-# a table per width, base, dtype and device serves every step, and a position's rotation is
-# then one value whichever call computes it. Positions from this one on are computed per call
-# (a table of them takes 16 MiB at head_dim 256 in float64, and a worker may keep dozens).
-ROPE_TABLE_POSITIONS = 1 << 13
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        wide = x.to(at_least_float32(x.dtype))
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
 
 
-@functools.lru_cache(maxsize=64)
-def rope_table(rows: int, head_dim: int, base: float, dtype: torch.dtype, device: torch.device):
-    """``rope_angles_cos_sin`` of positions 0 to ``rows`` - 1."""
-    with torch.inference_mode(False), torch.no_grad():  # a plain tensor, whoever asks first
-        positions = torch.arange(rows, device=device)
-        return rope_angles_cos_sin(positions, head_dim, base, dtype)
-
-
-def rope_angles_cos_sin(positions: Tensor, head_dim: int, base: float, dtype: torch.dtype):
-    """cos and sin of the rotation angles of ``positions``, computed in float64."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
-    inverse_frequencies = base ** (-exponents / head_dim)
-    angles = positions.to(torch.float64)[..., None] * inverse_frequencies
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x: Tensor, positions: Tensor, base: float) -> Tensor:
-    """Rotate x (B, H, T, head_dim) by its absolute positions, (T,) shared by every batch row
-    or (B, T) a row's own; channel i pairs with i + D/2."""
-    cos, sin = rope_cos_sin(positions, x.shape[-1], base, x.dtype)
-    if positions.ndim == 2:  # per row: broadcast over the heads
-        cos, sin = cos[:, None], sin[:, None]
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
-
-
-def rerotate(keys: Tensor, delta: int, base: float) -> Tensor:
-    """``keys`` (..., T, head_dim), rotated at their positions, rotated on by ``delta``
-    positions (negative: back), computed in float64 and rounded once into their dtype: RoPE's
-    rotations add, so a key rotated at p becomes the key rotated at p + delta (contract,
-    section 8.4: a context shift moves the keys after the span it discards)."""
-    if not keys.shape[-2]:
-        return keys.clone()
-    wide = torch.float32 if keys.device.type == "mps" else torch.float64  # MPS: no float64
-    positions = torch.full((keys.shape[-2],), delta, device=keys.device)
-    return apply_rope(keys.to(wide), positions, base).to(keys.dtype)
-
-
-def shifted_rows(
-    keys: Tensor, values: Tensor, start: int, count: int, base: float, stored: str = "rotated"
-) -> tuple[Tensor, Tensor]:
-    """What a cache holding ``keys`` and ``values`` (B, H_kv, rows, D) should hold after
-    ``shift(start, count)``: the span gone, the keys after it rotated back by ``count``
-    positions (``rerotate``; kept as they are where they are ``stored`` "unrotated"), the
-    values moved as they are."""
-    after = slice(start + count, None)
-    moved = keys[:, :, after]
-    if stored == "rotated":
-        moved = rerotate(moved, -count, base)
-    return (
-        torch.cat((keys[:, :, :start], moved), dim=2),
-        torch.cat((values[:, :, :start], values[:, :, after]), dim=2),
-    )
-
-
-class HeldRows:
-    """A trusted cache that starts out holding given rows, every layer its own: the oracle
-    after a context shift (contract, section 8.4), where what a cache should hold is no
-    uncached pass's. It keeps every row (the model's mask applies a window)."""
-
-    def __init__(
-        self, keys: Tensor, values: Tensor, first_position: int = 0, keys_stored="rotated"
-    ) -> None:
-        self.keys, self.values, self.first_position = keys, values, first_position
-        self.keys_stored = keys_stored  # as the cache under test keeps them
-
-    @property
-    def length(self) -> int:
-        return self.keys.shape[2]
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
-
-    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        self.keys = torch.cat((self.keys, key), dim=2)
-        self.values = torch.cat((self.values, value), dim=2)
-        return self.keys, self.values
-
-    def reset(self) -> None:
-        self.keys, self.values = self.keys[:, :, :0], self.values[:, :, :0]
+# The dtypes whose attention the reference computes in float64 (see ``attention``).
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def causal_mask(
@@ -413,302 +359,6 @@ def attention(
     return (weights[..., None, :] @ seen_values).squeeze(-2).to(query.dtype)
 
 
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def varlen_attention(
-    attend,
-    query: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    query_positions: Tensor,
-    key_positions: Tensor,
-    *args,
-    valid: Tensor,
-    sink_end: int | Tensor | None = None,
-    sink_query: Tensor | None = None,
-    **kwargs,
-) -> Tensor:
-    """``attend`` (``attention``, or MLA's over latents) as a varlen kernel computes it
-    (flash-attn's ``cu_seqlens``, contract section 8.2): batch row b over only the rows
-    ``valid[b]`` marks, (B, rows), taken as a slice where they are one run (right or left
-    padding) and gathered where they are not, the other slots never read. The result of
-    ``attend(..., valid=valid)``, the dense masked path, within rounding (the sums run over
-    fewer terms), at each row's own cost: the dense path attends every row over the longest
-    row's slots. A row with no valid rows takes the dense path: its queries see no key (nan).
-    ``sink_end`` (B,) and ``sink_query`` are split by row with the rest."""
-    per_row = []
-    for row in range(query.shape[0]):
-        one = slice(row, row + 1)
-        own = {"sink_query": None if sink_query is None else sink_query[one], **kwargs}
-        per_row_sinks = isinstance(sink_end, Tensor) and sink_end.ndim
-        own["sink_end"] = sink_end[one] if per_row_sinks else sink_end
-        slots = valid_slots(valid[row])
-        if slots is None:
-            slots, own["valid"] = slice(None), valid[one]
-        keys_seen, values_seen = keys[one, :, slots], values[one, :, slots]
-        seen_at = (query_positions[one], key_positions[one, slots])
-        per_row.append(attend(query[one], keys_seen, values_seen, *seen_at, *args, **own))
-    return torch.cat(per_row)
-
-
-def rotating_keys(attend, base: float, query: Tensor, keys: Tensor, *args, **kwargs) -> Tensor:
-    """``attend`` over ``keys`` kept unrotated (section 8.4), rotated first at
-    ``key_positions``: on the varlen path, each row's own rows alone, not its pads."""
-    values, query_positions, key_positions, *rest = args
-    rotated = apply_rope(keys, key_positions.clamp(min=0), base)  # a pad's position is any
-    return attend(query, rotated, values, query_positions, key_positions, *rest, **kwargs)
-
-
-def valid_slots(valid: Tensor) -> slice | Tensor | None:
-    """The slots ``valid`` (rows,) marks: a slice where they are one run (a view, no copy),
-    else their indices; None where there are none."""
-    slots = valid.nonzero().flatten()
-    if not slots.numel():
-        return None
-    first, last = int(slots[0]), int(slots[-1])
-    return slice(first, last + 1) if last - first + 1 == slots.numel() else slots
-
-
-def latent_attention(
-    layer: Attention,
-    path: str,
-    q: Tensor,
-    rope_keys: Tensor,
-    latents: Tensor,
-    *args,
-    sink_query: Tensor | None = None,
-    **kwargs,
-) -> Tensor:
-    """MLA (contract, section 10.2): ``q`` (B, H, T, nope + rope, its rope channels rotated)
-    over the rows an MLA layer caches, ``rope_keys`` (B, 1, rows, rope) and ``latents`` (B, 1,
-    rows, latent), on ``path``; the rest as ``attention`` takes it. Computed in float64 (MPS:
-    float32), so that the two paths, which sum in other orders, round to one result in the
-    model's dtype (they agree to some 1e-15 before that)."""
-    wide = torch.float32 if q.device.type == "mps" else torch.float64
-    c = layer.config
-    up_key = layer.up_key.weight.to(wide).view(c.num_heads, c.nope_dim, c.latent_dim)
-    up_value = layer.up_value.weight.to(wide).view(c.num_heads, c.head_dim, c.latent_dim)
-    query, rope_keys, latents = q.to(wide), rope_keys.to(wide), latents.to(wide)
-    sink_query = None if sink_query is None else sink_query.to(wide)
-    attend = naive_attention if path == "naive" else absorbed_attention
-    mixed = attend(
-        query, rope_keys, latents, up_key, up_value, *args, sink_query=sink_query, **kwargs
-    )
-    return mixed.to(q.dtype)
-
-
-def naive_attention(query, rope_keys, latents, up_key, up_value, *args, **kwargs) -> Tensor:
-    """MLA's naive path: each head's keys, its up-projected latent channels beside the rope
-    key, and its values up-projected from the latents, then ``attention`` per head."""
-    heads = up_key.shape[0]
-    keys = torch.einsum("bxrc,hnc->bhrn", latents, up_key)  # x: the one cached "head"
-    keys = torch.cat((keys, rope_keys.expand(-1, heads, -1, -1)), dim=-1)
-    values = torch.einsum("bxrc,hdc->bhrd", latents, up_value)
-    return attention(query, keys, values, *args, **kwargs)
-
-
-def absorbed_attention(query, rope_keys, latents, up_key, up_value, *args, **kwargs) -> Tensor:
-    """MLA's absorbed path (what decode kernels take): each head's no-rope query folded into
-    the latent space (q W_UK), scores over the latents and the rope keys side by side, the
-    latents summed as values, and the head's value projection applied to the sum."""
-    nope = up_key.shape[1]
-
-    def absorbed(q: Tensor | None) -> Tensor | None:
-        if q is None:
-            return None
-        folded = torch.einsum("bhtn,hnc->bhtc", q[..., :nope], up_key)
-        return torch.cat((folded, q[..., nope:]), dim=-1)
-
-    kwargs["sink_query"] = absorbed(kwargs.get("sink_query"))
-    keys = torch.cat((latents, rope_keys), dim=-1)
-    scale = 1 / math.sqrt(query.shape[-1])  # the scores' width: nope + rope
-    mixed = attention(absorbed(query), keys, latents, *args, scale=scale, **kwargs)
-    return torch.einsum("bhtc,hdc->bhtd", mixed, up_value)
-
-
-class SharedRows:
-    """A layer's cache as the model hands it to that layer where later layers read it
-    (contract, section 10.3): appends (``append``, ``append_rows``, ``append_tree``) pass
-    through, and what the call returned is kept for this step's readers, the very tensors
-    (rule 2 keeps them valid until the cache's next call), with the length, or each row's,
-    the cache held before it. In an uncached pass there is no cache, and the rows are the
-    pass's own keys and values."""
-
-    def __init__(self, cache: LayerCache | None) -> None:
-        self.cache = cache
-        self.before = 0  # the cache's length before this step's append
-        self.rows_before: tuple[int, ...] = ()  # each row's, before this step's append_rows
-        self.rows: tuple[Tensor, ...] | None = None
-
-    @property
-    def keys_stored(self) -> str:
-        return "rotated" if self.cache is None else keys_stored(self.cache)
-
-    @property
-    def length(self) -> int:
-        return 0 if self.cache is None else self.cache.length
-
-    @property
-    def offset(self) -> int:
-        """Where a reader's queries start, after the session's first position: at the
-        positions this step's new rows were given, the length before the append."""
-        return self.before
-
-    @property
-    def row_offsets(self) -> tuple[int, ...]:
-        """Where each row's reader queries start, after that row's first position: at the
-        positions this step's new rows were given, the row lengths before ``append_rows``."""
-        return self.rows_before
-
-    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        self.before = self.length
-        self.rows = (key, value) if self.cache is None else self.cache.append(key, value)
-        return self.rows
-
-    def append_rows(self, key: Tensor, value: Tensor, counts) -> tuple[Tensor, Tensor, Tensor]:
-        self.rows_before = tuple(self.cache.row_lengths)
-        self.rows = self.cache.append_rows(key, value, counts)
-        return self.rows
-
-    def append_tree(self, key: Tensor, value: Tensor, parents) -> tuple[Tensor, Tensor]:
-        self.before = self.length
-        self.rows = self.cache.append_tree(key, value, parents)
-        return self.rows
-
-
-class SharedReader:
-    """What a layer that reads another's cache is handed in its place: appends nothing, and
-    gets back the rows its source's append of this step returned (rule 2 keeps them valid
-    until the source's next call, which comes after every reader)."""
-
-    def __init__(self, shared: SharedRows) -> None:
-        self.shared = shared
-
-    @property
-    def keys_stored(self) -> str:
-        return self.shared.keys_stored
-
-    @property
-    def length(self) -> int:
-        return self.shared.before
-
-    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        return self.shared.rows
-
-    def append_rows(self, key: Tensor, value: Tensor, counts) -> tuple[Tensor, Tensor, Tensor]:
-        return self.shared.rows  # the source's keys, values and valid, each row masked by its own
-
-    def append_tree(self, key: Tensor, value: Tensor, parents) -> tuple[Tensor, Tensor]:
-        return self.shared.rows
-
-    def row_positions(self, firsts: Sequence[int], real: Tensor) -> Tensor:
-        """(B, T) positions of this reader's queries in ``forward_rows``: row b's from its
-        first position plus its source's row length before this step's ``append_rows``."""
-        offsets = self.shared.row_offsets
-        starts = [first + offset for first, offset in zip(firsts, offsets, strict=True)]
-        return row_positions(torch.tensor(starts, device=real.device), real)
-
-    def tree_positions(self, first: int, depths: Tensor) -> Tensor:
-        """(T,) positions of this reader's draft nodes: node i at its source's length before
-        ``append_tree`` plus its depth, as the source's node i."""
-        return first + self.shared.offset + depths
-
-    def tree_batch(self, tree: TreeBatch) -> TreeBatch:
-        """The draft as this reader verifies it: its source's, under the same tree mask (a
-        sibling seen would leak another branch into a node's logits)."""
-        return tree
-
-
-def is_cached(cache: object) -> bool:
-    """Whether the rows a layer attends over come from a cache (not an uncached pass)."""
-    if isinstance(cache, SharedReader):
-        cache = cache.shared
-    return cache is not None and not (isinstance(cache, SharedRows) and cache.cache is None)
-
-
-def at_least_float32(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half precision, else ``dtype``: half-precision models take norms in
-    float32, as real ones do (attention, in float64: ``attention``). It also keeps their
-    results independent of how many tokens a call holds (torch's half-precision rsqrt and exp
-    take other paths for other sizes), so that a cached run differs from an uncached one only
-    by what its cache did; and torch's half-precision matmuls on the CPU are slow."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, width: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(width))
-
-    def forward(self, x: Tensor) -> Tensor:
-        wide = x.to(at_least_float32(x.dtype))
-        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.weight
-
-
-def rows_laid_out(rows: Sequence[Tensor], padding: str, device=None) -> tuple[Tensor, list[int]]:
-    """Token ids for ``forward_rows``: row b's new tokens ``rows[b]`` (none allowed) in the
-    slots ``padding`` says, pads token 0; and the count per row."""
-    counts = [len(tokens) for tokens in rows]
-    width = max(1, *counts)
-    laid = torch.zeros(len(rows), width, dtype=torch.long, device=device)
-    for row, tokens in enumerate(rows):
-        laid[row, row_slots(padding, width, counts[row])] = tokens
-    return laid, counts
-
-
-def row_positions(starts: Tensor, real: Tensor) -> Tensor:
-    """(B, T) positions of a call of ``forward_rows``: a real slot's is its row's next one
-    (``starts``, (B,)) plus its index among the row's new tokens, wherever padding puts them;
-    a pad's is any (its keys are poisoned, its logits nan)."""
-    return (starts[:, None] + real.cumsum(dim=1) - 1).clamp(min=0)
-
-
-@dataclass(frozen=True)
-class RowBatch:
-    """How one call of ``ReferenceTransformer.forward_rows`` lays its rows out (contract,
-    section 8.1): row b brings ``counts[b]`` new tokens, in the slots ``real`` marks, after
-    the ``lengths[b]`` its caches hold from position ``firsts[b]``; pad slots carry ``pad``."""
-
-    counts: tuple[int, ...]
-    real: Tensor  # (B, T) booleans: the slots that hold a row's new tokens
-    lengths: tuple[int, ...]
-    firsts: tuple[int, ...]
-    pad: float
-
-
-def tree_paths(parents: Sequence[int]) -> tuple[tuple[int, ...], ...]:
-    """Each draft node's path (contract, section 9.2): its root, ..., its parent, itself."""
-    paths: list[tuple[int, ...]] = []
-    for node, parent in enumerate(parents):
-        paths.append((*(paths[parent] if parent >= 0 else ()), node))
-    return tuple(paths)
-
-
-def tree_mask(parents: Sequence[int], device=None) -> Tensor:
-    """(T, T) booleans: ``[i, j]`` where node j is node i or one of its ancestors, the only
-    draft nodes node i sees (section 9.2)."""
-    nodes = len(parents)
-    seen = torch.zeros(nodes, nodes, dtype=torch.bool, device=device)
-    for node, path in enumerate(tree_paths(parents)):
-        seen[node, list(path)] = True
-    return seen
-
-
-@dataclass(frozen=True)
-class TreeBatch:
-    """How one call of ``ReferenceTransformer.forward_tree`` lays its draft nodes out
-    (contract, section 9.2): node i's parent is ``parents[i]`` (-1: the last committed
-    token), after the ``held`` tokens the caches hold, and it sees the nodes ``seen[i]``
-    marks (``tree_mask``)."""
-
-    parents: tuple[int, ...]
-    held: int
-    seen: Tensor  # (T, T) booleans
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -770,21 +420,21 @@ class Attention(nn.Module):
         ):
             # The cache computes attention itself (a paged kernel, say): no rows come back.
             mixed = cache.attend(q, k, v)
-            self._check_attended(mixed, q)
+            check_output(self, mixed, q.shape, q.dtype, "attend", "a tensor shaped like the query")
         elif (
             stored == "rotated"
             and sink_query is None
             and c.attention == "mla"
             and callable(getattr(cache, "attend_latent", None))
         ):
-            mixed = self._attend_latent(q, k, v, cache)
+            mixed = cache_latent_attention(self, q, k, v, cache)
         else:
             # Rows, not positions: a cache's first position need not be 0 (section 8.3).
             before = 0 if cache is None else cache.length
             all_k, all_v = (k, v) if cache is None else cache.append(handed, v)
             if cache is not None:
-                self._check_returned_rows(
-                    all_k, all_v, batch, start=before, end=before + new_tokens
+                check_returned_rows(
+                    self, all_k, all_v, batch, start=before, end=before + new_tokens
                 )
             # The keys held are the sinks, then the most recent ones, ending at the last new
             # position (without a window and with caches: every one from the first position).
@@ -837,7 +487,7 @@ class Attention(nn.Module):
         if self.config.attention == "gqa":
             return attention(q, keys, values, *args, **kwargs)
         path = self.config.mla_path if cached else "naive"
-        return latent_attention(self, path, q, keys, values, *args, **kwargs)
+        return latent_attention(attention, self, path, q, keys, values, *args, **kwargs)
 
     def _attend_rows(
         self,
@@ -855,7 +505,7 @@ class Attention(nn.Module):
         all_k, all_v, valid = cache.append_rows(
             k.masked_fill(pads, rows.pad), v.masked_fill(pads, rows.pad), rows.counts
         )
-        held = self._check_returned_row_batch(all_k, all_v, valid, q.shape[0], rows)
+        held = check_returned_row_batch(self, all_k, all_v, valid, q.shape[0], rows)
         # A row's valid rows are its sinks, then its most recent ones, ending at its last new
         # position.
         firsts = torch.tensor(rows.firsts, device=q.device)
@@ -902,8 +552,14 @@ class Attention(nn.Module):
         (by position: causal, within the window) and its own ancestors and itself alone."""
         nodes = len(tree.parents)
         all_k, all_v = cache.append_tree(k, v, tree.parents)
-        self._check_returned_rows(
-            all_k, all_v, q.shape[0], start=tree.held, end=tree.held + nodes, call="append_tree"
+        check_returned_rows(
+            self,
+            all_k,
+            all_v,
+            q.shape[0],
+            start=tree.held,
+            end=tree.held + nodes,
+            call="append_tree",
         )
         # The rows returned: the sinks and a recent run of the committed ones, then every node.
         kept = torch.tensor(
@@ -926,133 +582,6 @@ class Attention(nn.Module):
             sink_query=sink_query,
             visible=visible,
         )
-
-    def _check_returned_row_batch(
-        self, keys: object, values: object, valid: object, batch: int, rows: RowBatch
-    ) -> Tensor:
-        """What append_rows returned: keys and values (B, H_kv, L, D), ``valid`` (B, L)
-        booleans marking, per row, all its rows (or with a window at least the last W - 1
-        before the new ones and the new ones); returns the count per row."""
-        c = self.config
-        shaped = (
-            isinstance(valid, Tensor)
-            and self._rows_shaped(keys, values, batch)
-            and valid.dtype == torch.bool
-            and valid.shape == (batch, keys.shape[2])
-            and keys.dtype == values.dtype == self.out.weight.dtype
-            and valid.device == keys.device
-        )
-        if not shaped:
-            got = [
-                f"{tuple(t.shape)} {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
-                for t in (keys, values, valid)
-            ]
-            raise CacheContractError(
-                f"layer {self.layer}: append_rows must return keys and values shaped ({batch}, "
-                f"{c.num_kv_heads}, rows, {self._widths}) in {self.out.weight.dtype} and valid "
-                f"booleans ({batch}, rows) on their device; it returned keys {got[0]}, values "
-                f"{got[1]} and valid {got[2]}"
-            )
-        held = valid.sum(dim=1)
-        for row, (length, count) in enumerate(zip(rows.lengths, rows.counts, strict=True)):
-            end = length + count
-            fewest = rows_needed(self.window, end, count, self.sinks)
-            if not fewest <= int(held[row]) <= end:
-                want = f"{end}" if fewest == end else f"{fewest} to {end}"
-                raise CacheContractError(
-                    f"layer {self.layer}: row {row} held {length} tokens and got {count} more "
-                    f"(its neighbours: {list(rows.lengths)} held, {list(rows.counts)} new), so "
-                    f"append_rows must mark {want} of its rows valid; it marked {int(held[row])}"
-                )
-        return held
-
-    def _attend_latent(self, q: Tensor, k: Tensor, v: Tensor, cache) -> Tensor:
-        """MLA's absorbed path computed by the cache (section 10.2): the no-rope query folded
-        into the latent space beside the rope channels, in the model's dtype; the weighted
-        latents the cache returns, up-projected per head in float64."""
-        c = self.config
-        wide = torch.float32 if q.device.type == "mps" else torch.float64
-        up_key = self.up_key.weight.to(wide).view(c.num_heads, c.nope_dim, c.latent_dim)
-        up_value = self.up_value.weight.to(wide).view(c.num_heads, c.head_dim, c.latent_dim)
-        nope, rope = q.split((c.nope_dim, c.rope_dim), dim=-1)
-        folded = torch.einsum("bhtn,hnc->bhtc", nope.to(wide), up_key).to(q.dtype)
-        query = torch.cat((folded, rope), dim=-1)
-        latents = cache.attend_latent(query, k, v, 1 / math.sqrt(c.query_width))
-        self._check_output(
-            latents, (*q.shape[:3], c.latent_dim), q.dtype, "attend_latent", "the weighted latents"
-        )
-        return torch.einsum("bhtc,hdc->bhtd", latents.to(wide), up_value).to(q.dtype)
-
-    def _check_attended(self, mixed: object, query: Tensor) -> None:
-        self._check_output(
-            mixed, query.shape, query.dtype, "attend", "a tensor shaped like the query"
-        )
-
-    def _check_output(
-        self, result: object, shape, dtype: torch.dtype, call: str, what: str
-    ) -> None:
-        """What a cache's own attention (``call``) returned is a tensor of ``shape`` in
-        ``dtype``; else a ``CacheContractError`` saying what it returned."""
-        if isinstance(result, Tensor) and result.shape == tuple(shape) and result.dtype == dtype:
-            return
-        got = (
-            f"{tuple(result.shape)} {result.dtype}"
-            if isinstance(result, Tensor)
-            else type(result).__name__
-        )
-        raise CacheContractError(
-            f"layer {self.layer}: {call} must return {what}, {tuple(shape)} in {dtype}; it "
-            f"returned {got}"
-        )
-
-    def _rows_shaped(self, keys: object, values: object, batch: int) -> bool:
-        """Keys and values of this layer, as many of each: (batch, kv_heads, rows, width), the
-        keys' width and the values' their own (in MLA, the rope key's and the latent's)."""
-        c = self.config
-        return (
-            isinstance(keys, Tensor)
-            and isinstance(values, Tensor)
-            and keys.ndim == values.ndim == 4
-            and keys.shape[:3] == values.shape[:3]
-            and keys.shape[:2] == (batch, c.num_kv_heads)
-            and (keys.shape[3], values.shape[3]) == (c.key_width, c.value_width)
-        )
-
-    @property
-    def _widths(self) -> str:
-        """The width of a returned row, for a message: head_dim, or in MLA the two widths."""
-        c = self.config
-        if c.key_width == c.value_width:
-            return str(c.key_width)
-        return f"{c.key_width} for keys and {c.value_width} for values"
-
-    def _check_returned_rows(
-        self,
-        keys: Tensor,
-        values: Tensor,
-        batch: int,
-        *,
-        start: int,
-        end: int,
-        call: str = "append",
-    ) -> None:
-        """What append (or ``call``) returned is a run of the most recent rows: all ``end`` of
-        them, or with a window at least the last W - 1 before the new ones and the new ones."""
-        c = self.config
-        new_tokens = end - start
-        fewest = rows_needed(self.window, end, new_tokens, self.sinks)
-        ok = self._rows_shaped(keys, values, batch) and fewest <= keys.shape[2] <= end
-        if not ok:
-            rows = f"{end}" if fewest == end else f"{fewest} to {end}"
-            window = "" if self.window is None else f" (window {self.window})"
-            if self.sinks:
-                window = f" (window {self.window} and {self.sinks} sinks)"
-            raise CacheContractError(
-                f"layer {self.layer}: the caches' length was {start} before this call, so "
-                f"after appending {new_tokens} tokens {call} must return {rows} rows{window}, "
-                f"shaped ({batch}, {c.num_kv_heads}, rows, {self._widths}); it returned keys "
-                f"{tuple(keys.shape)} and values {tuple(values.shape)}"
-            )
 
 
 class Block(nn.Module):
@@ -1180,11 +709,11 @@ class ReferenceTransformer(nn.Module):
         increasing ints, gaps allowed; the oracle of an engine whose memory operations leave
         a sequence's positions apart (contract, section 13).
         """
-        self._check_token_ids(token_ids)
+        check_token_ids(token_ids, self.config.vocab_size)
         if positions is not None:
             if caches is not None or start_position:
                 raise ValueError("positions is for uncached calls that set no start_position")
-            at = self._checked_positions(positions, token_ids.shape[1])
+            at = checked_positions(positions, token_ids.shape[1], self.device)
             logits, _ = self._run(token_ids, None, int(at[0]), int(at[0]), positions=at)
             return logits
         if isinstance(start_position, bool) or not isinstance(start_position, int):
@@ -1196,28 +725,11 @@ class ReferenceTransformer(nn.Module):
         elif start_position:
             raise ValueError("start_position is for uncached calls; caches set their own")
         else:
-            first = self._first_position(caches)
-            offset = self._check_caches(caches, batch=token_ids.shape[0]) + first
+            first = first_position(caches)
+            offset = check_caches(self, caches, batch=token_ids.shape[0]) + first
             start_position = first
         logits, _ = self._run(token_ids, caches, offset, start_position)
         return logits
-
-    @staticmethod
-    def _first_position(caches: Sequence[LayerCache]) -> int:
-        """Where the caches' first token sits (contract, section 8.3): their
-        ``first_position``, 0 for a cache without one; every layer and row the same."""
-        firsts = set()
-        for cache in caches:
-            if cache is None:  # a layer that reads another's cache
-                continue
-            first = getattr(cache, "first_position", 0)
-            firsts.update((first,) if isinstance(first, int) else tuple(first))
-        if len(firsts) > 1 or not all(is_count(first) for first in firsts):
-            raise CacheContractError(
-                f"the caches' first positions are {sorted(firsts, key=str)}: one int >= 0 for "
-                f"every layer and row is needed here (rows of their own: forward_rows)"
-            )
-        return firsts.pop() if firsts else 0
 
     @torch.no_grad()
     def forward_rows(
@@ -1236,9 +748,9 @@ class ReferenceTransformer(nn.Module):
         caches as ``pad``, so that a pad let into attention shows. A layer that reads another's
         cache (``kv_sources``) attends over what its source's ``append_rows`` returned, each
         row at its own positions (section 10.3)."""
-        self._check_token_ids(token_ids)
+        check_token_ids(token_ids, self.config.vocab_size)
         batch, new_tokens = token_ids.shape
-        lengths, firsts, padding = self._check_row_caches(caches, batch)
+        lengths, firsts, padding = check_row_caches(self, caches, batch)
         counts = check_counts(counts, batch, new_tokens)
         real = torch.zeros(batch, new_tokens, dtype=torch.bool, device=self.device)
         for row, count in enumerate(counts):
@@ -1247,60 +759,11 @@ class ReferenceTransformer(nn.Module):
         positions = row_positions(starts.to(self.device), real)
         rows = RowBatch(counts, real, lengths, firsts, pad)
         x = self.embedding(token_ids)
-        for cache, block in zip(self._shared_caches(caches), self.blocks, strict=True):
+        for cache, block in zip(caches_as_handed(self.config, caches), self.blocks, strict=True):
             at = cache.row_positions(firsts, real) if isinstance(cache, SharedReader) else positions
             x, _, _ = block(x, at, cache, rows)
         logits = self.final_norm(x) @ self.embedding.weight.T
         return logits.masked_fill(~real[..., None], float("nan"))
-
-    def _shared_caches(self, caches: Sequence[LayerCache | None]) -> list:
-        """Each layer's cache as its block is handed it (section 10.3): its own; wrapped in
-        ``SharedRows`` where later layers read it; for a reader, a ``SharedReader`` of its
-        source's in place of its None."""
-        c = self.config
-        read = {c.source_of(layer) for layer in range(c.num_layers)} - {None}
-        handed: list = []
-        for layer, cache in enumerate(caches):
-            source = c.source_of(layer)
-            if source is not None:
-                cache = SharedReader(handed[source])
-            elif layer in read:
-                cache = SharedRows(cache)
-            handed.append(cache)
-        return handed
-
-    def _check_row_caches(
-        self, caches: Sequence[LayerCache], batch: int
-    ) -> tuple[tuple[int, ...], tuple[int, ...], str]:
-        """Caches with per-row lengths, consistent across layers: their row lengths, first
-        positions and padding, checked before any is touched."""
-        # The batch from row_lengths, not a spec's: rows leave and join (select_rows, join).
-        self._check_caches(caches, batch=None)
-        self._check_offered(caches, "append_rows")
-        seen = []
-        for layer, cache in enumerate(caches):
-            if cache is None:  # a layer that reads another's cache (kv_sources)
-                continue
-            lengths = tuple(getattr(cache, "row_lengths", ()))
-            first = getattr(cache, "first_position", 0)
-            firsts = (first,) * batch if isinstance(first, int) else tuple(first)
-            padding = getattr(cache, "padding", "right")
-            problems = []
-            if len(lengths) != batch or not all(is_count(n) for n in lengths):
-                problems.append(f"row_lengths {lengths!r} is not {batch} ints >= 0")
-            if len(firsts) != batch or not all(is_count(n) for n in firsts):
-                problems.append(f"first_position {first!r} is not an int >= 0 or {batch} of them")
-            if padding not in ("left", "right"):
-                problems.append(f'padding {padding!r} is neither "left" nor "right"')
-            if problems:
-                raise CacheContractError(f"layer {layer}: {'; '.join(problems)}")
-            seen.append((lengths, firsts, padding))
-        if len(set(seen)) > 1:
-            raise CacheContractError(
-                "inconsistent layer caches: row lengths, first positions or padding differ "
-                f"by layer: {seen}"
-            )
-        return seen[0]
 
     @torch.no_grad()
     def forward_tree(
@@ -1313,16 +776,16 @@ class ReferenceTransformer(nn.Module):
         ancestors and itself, nothing else, so its logits are the uncached model's on the
         committed tokens and its path's (``forward_tree_uncached``). The caches then hold L + T
         rows until ``commit_tree``."""
-        self._check_token_ids(token_ids)
+        check_token_ids(token_ids, self.config.vocab_size)
         batch, nodes = token_ids.shape
         parents = check_tree(parents, nodes)
-        held = self._check_caches(caches, batch=batch)
-        self._check_offered(caches, "append_tree")
-        first = self._first_position(caches)
+        held = check_caches(self, caches, batch=batch)
+        check_offered(caches, "append_tree")
+        first = first_position(caches)
         depths = torch.tensor(tree_depths(parents), device=self.device)
         tree = TreeBatch(parents, held, tree_mask(parents, self.device))
         x = self.embedding(token_ids)
-        for cache, block in zip(self._shared_caches(caches), self.blocks, strict=True):
+        for cache, block in zip(caches_as_handed(self.config, caches), self.blocks, strict=True):
             at, drafted = first + held + depths, tree
             if isinstance(cache, SharedReader):  # at its source's nodes, under the same mask
                 at, drafted = cache.tree_positions(first, depths), cache.tree_batch(tree)
@@ -1338,7 +801,7 @@ class ReferenceTransformer(nn.Module):
         the tokens of node i's path (``tree_paths``), at its last position. One uncached pass
         over every leaf's path, the leaves side by side in one batch (right-padded: a causal
         model's earlier positions never see the padding)."""
-        self._check_token_ids(token_ids)
+        check_token_ids(token_ids, self.config.vocab_size)
         batch, nodes = token_ids.shape
         parents = check_tree(parents, nodes)
         paths = tree_paths(parents)
@@ -1357,84 +820,25 @@ class ReferenceTransformer(nn.Module):
         return by_node
 
     def truncate(self, caches: Sequence[LayerCache], length: int) -> None:
-        """Forget every token at position >= ``length`` in every layer's cache (speculative
-        decoding, regenerate). Checks the caches and ``length`` before touching any layer.
-
-        A window layer may refuse when it has dropped a position that the next query needs;
-        the widest windows are asked first, so that such a refusal comes before any layer
-        changed (layers of one window keep the same positions)."""
-        held = self._check_caches(caches, batch=None)
-        self._check_offered(caches, "truncate")
-        if isinstance(length, bool) or not isinstance(length, int):
-            raise TypeError(f"truncate: length must be an int, got {type(length).__name__}")
-        check_truncate(held, length)
-        for layer in self.widest_window_first():
-            caches[layer].truncate(length)
+        """Forget every token at position >= ``length`` in every layer's cache, checked
+        before any layer is touched (``kvref.layer_caches.truncate_every_layer``)."""
+        truncate_every_layer(self, caches, length)
 
     def shift(self, caches: Sequence[LayerCache], start, count) -> None:
         """Discard the tokens of indices ``start`` to ``start + count - 1`` in every layer's
-        cache and move the later ones down (a context shift, contract section 8.4); with a
-        tuple each, row b's ``start[b]`` and ``count[b]`` (a shift per row). Checks the caches
-        and the span before touching any layer; a window layer may refuse where the next
-        query needs a row it was not bound to keep, the widest asked first."""
-        if is_row_shift(start, count):
-            start, count = self._checked_row_shift(caches, start, count)
-        else:
-            held = self._check_caches(caches, batch=None)
-            self._check_offered(caches, "shift")
-            check_shift(held, start, count)
-        for layer in self.widest_window_first():
-            caches[layer].shift(start, count)
-
-    def _checked_row_shift(self, caches: Sequence[LayerCache], starts, counts):
-        """A shift per row's tuples, checked against every layer's rows (each declaring
-        ``shift_per_row``) before any is touched."""
-        self._check_offered(caches, "shift")
-        first = next((cache for cache in caches if cache is not None), None)
-        batch = len(getattr(first, "row_lengths", ()))
-        lengths, _, _ = self._check_row_caches(caches, batch)
-        for layer, cache in enumerate(caches):
-            if cache is not None and not shifts_per_row(cache):
-                raise CacheContractError(
-                    f"layer {layer}: {type(cache).__name__} declares no shift per row "
-                    f"(shift_per_row = True beside append_rows and shift, section 8.4)"
-                )
-        return check_shift_rows(lengths, starts, counts)
+        cache, or per row with a tuple each, checked before any layer is touched (a context
+        shift, contract section 8.4: ``kvref.layer_caches.shift_every_layer``)."""
+        shift_every_layer(self, caches, start, count)
 
     def widest_window_first(self) -> list[int]:
-        """The layers, widest window first and global layers last: a window layer that must
-        refuse a rollback or a shift then refuses before any layer changed (layers of one
-        window keep the same positions, and a global layer never needs to refuse)."""
-        windows = [self.config.layer_window(layer) for layer in range(self.config.num_layers)]
-        return sorted(
-            self.config.cache_layers,
-            key=lambda layer: (windows[layer] is None, -(windows[layer] or 0)),
-        )
+        """The layers with a cache of their own, widest window first and global layers last
+        (``kvref.layer_caches.widest_window_first``)."""
+        return widest_window_first(self.config)
 
     def reorder(self, caches: Sequence[LayerCache], indices: Tensor) -> None:
-        """Batch row b of every layer's cache becomes the old row ``indices[b]`` (beam
-        search). Checks the caches and ``indices`` before touching any layer."""
-        self._check_caches(caches, batch=None)
-        self._check_offered(caches, "reorder")
-        if not isinstance(indices, Tensor):
-            raise TypeError(
-                f"reorder: indices must be a torch.Tensor, got {type(indices).__name__}"
-            )
-        # The batch a cache's spec says, else the one the indices imply.
-        specs = [getattr(caches[layer], "spec", None) for layer in self.config.cache_layers]
-        batches = {spec.batch for spec in specs if isinstance(spec, CacheSpec)}
-        batch = batches.pop() if len(batches) == 1 else indices.numel()
-        check_reorder(self.cache_spec(batch, 1), indices)
-        for layer in self.config.cache_layers:
-            caches[layer].reorder(indices)
-
-    @staticmethod
-    def _check_offered(caches: Sequence[LayerCache], capability: str) -> None:
-        for layer, cache in enumerate(caches):
-            if cache is not None and not callable(getattr(cache, capability, None)):
-                raise CacheContractError(
-                    f"layer {layer}: {type(cache).__name__} offers no {capability}()"
-                )
+        """Batch row b of every layer's cache becomes the old row ``indices[b]``, checked
+        before any layer is touched (beam search: ``kvref.layer_caches.reorder_every_layer``)."""
+        reorder_every_layer(self, caches, indices)
 
     @torch.no_grad()
     def forward_with_kv(
@@ -1444,21 +848,12 @@ class ReferenceTransformer(nn.Module):
         kv_heads, T, head_dim), which is what a cache given ``token_ids`` must hold (from
         position ``start_position``): the keys rotated, or for a cache that keeps them
         ``keys`` "unrotated" (section 8.4), as they were before RoPE."""
-        self._check_token_ids(token_ids)
+        check_token_ids(token_ids, self.config.vocab_size)
         if not is_count(start_position):
             raise ValueError(f"start_position must be an int >= 0, got {start_position!r}")
         if keys not in KEYS_STORED:
             raise ValueError(f"keys must be one of {KEYS_STORED}, got {keys!r}")
         return self._run(token_ids, None, start_position, start_position, keys)
-
-    def _checked_positions(self, positions: object, tokens: int) -> Tensor:
-        if not isinstance(positions, Tensor) or positions.dtype != torch.long:
-            raise TypeError(f"positions must be a torch.long tensor, got {positions!r}")
-        if positions.shape != (tokens,):
-            raise ValueError(f"positions must be shaped ({tokens},), got {tuple(positions.shape)}")
-        if tokens and (int(positions[0]) < 0 or bool((positions.diff() <= 0).any())):
-            raise ValueError(f"positions must be increasing ints >= 0, got {positions.tolist()}")
-        return positions.to(self.device)
 
     def _run(
         self,
@@ -1494,92 +889,3 @@ class ReferenceTransformer(nn.Module):
             keys_and_values.append((k, v) if source is None else keys_and_values[source])
         logits = self.final_norm(x) @ self.embedding.weight.T  # tied output embedding
         return logits, keys_and_values
-
-    def _check_token_ids(self, token_ids: object) -> None:
-        if not isinstance(token_ids, Tensor):
-            raise TypeError(f"token_ids must be a torch.Tensor, got {type(token_ids).__name__}")
-        if token_ids.ndim != 2:
-            raise ValueError(
-                f"token_ids must have rank 2 (batch, T), got shape {tuple(token_ids.shape)}"
-            )
-        if token_ids.dtype not in (torch.int64, torch.int32):  # what nn.Embedding takes
-            raise ValueError(f"token_ids must have dtype int64 or int32, got {token_ids.dtype}")
-        if token_ids.numel() == 0:
-            raise ValueError(f"token_ids is empty: shape {tuple(token_ids.shape)}")
-        low, high = int(token_ids.min()), int(token_ids.max())
-        if low < 0 or high >= self.config.vocab_size:
-            raise ValueError(
-                f"token id out of the vocabulary [0, {self.config.vocab_size}): "
-                f"ids range from {low} to {high}"
-            )
-
-    def _check_caches(self, caches: Sequence[LayerCache], *, batch: int | None) -> int:
-        """Reject inconsistent caches before any is touched; return their common length.
-        With ``batch`` None, a cache's spec is checked for everything but the batch."""
-        if not isinstance(caches, Sequence) or isinstance(caches, str):
-            raise TypeError(f"caches must be a sequence of caches, got {type(caches).__name__}")
-        layers = self.config.num_layers
-        if len(caches) != layers:
-            raise CacheContractError(
-                f"wrong number of caches: {layers} layers need {layers}, got {len(caches)}"
-            )
-        for layer, cache in enumerate(caches):
-            source = self.config.source_of(layer)
-            if source is not None and cache is not None:
-                raise CacheContractError(
-                    f"layer {layer} reads layer {source}'s cache (kv_sources), but was handed a "
-                    f"cache of its own ({type(cache).__name__}); its entry must be None"
-                )
-            if source is None and cache is None:
-                raise CacheContractError(
-                    f"layer {layer}: no cache (None), and it reads no other layer's (kv_sources)"
-                )
-        owned = self.config.cache_layers
-        first_layer_of: dict[int, int] = {}
-        stored = [keys_stored(caches[layer]) for layer in owned]
-        for index, layer in enumerate(owned):
-            cache = caches[layer]
-            if stored[index] not in KEYS_STORED:
-                raise CacheContractError(
-                    f"layer {layer}: keys_stored is {stored[index]!r}, neither "
-                    f'"rotated" nor "unrotated" (contract, section 8.4)'
-                )
-            if id(cache) in first_layer_of:
-                raise CacheContractError(
-                    f"the same cache object is used for layers {first_layer_of[id(cache)]} and "
-                    f"{layer}; each layer needs a cache of its own (a layer that reads another's "
-                    f"declares it in ModelConfig.kv_sources, its entry None)"
-                )
-            first_layer_of[id(cache)] = layer
-        if len(set(stored)) > 1:
-            raise CacheContractError(
-                f"inconsistent layer caches: keys_stored by layer {stored}; every layer's cache "
-                f"must keep keys the same way (contract, section 8.4)"
-            )
-        lengths = [caches[layer].length for layer in owned]
-        for layer, length in zip(owned, lengths, strict=True):
-            if isinstance(length, bool) or not isinstance(length, int) or length < 0:
-                raise CacheContractError(
-                    f"layer {layer}: cache.length must be an int >= 0, got {length!r}"
-                )
-        if len(set(lengths)) > 1:
-            problem = "some layers are empty and some are not" if 0 in lengths else "lengths differ"
-            raise CacheContractError(
-                f"inconsistent layer caches: {problem}; lengths by layer {lengths}"
-            )
-        for layer in owned:
-            cache = caches[layer]
-            # `spec` is not part of the protocol, but a cache that exposes one lets the model
-            # reject a mismatch before layer 0 has appended anything.
-            spec = getattr(cache, "spec", None)
-            if not isinstance(spec, CacheSpec):
-                continue
-            wanted = self.cache_spec(batch or spec.batch, max(lengths[0], 1), layer=layer)
-            # Not the window: a cache may ignore it and keep everything (the mask applies it).
-            for field in ("batch", "kv_heads", "head_dim", "value_width", "dtype"):
-                if getattr(spec, field) != getattr(wanted, field):
-                    raise CacheContractError(
-                        f"layer {layer}: cache built for {field} {getattr(spec, field)}, but this "
-                        f"call needs {field} {getattr(wanted, field)}"
-                    )
-        return lengths[0]

@@ -22,7 +22,8 @@ import kvimpl
 from kvimpl.latent import LatentCache
 from kvimpl.quantized import QuantizedCache
 from kvref import CacheSpec, min_nbytes
-from kvref.protocol import held_nbytes, storage
+from kvref.memory import held_nbytes
+from kvref.quantized import storage
 from tests.independent.group_int4_cache import GroupInt4Cache
 from tests.independent.paged_latent_cache import PagedLatentCache
 

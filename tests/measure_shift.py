@@ -22,7 +22,7 @@ import torch
 
 from kvcheck.asserts import shift_rounding
 from kvref import rerotate
-from kvref.model import apply_rope
+from kvref.rope import apply_rope
 from tests.independent.shifting_list_cache import rotate_in_dtype
 from tests.mutants.shift import rotate_with_angles_in
 

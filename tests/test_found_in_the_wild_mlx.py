@@ -25,7 +25,7 @@ from kvimpl.mlx import (
     MLXRotatingKVCache,
 )
 from kvref import CacheSpec
-from kvref.protocol import may_refuse_truncate
+from kvref.capabilities import may_refuse_truncate
 
 CASES = {case.name: case for case in kvbad.BAD_APPENDS}
 TRUNCATES = {case.name: case for case in kvbad.BAD_TRUNCATES}

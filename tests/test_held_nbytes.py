@@ -12,7 +12,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from kvref.protocol import held_nbytes
+from kvref.memory import held_nbytes
 
 
 def rows(count: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvref import CacheSpec, min_nbytes
-from kvref.protocol import QUANTIZED_ROUNDINGS, Quantized
+from kvref.quantized import QUANTIZED_ROUNDINGS, Quantized
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 

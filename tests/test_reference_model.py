@@ -18,8 +18,8 @@ from kvcheck.properties.shared import kv_sources
 from kvimpl.latent import LatentCache
 from kvref import CacheContractError, ModelConfig, ReferenceTransformer
 from kvref import attention as kvref_attention
-from kvref.model import rows_laid_out, varlen_attention
-from kvref.protocol import row_slots
+from kvref.rows import row_slots, rows_laid_out
+from kvref.varlen import varlen_attention
 from tests import depth
 
 # Built on the kit's device (--kv-device): skipped where this machine lacks it.

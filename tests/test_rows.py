@@ -16,8 +16,7 @@ from kvcheck import session
 from kvcheck.properties import rows as rows_property
 from kvimpl import PreallocatedCache
 from kvref import CacheContractError, ModelConfig, ReferenceTransformer
-from kvref.model import rows_laid_out
-from kvref.protocol import row_slots
+from kvref.rows import row_slots, rows_laid_out
 from tests import depth
 
 CONFIG = ModelConfig(vocab_size=19, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4, seed=3)

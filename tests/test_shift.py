@@ -21,7 +21,8 @@ from kvref import (
     may_refuse_shift,
     rerotate,
 )
-from kvref.model import HeldRows, apply_rope, shifted_rows
+from kvref.rope import apply_rope
+from kvref.shift_oracle import HeldRows, shifted_rows
 from tests import measure_shift
 
 

@@ -11,8 +11,8 @@ import torch
 from kvcheck import Domain
 from kvimpl import StreamingCache, WindowCache
 from kvref import CacheSpec, ModelConfig, ReferenceTransformer
-from kvref.model import apply_rope
 from kvref.protocol import kept_rows, rows_needed
+from kvref.rope import apply_rope
 
 
 def test_kept_rows_are_the_sinks_then_the_most_recent():

@@ -23,8 +23,7 @@ from kvref import (
     check_accepted,
     check_tree,
 )
-from kvref.model import tree_mask, tree_paths
-from kvref.protocol import tree_depths
+from kvref.tree import tree_depths, tree_mask, tree_paths
 from tests import depth
 from tests.independent.aside_tree_cache import AsideTreeCache, AsideTreeRowsCache
 from tests.independent.left_padded_batch_cache import LeftPaddedBatchCache

@@ -32,7 +32,7 @@ from kvcheck import strategies as kvst
 from kvcheck.harness import SPEC_EDGES, build, coarser, note_spec
 from kvcheck.kit import KitTests, Property, property_test
 from kvref import CacheFactory, CacheSpec, attention
-from kvref.protocol import storage
+from kvref.quantized import storage
 
 # Queries and keys times this make scores of some hundreds, past exp's overflow in each
 # dtype, while the dot products keep enough precision for the dtype's tolerance.

@@ -15,7 +15,7 @@ from kvcheck.harness import SPEC_EDGES, note_spec, recorded
 from kvcheck.kit import KitTests, Property, property_test
 from kvcheck.properties.rejection import every_cache_plan
 from kvref import CacheFactory, min_nbytes
-from kvref.protocol import held_nbytes
+from kvref.memory import held_nbytes
 
 
 def check_nbytes(factory: CacheFactory, plan: kvst.CachePlan) -> None:

@@ -31,7 +31,7 @@ from kvcheck.harness import build, random_query
 from kvcheck.kit import KitTests, Property, offered, property_test
 from kvcheck.properties.requests import PINNED, REQUEST_EDGES, request_plans, serve
 from kvref import BlockTables, CacheFactory, CacheSpec
-from kvref.protocol import storage
+from kvref.quantized import storage
 
 # Words a refusal for want of blocks may use; any one names the problem.
 WORDS = (

@@ -33,7 +33,7 @@ from kvcheck.devices import dtype_name
 from kvcheck.kit import KitTests, Property, property_test
 from kvcheck.session import Engine
 from kvref import CacheFactory, ModelConfig
-from kvref.model import ROPE_TABLE_POSITIONS
+from kvref.rope import ROPE_TABLE_POSITIONS
 
 MAX_LENGTH = 48  # per row: prompts and rollbacks drawn around the 16-row boundaries below it
 EVENTS = ("feed", "truncate", "select", "join", "restart")

@@ -50,8 +50,9 @@ from kvcheck.properties import rows as kvrows
 from kvcheck.properties import tree as kvtree
 from kvcheck.session import assert_logits
 from kvref import CacheContractError, CacheFactory, ModelConfig, may_refuse_truncate
-from kvref.model import ReferenceTransformer, rows_laid_out, tree_paths
-from kvref.protocol import row_slots
+from kvref.model import ReferenceTransformer
+from kvref.rows import row_slots, rows_laid_out
+from kvref.tree import tree_paths
 
 MOST_TOKENS = 2 * kvst.EDGE + 1  # past two 16-row blocks: chunks straddle them
 

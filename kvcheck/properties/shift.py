@@ -11,7 +11,7 @@ of a real model (10,000, 500,000, 1,000,000). One plan in ``FAR_ONE_IN`` is far:
 400 rows filled and a shift of 100 tokens or more, on wide heads in half precision often,
 where an angle rounded in half precision shows (tests/measure_shift.py). The oracle is
 the uncached pass's rows with each span removed and the keys after it rotated in float64,
-held in a trusted cache (``kvref.model.HeldRows``); every later step's logits are the
+held in a trusted cache (``kvref.shift_oracle.HeldRows``); every later step's logits are the
 model's over those rows (``Engine.shift``). Each shift run notes the edges it reached
 (``EDGES``, ``kvcheck.reach``).
 
@@ -54,7 +54,7 @@ from kvcheck.properties.rows import (
 )
 from kvcheck.session import Engine
 from kvref import CacheFactory, ModelConfig
-from kvref.model import ROPE_TABLE_POSITIONS
+from kvref.rope import ROPE_TABLE_POSITIONS
 
 EDGE = kvst.EDGE
 CAPACITIES = (EDGE, EDGE + 1, 2 * EDGE - 1, 2 * EDGE, 2 * EDGE + 1, 48)
@@ -454,7 +454,7 @@ CONTEXT_SHIFT = Property(
         "any) before any feed that would overflow and anywhere else, repeated, with decode steps "
         "and chunks after, from a first position of its own where `reset_at` is offered: every "
         "step's logits equal the model's over the uncached pass's rows with the spans removed and "
-        "the keys after them re-rotated in float64 (`kvref.model.HeldRows`), and every `append` "
+        "the keys after them re-rotated in float64 (`kvref.shift_oracle.HeldRows`), and every `append` "
         "returns the rows given, the moved keys within the rounding of a re-rotation in their dtype"
         " (`kvcheck.asserts.shift_rounding`: 4 roundings of the dtype per shift, and the angle's, "
         "`count` roundings of float32) (contract, section 8.4; where `shift` is offered)"
@@ -747,7 +747,7 @@ CONTEXT_SHIFT_PER_ROW = Property(
         "untouched, from index 0, after a few kept, its whole tail, anywhere) before any feed that "
         "would overflow it and anywhere else: every row's new logits equal the model's over that "
         "row's rows alone at batch 1, the uncached pass's with its spans removed and the keys after"
-        " them re-rotated by its own counts in float64 (`kvref.model.HeldRows`), and what "
+        " them re-rotated by its own counts in float64 (`kvref.shift_oracle.HeldRows`), and what "
         "`append_rows` marks valid for each row is the rows given, moved keys within "
         "`kvcheck.asserts.shift_rounding` (contract, section 8.4, shifts per row; where a cache "
         "declares `shift_per_row`)"

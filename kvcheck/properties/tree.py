@@ -55,8 +55,8 @@ from kvcheck.harness import PATHS, Recorder
 from kvcheck.kit import KitTests, Property, path_for, property_test
 from kvcheck.session import Engine, Request, assert_logits
 from kvref import CacheFactory, ModelConfig
-from kvref.model import tree_paths
-from kvref.protocol import kept_rows, tree_depths
+from kvref.protocol import kept_rows
+from kvref.tree import tree_depths, tree_paths
 
 EDGE = kvst.EDGE
 MAX_NODES = 10

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvref.protocol import Quantized
+from kvref.quantized import Quantized
 from tests.independent.radix_prefix_pool import (
     RadixInputError,
     RadixPrefixCache,

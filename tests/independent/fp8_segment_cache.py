@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvref.protocol import CacheSpec, Quantized
+from kvref.protocol import CacheSpec
+from kvref.quantized import Quantized
 
 BLOCK = 8
 # A fixed scale puts the format's max at this magnitude: the kit's normal rows pass it now and

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvref.protocol import CacheSpec, Quantized
+from kvref.protocol import CacheSpec
+from kvref.quantized import Quantized
 
 BITS = 4
 TOP_CODE = 2 ** (BITS - 1) - 1  # 7: codes run from -7 to 7

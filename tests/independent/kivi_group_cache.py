@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvref.protocol import CacheSpec, Quantized
+from kvref.protocol import CacheSpec
+from kvref.quantized import Quantized
 from tests.independent.fp8_segment_cache import check_indices, check_rows
 
 KEY_BITS = 2

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from kvimpl.quantized import dequantize, quantize
-from kvref.protocol import Quantized
+from kvref.quantized import Quantized
 from tests.independent.left_padded_batch_cache import LeftPaddedBatchCache
 
 RECENT = 3

@@ -1,6 +1,6 @@
 """Broken latent (MLA) caches and a broken MLA model (docs/contract.md, section 10.2): the
 caches are the built-in ``LatentCache`` with one bug in where a row's two parts go, the
-model a patch of ``kvref.model`` run on it. The first paragraph of each docstring names the
+model a patch of ``kvref.latent`` run on it. The first paragraph of each docstring names the
 bug and the second the real failure it stands for."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from torch import Tensor
 
 from kvimpl.latent import LatentCache
 from kvimpl.streaming import grouped_softmax_attention
-from kvref import model
-from kvref.protocol import CacheSpec, check_append
+from kvref import latent
+from kvref.checks import check_append
+from kvref.protocol import CacheSpec
 
 
 class RopeKeyOneSlotBack(LatentCache):
@@ -111,15 +112,15 @@ def absorbed_without_rope_key() -> Iterator[None]:
     cached calls on the absorbed path are wrong.
     """
 
-    def without_rope(query, rope_keys, latents, up_key, up_value, *args, **kwargs):
+    def without_rope(attend, query, rope_keys, latents, up_key, up_value, *args, **kwargs):
         nope = up_key.shape[1]
         folded = torch.einsum("bhtn,hnc->bhtc", query[..., :nope], up_key)
         kwargs.pop("sink_query", None)
         scale = 1 / query.shape[-1] ** 0.5
-        mixed = model.attention(folded, latents, latents, *args, scale=scale, **kwargs)
+        mixed = attend(folded, latents, latents, *args, scale=scale, **kwargs)
         return torch.einsum("bhtc,hdc->bhtd", mixed, up_value)
 
-    with mock.patch.object(model, "absorbed_attention", without_rope):
+    with mock.patch.object(latent, "absorbed_attention", without_rope):
         yield
 
 

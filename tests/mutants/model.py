@@ -1,22 +1,23 @@
 """Broken models: patches of the reference model, each with exactly one bug, run on a
 correct cache.
 
-Each is a context manager that patches a function or class attribute of ``kvref.model``
-(so the models ``kvcheck.strategies.build_model`` keeps are affected too) and undoes the patch on
-exit. Only cached calls are wrong: with no caches, every patched path computes what the
+Each is a context manager that patches a function or class attribute of ``kvref.model``, or
+of the module beside it where the model looks the name up (``kvref.rope``, ``kvref.shared``),
+so the models ``kvcheck.strategies.build_model`` keeps are affected too, and undoes the patch
+on exit. Only cached calls are wrong: with no caches, every patched path computes what the
 unpatched model does, so the uncached oracle stays right.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from unittest import mock
 
 import torch
 from torch import Tensor
 
-from kvref import LayerCache, model
+from kvref import LayerCache, model, rope, shared, varlen
 
 
 @contextmanager
@@ -44,12 +45,16 @@ def rope_restarts_at_zero() -> Iterator[None]:
     Stands for forgetting the position offset in RoPE: queries ask the wrong relative-position
     question although the cache holds the right keys.
     """
-    original = model.apply_rope
+    original = rope.apply_rope
 
     def restarted(x: Tensor, positions: Tensor, base: float) -> Tensor:
         return original(x, positions - positions[0], base)
 
-    with mock.patch.object(model, "apply_rope", restarted):
+    # Every module of the reference that rotates: the model's layers, the re-rotation of a
+    # shift (kvref.rope) and the varlen path's unrotated keys (kvref.varlen).
+    with ExitStack() as patches:
+        for module in (model, rope, varlen):
+            patches.enter_context(mock.patch.object(module, "apply_rope", restarted))
         yield
 
 
@@ -92,7 +97,7 @@ class _RotatingReads:
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         keys, values = self.cache.append(key, value)
         positions = torch.arange(keys.shape[2], device=keys.device)
-        return model.apply_rope(keys, positions, self.base), values
+        return rope.apply_rope(keys, positions, self.base), values
 
 
 @contextmanager
@@ -131,10 +136,10 @@ def reader_after_the_append() -> Iterator[None]:
     to read an offset from, is right.
     """
 
-    def after(self: model.SharedRows) -> int:
+    def after(self: shared.SharedRows) -> int:
         return self.length
 
-    with mock.patch.object(model.SharedRows, "offset", property(after)):
+    with mock.patch.object(shared.SharedRows, "offset", property(after)):
         yield
 
 

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from kvimpl import quantized
 from kvimpl.quantized import QuantizedCache, dequantize
-from kvref.protocol import Quantized
+from kvref.quantized import Quantized
 from tests.independent import kivi_group_cache as kivi
 from tests.independent.fp8_segment_cache import Fp8SegmentCache
 from tests.independent.kivi_group_cache import KiviGroupCache

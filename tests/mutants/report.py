@@ -125,7 +125,8 @@ and one patch of the model run on it); {shards} break tensor-parallel shards
 (`tests/mutants/shards.py`: two plans an engine declares, two caches that read their
 shard); {moves} break a move between layouts (`tests/mutants/moves.py`: broken paged pools);
 {model} patch a function or class attribute of
-`kvref.model` and run on `ConcatCache` (`tests/mutants/model.py`, one of them a layer that
+`kvref.model` (or of the module beside it the model reads it from) and run on
+`ConcatCache` (`tests/mutants/model.py`, one of them a layer that
 reads another's cache; undone when the test ends). Each docstring's first paragraph names
 the bug: it is the table's second column.
 
@@ -145,7 +146,7 @@ search that flagged everything would fail.
 What counts as caught (`tests/mutants/hunt.py`):
 
 - an `AssertionError` from a check: the property does not hold;
-- a `kvref.CacheContractError` from a guard of `kvref/model.py` (one cache object for two
+- a `kvref.CacheContractError` from a guard of `kvref/guards.py` (one cache object for two
   layers, layers of different lengths, `append` returning the wrong number of rows): the oracle
   refused what the cache did. These are marked "model guard" below.
 

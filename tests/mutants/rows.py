@@ -5,7 +5,7 @@ section 8; and a patch of the model's side of it, run on the left-padded cache."
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import ClassVar
 from unittest import mock
 
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from kvimpl import PreallocatedCache
-from kvref import check_append_rows, model
+from kvref import check_append_rows, model, shared, varlen
 from tests.independent.left_padded_batch_cache import LeftPaddedBatchCache
 
 
@@ -251,7 +251,11 @@ def positions_count_left_padding() -> Iterator[None]:
     def counting_pads(starts: Tensor, real: Tensor) -> Tensor:
         return starts[:, None] + torch.arange(real.shape[1], device=real.device)
 
-    with mock.patch.object(model, "row_positions", counting_pads):
+    # Where the positions are taken: the model's layers, and a layer that reads another's
+    # cache (kvref.shared).
+    with ExitStack() as patches:
+        for module in (model, shared):
+            patches.enter_context(mock.patch.object(module, "row_positions", counting_pads))
         yield
 
 
@@ -271,7 +275,7 @@ def varlen_ranges_from_counts() -> Iterator[None]:
         count = int(valid.sum())
         return slice(0, count) if count else None
 
-    with mock.patch.object(model, "valid_slots", first_slots):
+    with mock.patch.object(varlen, "valid_slots", first_slots):
         yield
 
 

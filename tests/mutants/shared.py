@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from kvimpl import ChunkedCache
-from kvref import model
+from kvref import shared, tree
 
 
 @contextmanager
@@ -32,10 +32,10 @@ def reader_at_each_rows_length_after_the_append() -> Iterator[None]:
     length, and a row that brought nothing is right.
     """
 
-    def after(self: model.SharedRows) -> tuple[int, ...]:
+    def after(self: shared.SharedRows) -> tuple[int, ...]:
         return tuple(self.cache.row_lengths)
 
-    with mock.patch.object(model.SharedRows, "row_offsets", property(after)):
+    with mock.patch.object(shared.SharedRows, "row_offsets", property(after)):
         yield
 
 
@@ -49,10 +49,10 @@ def reader_at_row_zeros_offset() -> Iterator[None]:
     every row holds as many tokens, wrong for a row of another length (mlx-lm 1384, 748).
     """
 
-    def first_rows(self: model.SharedRows) -> tuple[int, ...]:
+    def first_rows(self: shared.SharedRows) -> tuple[int, ...]:
         return (self.rows_before[0],) * len(self.rows_before)
 
-    with mock.patch.object(model.SharedRows, "row_offsets", property(first_rows)):
+    with mock.patch.object(shared.SharedRows, "row_offsets", property(first_rows)):
         yield
 
 
@@ -68,10 +68,10 @@ def reader_sees_the_tree_siblings() -> Iterator[None]:
     wrong at the reader.
     """
 
-    def causal_only(self: model.SharedReader, tree: model.TreeBatch) -> model.TreeBatch:
-        return dataclasses.replace(tree, seen=torch.ones_like(tree.seen))
+    def causal_only(self: shared.SharedReader, drafted: tree.TreeBatch) -> tree.TreeBatch:
+        return dataclasses.replace(drafted, seen=torch.ones_like(drafted.seen))
 
-    with mock.patch.object(model.SharedReader, "tree_batch", causal_only):
+    with mock.patch.object(shared.SharedReader, "tree_batch", causal_only):
         yield
 
 

@@ -10,8 +10,8 @@ from torch import Tensor
 
 from kvimpl import PreallocatedCache, UnrotatedCache
 from kvref import check_shift, check_shift_rows, rerotate
-from kvref.model import apply_rope
-from kvref.protocol import is_row_shift
+from kvref.checks import is_row_shift
+from kvref.rope import apply_rope
 from tests.independent.shifting_list_cache import ShiftingListCache, rotate_in_dtype
 
 
