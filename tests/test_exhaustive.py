@@ -19,6 +19,8 @@ from kvcheck.properties import ALL
 from kvcheck.properties.core import LOGITS, every_session
 from kvcheck.scope import LAYOUTS, Scope
 from kvimpl.latent import LatentCache
+from kvref import CacheContractError
+from tests.mutants.small_scope import SMALL_SCOPE_MUTANTS
 from tests.pytest_run import run_in_process
 
 
@@ -222,3 +224,29 @@ def test_a_class_can_ask_for_the_mode_itself(pytester):
     )
     result = run_in_process(pytester, "-k", "logits_match")
     assert "every plan holds: logits 12" in result.stdout, result.stdout
+
+
+# The small-scope mutants (tests/mutants/small_scope.py): each a bug whose trigger is a
+# conjunction of small exact sizes, and the plan of the logits property's enumeration that
+# first shows it (docs/exhaustive-power.md measures what the ci search makes of them).
+SMALL_SCOPE_FIRST_PLANS = {
+    "DecodeTailGoesStale": 71,
+    "MqaDecodePositionFromPrompt": 34,
+    "TailFastPathAtBoundary": 32,
+    "RingGrowsInPlace": 120,
+}
+
+
+@pytest.mark.parametrize("mutant", SMALL_SCOPE_MUTANTS, ids=lambda m: m.__name__)
+def test_a_small_scope_mutant_fails_a_plan_of_the_logits_enumeration(mutant):
+    """Every plan before the one on record holds; that one fails: the enumeration reaches
+    the conjunction, and in the order it claims (fewest tokens first, layout by layout)."""
+    first = SMALL_SCOPE_FIRST_PLANS[mutant.__name__]
+    plans = itertools.islice(LOGITS.every_plan(Scope(8)), first)
+    with kvsizes.aiming_at(kvsizes.declared_by(mutant)):
+        for index, plan in enumerate(plans, start=1):
+            if index < first:
+                LOGITS.check_all_cases(mutant, plan)
+            else:  # a failure, or the model's guard on what the cache returned
+                with pytest.raises((AssertionError, CacheContractError)):
+                    LOGITS.check_all_cases(mutant, plan)
