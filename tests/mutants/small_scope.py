@@ -4,8 +4,11 @@ Each stands for a real bug class of ../shared/BUGS.md whose trigger is a few exa
 sizes at once (a chunk of one token right after a block filled, one kv head in a batch of
 one together with a chunked prefill): the ci profile's random search, whose draws are wide,
 rarely makes the conjunction, and the bounded-exhaustive mode (``Property.every_plan``)
-makes every one up to N tokens. They are not in ``tests.mutants.MUTANTS``; the first line of
-each docstring says the bug, the last one what the ci hunt (``hunt_as_tested``) measured.
+makes every one up to N tokens. They are not in ``tests.mutants.MUTANTS`` (the ci hunt is not
+held to catch them); the first line of each docstring says the bug. What the ci search and
+the exhaustive mode make of each is measured in docs/exhaustive-power.md
+(``tests.mutants.exhaustive_power``), and tests/test_exhaustive.py holds the plan of the
+logits enumeration that first shows each.
 """
 
 from __future__ import annotations
