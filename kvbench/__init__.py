@@ -14,7 +14,7 @@ Its modules, one idea each:
 - ``batch``: the requests' next token in one batched step, against separate caches;
 - ``shared_prefix``: requests sharing a system prompt, with and without prefix caching;
 - ``report``: the CSVs, the Markdown tables and the plot;
-- ``run`` and ``cli``: one run, in order, and the command line.
+- ``tables`` and ``cli``: one run, the tables in order, and the command line.
 """
 
 from kvbench.cli import main

@@ -72,7 +72,7 @@ from kvbench.report import (
     shared_prefix_table,
     write_csv,
 )
-from kvbench.run import run
+from kvbench.tables import run
 from kvbench.workload import BLOCK_SIZE, FULL, QUICK, QUICK_BLOCK_SIZE
 from kvcheck import selection
 from kvref import CacheFactory
