@@ -337,7 +337,7 @@ ATTEND = Property(
     requires=("attend",),
     dtypes=kvst.DTYPES,
     every_plan=every_attend_plan,
-    exhaustive_tokens=7,
+    exhaustive_tokens=8,
     since="1.0",
     holds=(
         "every `attend` equals `kvref.attention` over the rows given since the reset, on one cache "
@@ -544,7 +544,7 @@ LATENT_ATTEND = Property(
     dtypes=kvst.DTYPES,
     since="1.6",
     every_plan=every_latent_attend_plan,
-    exhaustive_tokens=7,
+    exhaustive_tokens=8,
     holds=(
         "every `attend_latent` on a latent cache, without a model, equals `kvref.attention` over "
         "[latent ; rope key] of the rows given since the reset, the latents as values, at the scale"

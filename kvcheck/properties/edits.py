@@ -615,7 +615,7 @@ BAD_TRUNCATE = Property(
     requires=("truncate",),
     reaches=STATE_EDGES,
     every_plan=every_refusal,
-    exhaustive_tokens=10,
+    exhaustive_tokens=12,
     since="1.0",
     holds=("a negative, too large or non-int length is refused, changing nothing"),
 )
@@ -647,7 +647,7 @@ BAD_REORDER = Property(
     requires=("reorder",),
     reaches=STATE_EDGES,
     every_plan=every_refusal,
-    exhaustive_tokens=9,
+    exhaustive_tokens=8,
     since="1.0",
     holds=(
         "indices of another dtype, shape or device, out of range, or not a tensor are refused, "

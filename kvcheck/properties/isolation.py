@@ -109,7 +109,7 @@ ISOLATION = Property(
     paths=True,
     attend_dtypes=kvst.DTYPES,  # attend's output judged at the dtype's tolerance
     every_plan=every_isolation_plan,
-    exhaustive_tokens=9,
+    exhaustive_tokens=12,
     since="1.0",
     holds=("two caches from one factory, appended in turns, never return each other's rows"),
 )

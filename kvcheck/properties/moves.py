@@ -286,7 +286,7 @@ BAD_IMPORT = Property(
     examples_share=0.25,
     since="1.5",
     every_plan=every_import,
-    exhaustive_tokens=10,
+    exhaustive_tokens=8,
     holds=(
         "rows of another batch, kv heads, width, dtype or device, more rows than their length, "
         "fewer than the next query needs, a length that is no int, not a `CacheRows`, or into a "

@@ -312,7 +312,7 @@ BAD_APPEND = Property(
     # cache it is tried on, and the thorough profile still gives it hundreds.
     examples_share=0.4,
     every_plan=every_bad_append,
-    exhaustive_tokens=7,
+    exhaustive_tokens=12,
     since="1.0",
     holds=(
         "every kind of bad `append` in `kvcheck.badinput.BAD_APPENDS` (one test each) is refused "
@@ -328,7 +328,7 @@ OVERFLOW = Property(
     failures.DATA_LOSS,
     reaches=STATE_EDGES,
     every_plan=every_overflow,
-    exhaustive_tokens=11,
+    exhaustive_tokens=12,
     since="1.0",
     holds=("past `max_length` an append is refused, changing nothing, or held exactly"),
 )
@@ -341,7 +341,7 @@ BAD_MODEL_CALL = Property(
     cases=tuple(kvbad.BAD_CALLS),
     examples_share=0.25,
     every_plan=every_model_plan,
-    exhaustive_tokens=6,
+    exhaustive_tokens=8,
     since="1.0",
     holds=(
         "every kind of bad model call in `kvcheck.badinput.BAD_CALLS` (wrong number of caches, one "
@@ -362,7 +362,7 @@ BAD_LATENT_ATTEND = Property(
     examples_share=0.25,
     since="1.6",
     every_plan=every_latent_plan,
-    exhaustive_tokens=9,
+    exhaustive_tokens=12,
     holds=(
         "every kind of bad `attend_latent` in `kvcheck.badinput.BAD_LATENT_ATTENDS` (a query of the"
         " wrong width, heads or dtype, a scale that is not a positive finite number, rows of "

@@ -787,7 +787,7 @@ REQUESTS = Property(
     # pinned plans); on a pool, "pool" searches the same plans in full.
     examples_share=0.25,
     every_plan=every_requests_plan,
-    exhaustive_tokens=4,
+    exhaustive_tokens=6,
     since="1.0",
     holds=(
         'several requests on one factory as a scheduler interleaves them ([contract.md, "Requests '

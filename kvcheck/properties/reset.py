@@ -187,7 +187,7 @@ RESET = Property(
     pinned=kvst.PINNED[:1],
     reaches=POISONED_EDGES,
     every_plan=every_poisoned_scenario,
-    exhaustive_tokens=5,
+    exhaustive_tokens=6,
     since="1.0",
     holds=(
         "after `reset()` or on fresh caches, a session after one that left nan/inf/-inf/huge rows "
@@ -209,7 +209,7 @@ STALE_ROWS = Property(
     paths=True,
     attend_dtypes=kvst.DTYPES,  # attend's output judged at the dtype's tolerance
     every_plan=every_stale_rows_plan,
-    exhaustive_tokens=6,
+    exhaustive_tokens=8,
     since="1.0",
     holds=(
         "rows written before a reset, even poisoned ones, never come back, through one cache "

@@ -400,7 +400,7 @@ SHARDED = Property(
     reaches=SHARD_EDGES + MOVE_EDGES,
     since="1.5",
     every_plan=every_sharded_plan,
-    exhaustive_tokens=5,
+    exhaustive_tokens=3,
     holds=(
         "each layer's kv heads over 2 or 4 ranks simulated in one process (fewer kv heads than "
         "ranks: replicated), each rank's caches from the factory for its shard: feeds, truncates, "

@@ -297,7 +297,7 @@ SHARED_LAYERS = Property(
     reaches=SHARING_EDGES,
     since="1.4",
     every_plan=every_shared_plan,
-    exhaustive_tokens=9,
+    exhaustive_tokens=8,
     holds=(
         "a model of 2 or 3 layers, some reading an earlier layer's cache (`ModelConfig.kv_sources`:"
         " the last layers sharing one source, a layer reading the one before, any other), windows "
@@ -738,7 +738,7 @@ SHARED_ROWS = Property(
     reaches=SHARED_ROWS_EDGES,
     since="1.6",
     every_plan=every_shared_rows_plan,
-    exhaustive_tokens=5,
+    exhaustive_tokens=6,
     holds=(
         "a shared model's batch of 2 or 3 rows through `forward_rows`: prompts of their own lengths"
         " (an empty slot, pads poisoned with nan, inf, -inf or 1e30, first positions of their own "
@@ -762,7 +762,7 @@ SHARED_TREE = Property(
     reaches=SHARED_TREE_EDGES,
     since="1.6",
     every_plan=every_shared_tree_plan,
-    exhaustive_tokens=7,
+    exhaustive_tokens=6,
     holds=(
         "a shared model's prefix, then a draft tree (up to 6 nodes, siblings and several roots) "
         "through `forward_tree`: each node's logits equal the uncached model's on the prefix and "

@@ -447,7 +447,7 @@ CONTEXT_SHIFT = Property(
     since="1.2",
     reaches=EDGES,
     every_plan=every_shift_plan,
-    exhaustive_tokens=6,
+    exhaustive_tokens=4,
     holds=(
         "a session that discards spans of its history (`shift(start, count)`: from index 0, after 1"
         " or 4 kept tokens or anywhere; 1 token, a block's worth around its edge, half the rest, "
@@ -876,7 +876,7 @@ BAD_SHIFT_PER_ROW = Property(
     requires=("shift per row",),
     since="1.6",
     every_plan=every_warm_rows,
-    exhaustive_tokens=9,
+    exhaustive_tokens=8,
     holds=(
         "each bad shift per row (`kvcheck.badinput.BAD_ROW_SHIFTS`: a tuple one entry short, a "
         "start past a short row's length, a negative count, a count past a short row's end, an int "

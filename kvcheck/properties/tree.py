@@ -885,7 +885,7 @@ TREE = Property(
     since="1.3",
     reaches=TREE_EDGES,
     every_plan=every_tree_plan,
-    exhaustive_tokens=5,
+    exhaustive_tokens=6,
     holds=(
         "each node of a draft tree verified in one call (`append_tree`) equals the uncached model "
         "on the committed tokens and its path, and after `commit_tree` the cache holds the accepted"
