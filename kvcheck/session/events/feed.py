@@ -99,7 +99,7 @@ class Feed(Event):
         history = request.history
         expected = engine.model(history, start_position=first)[:, start:]
 
-        def reference() -> Tensor:  # the float64 pass, only where it judges
+        def reference() -> Tensor:  # the float64 pass: run only where assert_logits needs it
             return engine.truth(history, start_position=first)[:, start:]
 
         try:
