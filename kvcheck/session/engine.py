@@ -47,6 +47,7 @@ from kvcheck.session.events.reorder import Reorder
 from kvcheck.session.events.reset import Drop, Poison, Reset
 from kvcheck.session.events.rows import Join, ResetAt, SelectRows, TruncateRows
 from kvcheck.session.events.shift import Shift, ShiftRows
+from kvcheck.session.events.tree import CommitTree, DraftTree
 from kvcheck.session.events.truncate import Truncate
 from kvcheck.session.request import Request
 from kvref import (
@@ -204,6 +205,30 @@ class Engine:
         at: str = "",
     ) -> None:
         self.apply(Move(request, factory, path, carry=carry, at=at))
+
+    def draft_tree(
+        self,
+        request: Request,
+        parents: tuple[int, ...],
+        new: Tensor,
+        *,
+        poisoned: tuple[tuple[int, ...], ...],
+        poison: float,
+        accepted: tuple[tuple[int, ...], ...],
+        label: str,
+    ) -> list[tuple[Tensor, Tensor]]:
+        return self.apply(DraftTree(request, parents, new, poisoned, poison, accepted, label))
+
+    def commit_tree(
+        self,
+        request: Request,
+        handed: list[tuple[Tensor, Tensor]],
+        new: Tensor,
+        accepted: tuple[tuple[int, ...], ...],
+        *,
+        label: str,
+    ) -> None:
+        self.apply(CommitTree(request, handed, new, accepted, label))
 
     # --- what holds after every event -----------------------------------------------------
     def check(self, event: str) -> None:
