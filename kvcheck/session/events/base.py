@@ -7,9 +7,10 @@ steps run in this order:
 
 - ``before``: the plans the oracle can follow (``TypeError`` for any other: a bug in the
   plan, not in the cache), and what the messages need from the books before the event;
-- ``apply``: the calls on the caches. It returns the error of a refusal that the contract
-  may allow (a window's truncate or shift, section 4); ``refused`` then judges it, the books
-  stay as they were, and the event's result is False;
+- ``apply``: the calls on the caches. Where the event has a rule for refusals, it returns
+  the error a cache refused with, and ``refused`` judges it: allowed where the contract lets
+  a window refuse (a truncate or a shift, section 4: the books then stay as they were and the
+  event's result is False), else a crash on valid input;
 - ``update``: the books the engine trusts (history, rows, first positions, the rows a shift
   left, the live requests), moved as the event says the caches moved;
 - ``verify``: what must hold after it, the caches against the books;

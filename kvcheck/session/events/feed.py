@@ -2,9 +2,9 @@
 
 The event every plan is made of. Its check is the contract's whole point: the new positions'
 logits equal the uncached model's over the request's whole history (the oracle), whatever
-the plan did to the caches before. On the append path the model also reads back the rows
-each layer returned, held to the rows given, so a wrong row names its layer; where the
-logits differ, ``diagnose`` names the first layer whose cache went wrong. After a context
+the plan did to the caches before. On the append path every layer must also have returned
+exactly the rows given, so a wrong row names its layer; where the logits differ,
+``diagnose`` names the first layer whose cache went wrong. After a context
 shift no uncached pass is the oracle: the model over the rows the shifts left is
 (``kvcheck.session.shifted``), with the budgets a re-rotation's rounding needs.
 """
