@@ -1,4 +1,4 @@
-"""The prefix books follow blocks a fork copies (kvcheck/session.py, Engine.fork): a pool may
+"""The prefix books follow blocks a fork copies (kvcheck/session/events/fork.py): a pool may
 give a fork fresh blocks holding copies of its parent's rows (SGLang shares only through its
 tree, so its adapter copies a request's own pages at a fork) and publish those copies once
 the parent is gone. Before the books recorded a fork's blocks, the probe after the parent

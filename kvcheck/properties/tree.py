@@ -25,15 +25,15 @@ its commit) to every layer: each must be refused with a ``ValueError`` naming th
 change nothing, which every later step shows (a tree the cache lost, replaced or cut is read
 back by the oracle). Each case, event and kind of path is an edge (``kvcheck.reach``).
 
-The engine (``kvcheck.session``) runs the prefix and the steps after each commit; the tree's
-own steps (``draft``, ``commit``) are here.
+The engine (``kvcheck.session``) runs every event of a plan, the tree's too: its draft and
+its commit are events beside the others (``kvcheck.session.events.tree``), so any plan may
+mix them; this module draws the plans and the bad calls sent between them.
 
 - ``tree drafts``: where ``append_tree`` and ``commit_tree`` are offered.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -53,10 +53,10 @@ from kvcheck import strategies as kvst
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS, Recorder
 from kvcheck.kit import KitTests, Property, path_for, property_test
-from kvcheck.session import Engine, Request, assert_logits
+from kvcheck.session import Engine, Request
+from kvcheck.session.tree_tap import NODES_IN_CODES
 from kvref import CacheFactory, ModelConfig
-from kvref.protocol import kept_rows
-from kvref.tree import tree_depths, tree_paths
+from kvref.tree import tree_paths
 
 EDGE = kvst.EDGE
 MAX_NODES = 10
@@ -266,129 +266,6 @@ def tree_plans(draw) -> TreePlan:
 
 
 # --- the tree's steps of the session ----------------------------------------------------
-def committed_rows(recorder: Recorder, like: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """The rows a layer was given since its reset, (B, H_kv, L, D) each: by row where rows
-    were fed their own (then all of one length here), else as one batch; none yet: empty
-    keys and values shaped like ``like``'s (a latent layer's values are wider than its keys)."""
-    if recorder.rows_given is not None:
-        return tuple(torch.stack([row[which] for row in recorder.rows_given]) for which in (0, 1))
-    if recorder.given is None:
-        return tuple(rows[:, :, :0] for rows in like)
-    return recorder.given
-
-
-def coded_with_nodes(recorder: Recorder, length: int, row: int = 0) -> list[int]:
-    """Keys' and values' rows of batch row ``row`` that may be in codes once a tree's nodes
-    bring the rows given to ``length``: a node is a row as any other, in codes once out of
-    the declared recent run (contract, 10.1); with rows of their own, from that row's own
-    count."""
-    before = recorder.rows_below[row] if recorder.rows_below else recorder.quantized_below
-    return recorder.coded_below(before, length)
-
-
-def committed_below(
-    recorder: Recorder, held: int, nodes: int, length: int, row: int = 0
-) -> list[int]:
-    """The rows that may be in codes once a commit leaves ``length`` of the ``held`` and the
-    ``nodes``: any accepted node may be one the tree had in codes, so every row is where
-    some node may have been; else as the rows before the tree."""
-    with_nodes = coded_with_nodes(recorder, held + nodes, row)
-    after = coded_with_nodes(recorder, length, row)
-    return [length if tree > held else part for tree, part in zip(with_nodes, after, strict=True)]
-
-
-class TreeTap:
-    """A layer's recorder as ``forward_tree`` sees it: ``append_tree`` goes to the cache with
-    the poisoned nodes' keys and values replaced (per batch row) and lent as the recorder
-    lends (scribbled over at that cache's next call), and what the cache returns must be the
-    committed rows, then the nodes as handed to it, bit for bit. Everything else is the
-    recorder's."""
-
-    def __init__(
-        self, recorder: Recorder, poisoned: tuple[tuple[int, ...], ...], poison: float, who: str
-    ) -> None:
-        self.recorder, self.poisoned, self.poison, self.who = recorder, poisoned, poison, who
-        self.where = ""
-        self.nodes: tuple[Tensor, Tensor] | None = None  # the node rows handed to the cache
-
-    def __getattr__(self, name: str):
-        if name == "recorder":  # not set yet (a copy being built): no recursion
-            raise AttributeError(name)
-        return getattr(self.recorder, name)
-
-    @property
-    def length(self) -> int:
-        return self.recorder.length
-
-    def append_tree(self, key: Tensor, value: Tensor, parents) -> tuple[Tensor, Tensor]:
-        key, value = key.clone(), value.clone()
-        for row, nodes in enumerate(self.poisoned):
-            if nodes:
-                key[row, :, list(nodes)] = self.poison
-                value[row, :, list(nodes)] = self.poison
-        recorder = self.recorder
-        recorder.views = recorder.returned = recorder.rows_returned = None
-        committed = committed_rows(recorder, (key, value))
-        returned = recorder.cache.append_tree(*recorder._lend(key, value), parents)
-        self.nodes = (key, value)
-        self._check_returned(returned, committed)
-        return returned
-
-    def _check_returned(self, returned, committed) -> None:
-        """Bit for bit the committed rows then the nodes, as many as returned (a window may
-        return a recent run: rule 7); a count the model refuses is left to its guard."""
-        if not (isinstance(returned, (tuple, list)) and len(returned) == 2):
-            return
-        for which, (name, got) in enumerate(zip(("keys", "values"), returned, strict=True)):
-            nodes = self.nodes[which]
-            given = torch.cat((committed[which], nodes), dim=2)
-            shaped = isinstance(got, Tensor) and got.ndim == 4
-            if not shaped or got.shape[:2] + got.shape[3:] != given.shape[:2] + given.shape[3:]:
-                return
-            if not 0 < got.shape[2] <= given.shape[2]:
-                return
-            kept = kept_rows(self.recorder.sinks, got.shape[2], given.shape[2])
-            bad, beyond, row = self._rows_not_held(which, got, given, kept, nodes.shape[2])
-            if bad:
-                held = given.shape[2] - nodes.shape[2]
-                index = kept[bad[0]]
-                said = f"committed row {index}" if index < held else f"draft node {index - held}"
-                raise failures.DataLoss(
-                    f"{self.who}, batch row {row}: {name} row {index} that append_tree returned "
-                    f"is not the {said} given there{beyond} ({len(bad)} of {got.shape[2]} rows "
-                    f"returned differ: {[kept[i] for i in bad[:8]]})\n  at {self.where}"
-                )
-
-    def _rows_not_held(self, which: int, got, given, kept, nodes: int):
-        """``kvassert.rows_not_held`` batch row by batch row, each by its own count of rows
-        that may be in codes: the bad rows of the first row with any, their bound, the row."""
-        for row in range(got.shape[0]):
-            below = coded_with_nodes(self.recorder, given.shape[2], row)[which]
-            if below > given.shape[2] - nodes:
-                reach.note(NODES_IN_CODES)
-            bad, beyond = kvassert.rows_not_held(
-                self.recorder, which, got[row : row + 1], given[row : row + 1], kept, below
-            )
-            if bad:
-                return bad, beyond, row
-        return [], "", 0
-
-
-def histories(request: Request) -> Tensor:
-    """The committed tokens of every row, (B, L): a tree starts after one length."""
-    if request.rows is None:
-        return request.history
-    return torch.stack(request.rows)
-
-
-def node_said(node: int, parents, row: int, poisoned, accepted) -> str:
-    path = tree_paths(parents)[node]
-    return (
-        f"row {row}, node {node} (path {list(path)}, depth {len(path) - 1}; the row accepts "
-        f"{list(accepted)}, its poisoned nodes {list(poisoned)})"
-    )
-
-
 def draft(
     engine: Engine,
     request: Request,
@@ -398,76 +275,17 @@ def draft(
     poison: float,
     label: str,
 ) -> list[tuple[Tensor, Tensor]]:
-    """Verify the draft tree ``tree.parents`` of tokens ``new`` (B, T) in one call
-    (``forward_tree``), its poisoned nodes' rows poisoned on the way into every layer: every
-    node no poisoned row reaches must give the uncached model's logits on the committed tokens
-    and its path. Returns the node rows each layer was handed, (keys, values) (B, H_kv, T,
-    D): poisoned where the plan says."""
-    model, parents = engine.model, tree.parents
-    history = histories(request)
-    first = request.firsts[0] if request.firsts else 0
-    held, nodes = history.shape[1], len(parents)
-    depths = tree_depths(parents)
-    where = engine.where(
-        f"{request.name}, its step #{request.steps}: {label}, a draft tree of {nodes} node"
-        f"{'s' * (nodes > 1)} (parents {list(parents)}) after {held} tokens, at absolute "
-        f"positions {first + held}..{first + held + max(depths)}"
+    """The round's draft tree through the engine (``kvcheck.session.events.tree``): the node
+    rows each layer was handed, poisoned where the plan says."""
+    return engine.draft_tree(
+        request,
+        tree.parents,
+        new,
+        poisoned=tree.poisoned,
+        poison=poison,
+        accepted=accepted,
+        label=label,
     )
-    taps = [
-        TreeTap(recorder, tree.poisoned, poison, f"{request.name}'s layer {layer}")
-        for layer, recorder in enumerate(request.caches)
-    ]
-    for tap in taps:
-        tap.where = where
-    try:
-        logits = model.forward_tree(new, parents, taps)
-    except Exception as error:
-        error.add_note(f"  at {where}")
-        raise
-    request.steps += 1
-    expected = model.forward_tree_uncached(history, new, parents, start_position=first)
-    truth = functools.cache(
-        lambda: engine.truth.forward_tree_uncached(history, new, parents, start_position=first)
-    )
-    paths = tree_paths(parents)
-    compared = [  # (row, node): those no poisoned row reaches (the others' logits say nothing)
-        (row, node)
-        for row in range(new.shape[0])
-        for node in range(nodes)
-        if not set(tree.poisoned[row]).intersection(paths[node])
-    ]
-    if compared:  # all at once first, each node a position; one by one where one diverges
-        index = tuple(
-            torch.tensor(axis, device=logits.device) for axis in zip(*compared, strict=True)
-        )
-        reference = truth()[index][None] if kvassert.needs_reference(expected.dtype) else None
-        if not kvassert.diverging_positions(
-            logits[index][None], expected[index][None], 1, reference
-        ):
-            compared = []
-    for row, node in compared:
-        position = first + held + depths[node]
-        at = slice(node, node + 1)
-        said = node_said(node, parents, row, tree.poisoned[row], accepted[row])
-        try:
-            assert_logits(
-                logits[row : row + 1, at],
-                expected[row : row + 1, at],
-                lambda row=row, at=at: truth()[row : row + 1, at],
-                where=f"{said}, at absolute position {position}\n  at {where}",
-                start=position,
-                path="append",  # append_tree returns rows: the model attends over them
-                what="the draft node's logits and the uncached model's on the committed tokens "
-                "and its path",
-                lossy=kvassert.coarsest(request.caches),  # rows in codes: their budget (10.1)
-            )
-        except failures.WrongResults as error:
-            error.add_note(
-                "  diagnosis: every layer's append_tree returned the committed rows and the nodes "
-                "as given, so the model saw other rows than its ancestors' (mask, positions)"
-            )
-            raise
-    return [tap.nodes for tap in taps]
 
 
 def commit(
@@ -478,59 +296,9 @@ def commit(
     accepted: tuple[tuple[int, ...], ...],
     label: str,
 ) -> None:
-    """``commit_tree(accepted)`` on every layer; then the request's history is the committed
-    tokens and each row's path, and each layer's recorder holds the rows it was given before
-    the tree and each row's accepted nodes as ``handed`` to it (B, H_kv, T, D), for every
-    later call to be checked against. Rows of different lengths go on fed by row."""
-    said = [list(path) for path in accepted]
-    what = f"{label}, commit_tree({said})"
-    where = engine.where(f"{request.name}: {what}")
-    for layer, recorder in enumerate(request.caches):
-        recorder.views = recorder.returned = recorder.rows_returned = None
-        error = kvassert.raised_by(lambda cache=recorder.cache: cache.commit_tree(accepted))
-        if error is not None:
-            raise failures.RefusesValidInput(
-                f"{request.name}'s layer {layer}: commit_tree({said}), a path from a root down "
-                f"per row, refused with {type(error).__name__}: {error}\n  at {where}"
-            ) from error
-    by_row = request.rows is not None or len({len(path) for path in accepted}) > 1
-    for recorder, nodes in zip(request.caches, handed, strict=True):
-        committed = committed_rows(recorder, nodes)
-        kept = [  # per row, (keys, values) (H_kv, rows, D): what it holds now
-            tuple(
-                torch.cat((held[row], rows[row][:, list(path)]), dim=1)
-                for held, rows in zip(committed, nodes, strict=True)
-            )
-            for row, path in enumerate(accepted)
-        ]
-        held, count = committed[0].shape[2], nodes[0].shape[2]
-        below = [
-            committed_below(recorder, held, count, rows[0].shape[1], row)
-            for row, rows in enumerate(kept)
-        ]
-        if by_row:
-            recorder.given, recorder.rows_given = None, kept  # fed by row from now on
-            recorder.rows_below = below
-        else:
-            recorder.given = tuple(torch.stack([row[which] for row in kept]) for which in (0, 1))
-            recorder.quantized_below = below[0]
-    paths = [new[row, list(path)] for row, path in enumerate(accepted)]
-    if by_row:
-        request.rows = [torch.cat(both) for both in zip(histories(request), paths, strict=True)]
-    else:
-        request.history = torch.cat((request.history, torch.stack(paths)), dim=1)
-    request.steps += 1
-    for layer, recorder in enumerate(request.caches):
-        who = f"{request.name}'s layer {layer}"
-        kvassert.assert_length(recorder, request.held, who=who, where=where)
-        if request.rows is not None:
-            want = tuple(len(row) for row in request.rows)
-            if tuple(recorder.cache.row_lengths) != want:
-                raise failures.DataLoss(
-                    f"{who}: row_lengths {tuple(recorder.cache.row_lengths)} after {what}; "
-                    f"the rows hold {want}\n  at {where}"
-                )
-    engine.check(what)
+    """The round's commit through the engine, then what holds after every event."""
+    engine.commit_tree(request, handed, new, accepted, label=label)
+    engine.check(f"{label}, commit_tree({[list(path) for path in accepted]})")
 
 
 def one_length(accepted: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
@@ -839,8 +607,6 @@ PINNED = (
         token_seed=5,
     ),
 )
-
-NODES_IN_CODES = "draft nodes held in codes"  # contract, 10.1
 
 TREE_EDGES = (
     reach.Edge(NODES_IN_CODES, needs=("tree", "lossy storage")),
