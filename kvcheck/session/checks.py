@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 from kvcheck import asserts as kvassert
 from kvcheck import failures
+from kvcheck.session.events.base import Session
 from kvref import CacheContractError, ReferenceTransformer
 
 if TYPE_CHECKING:
-    from kvcheck.session.events.base import Session
     from kvcheck.session.request import Request
 
 

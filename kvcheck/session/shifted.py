@@ -18,12 +18,12 @@ import torch
 from torch import Tensor
 
 from kvcheck import asserts as kvassert
+from kvcheck.session.events.base import Session
 from kvref import ReferenceTransformer
 from kvref.protocol import keys_stored
 from kvref.shift_oracle import HeldRows
 
 if TYPE_CHECKING:
-    from kvcheck.session.events.base import Session
     from kvcheck.session.request import Request
 
 

@@ -12,7 +12,6 @@ shift no uncached pass is the oracle: the model over the rows the shifts left is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -21,12 +20,9 @@ from kvcheck import asserts as kvassert
 from kvcheck import failures
 from kvcheck.session.checks import check_returned, not_row_shifted
 from kvcheck.session.compare import assert_logits, diagnose
-from kvcheck.session.events.base import Event
+from kvcheck.session.events.base import Event, Session
 from kvcheck.session.request import Request
 from kvcheck.session.shifted import after_shift
-
-if TYPE_CHECKING:
-    from kvcheck.session.events.base import Session
 
 
 @dataclass

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -27,14 +26,11 @@ from kvcheck import failures
 from kvcheck import strategies as kvst
 from kvcheck.session.checks import check_row_lengths
 from kvcheck.session.compare import assert_logits, row_said
-from kvcheck.session.events.base import Event
+from kvcheck.session.events.base import Event, Session
 from kvcheck.session.request import Request
 from kvcheck.session.shifted import after_row_shift
 from kvref.protocol import kept_rows, keys_stored, rows_needed
 from kvref.rows import row_slots, rows_laid_out
-
-if TYPE_CHECKING:
-    from kvcheck.session.events.base import Session
 
 
 @dataclass

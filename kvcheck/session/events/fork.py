@@ -13,14 +13,10 @@ books learn of them as twins, not new writes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvcheck.session.checks import check_lengths, not_shifted
-from kvcheck.session.events.base import Event
+from kvcheck.session.events.base import Event, Session
 from kvcheck.session.request import Request
-
-if TYPE_CHECKING:
-    from kvcheck.session.events.base import Session
 
 
 @dataclass

@@ -14,18 +14,14 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvcheck import asserts as kvassert
 from kvcheck import pool_books
 from kvcheck.harness import builder, record
 from kvcheck.session.checks import check_lengths
-from kvcheck.session.events.base import Event
+from kvcheck.session.events.base import Event, Session
 from kvcheck.session.request import Request
 from kvref import CacheFactory, CacheRows, capabilities
-
-if TYPE_CHECKING:
-    from kvcheck.session.events.base import Session
 
 
 def exported(request: Request, where: str) -> list:

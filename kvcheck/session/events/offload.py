@@ -12,15 +12,11 @@ what was written, not new writes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvcheck import failures
 from kvcheck.session.checks import check_lengths
-from kvcheck.session.events.base import Event
+from kvcheck.session.events.base import Event, Session
 from kvcheck.session.request import Request
-
-if TYPE_CHECKING:
-    from kvcheck.session.events.base import Session
 
 
 @dataclass

@@ -9,16 +9,12 @@ cache that moved one layer's rows and not another's, or aliased a row taken twic
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from kvcheck.session.checks import check_lengths, not_shifted
-from kvcheck.session.events.base import Event
+from kvcheck.session.events.base import Event, Session
 from kvcheck.session.request import Request
-
-if TYPE_CHECKING:
-    from kvcheck.session.events.base import Session
 
 
 @dataclass

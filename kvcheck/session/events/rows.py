@@ -12,7 +12,6 @@ took a neighbour's rows, or kept rows it should have lost, shows there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,12 +25,9 @@ from kvcheck.session.checks import (
     refused_by_a_cache,
     windows,
 )
-from kvcheck.session.events.base import Event
+from kvcheck.session.events.base import Event, Session
 from kvcheck.session.request import Request
 from kvref import may_refuse_truncate
-
-if TYPE_CHECKING:
-    from kvcheck.session.events.base import Session
 
 
 @dataclass

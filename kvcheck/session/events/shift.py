@@ -14,7 +14,6 @@ cache's ``ValueError``; the books then stay.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,15 +26,12 @@ from kvcheck.session.checks import (
     refusal_allowed,
     windows,
 )
-from kvcheck.session.events.base import Event
+from kvcheck.session.events.base import Event, Session
 from kvcheck.session.request import Request
 from kvcheck.session.shifted import batch_rows, row_rows
 from kvref import may_refuse_shift
 from kvref.protocol import keys_stored
 from kvref.shift_oracle import shifted_rows
-
-if TYPE_CHECKING:
-    from kvcheck.session.events.base import Session
 
 
 def shifted(held: tuple[list, list], start: int, count: int, base: float, stored) -> tuple:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -27,13 +26,10 @@ from torch import Tensor
 from kvcheck import asserts as kvassert
 from kvcheck import failures
 from kvcheck.session.compare import assert_logits
-from kvcheck.session.events.base import Event
+from kvcheck.session.events.base import Event, Session
 from kvcheck.session.request import Request
 from kvcheck.session.tree_tap import TreeTap, committed_below, committed_rows
 from kvref.tree import tree_depths, tree_paths
-
-if TYPE_CHECKING:
-    from kvcheck.session.events.base import Session
 
 Paths = tuple[tuple[int, ...], ...]  # per batch row, node indices
 

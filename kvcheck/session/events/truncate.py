@@ -11,16 +11,12 @@ layer must still hold it. Any other refusal is a crash on valid input.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvcheck import asserts as kvassert
 from kvcheck.session.checks import check_lengths, not_shifted, refusal_allowed, windows
-from kvcheck.session.events.base import Event
+from kvcheck.session.events.base import Event, Session
 from kvcheck.session.request import Request
 from kvref import may_refuse_truncate
-
-if TYPE_CHECKING:
-    from kvcheck.session.events.base import Session
 
 
 @dataclass
