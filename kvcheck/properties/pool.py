@@ -29,7 +29,13 @@ from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.harness import build, random_query
 from kvcheck.kit import KitTests, Property, offered, property_test
-from kvcheck.properties.requests import PINNED, REQUEST_EDGES, request_plans, serve
+from kvcheck.properties.requests import (
+    PINNED,
+    REQUEST_EDGES,
+    every_requests_plan,
+    request_plans,
+    serve,
+)
 from kvref import BlockTables, CacheFactory, CacheSpec
 from kvref.quantized import storage
 
@@ -223,6 +229,9 @@ POOL = Property(
     requires=("block pool",),
     pinned=PINNED,
     reaches=REQUEST_EDGES,
+    # The requests property's plans, on a tight pool: every interleaving of up to two.
+    every_plan=every_requests_plan,
+    exhaustive_tokens=4,
     since="1.0",
     holds=(
         "the requests plans on a tight pool, its books checked after every event ([contract.md, "
