@@ -4,22 +4,9 @@
     python -m kvbench --quick --out /tmp/b   # a small model, in seconds
     python -m kvbench --kv-impl preallocated --kv-impl mypkg.caches:MyCache
 
-How one decode step at context L is timed: each layer's cache is given the rotated keys and
-values of the first L - 1 tokens in appends of 64 (a chunked prefill), then one model call
-with token L is timed: it appends one row (or, for a cache with ``attend``, hands it the row
-and the query) and attends to L keys. Each call grows the cache, so before every timed call
-the cache is put back at L - 1 tokens while the clock is paused: by ``truncate(L - 1)`` when
-the cache has it, else by a reset and the same appends. Before timing, each cache decodes
-token L twice (after its prefill and after being put back) and must match the ideal.
-torch.utils.benchmark still warms up, picks a block size and repeats, but only decode steps
-at exactly context L are on the clock. The rows of one length take turns, a share of the time
-each per round, so a change in the machine's load falls on all of them alike. The chunked and
-paged built-ins are timed with blocks of ``--block-size`` tokens (default 256): their
-``attend`` pays a fixed cost per block.
-
-Besides the caches there are two rows: `ideal`, the same step with the keys and values of all
-L tokens already in place and no bookkeeping at all (the floor a cache can approach), and
-`uncached`, the model recomputing all L tokens to decode the last one.
+The rows of one length take turns, a share of the time each per round, so a change in the
+machine's load falls on all of them alike. The chunked and paged built-ins are timed with
+blocks of ``--block-size`` tokens (default 256): their ``attend`` pays a fixed cost per block.
 
 Beside every built-in (no ``--kv-impl``), the compressed arm: ``quantized`` (int8 codes) on
 the same model, and ``latent`` on an MLA model of the same sizes (``latent_config``) with an
@@ -27,27 +14,10 @@ ideal of its own, ``ideal (MLA)``. Each is held to the formula of what it declar
 (``kvref.min_nbytes`` with its storage, or the MLA model's spec: "x formula"), and before
 timing its logits must be within the budget the kit holds its storage to (the lossy one of
 ``kvcheck.asserts`` for codes, 1e-4 for a latent kept as given).
-
-Then requests of batch 1 and different lengths are held side by side (requests.csv): on one
-paged pool, whose blocks in use are compared with the sum of the requests' own formulas, and
-on every other cache (``preallocated`` reserving the longest request's length for each); and
-samples forked from one prompt on one pool, sharing the prompt's blocks.
-
-Then the same requests' next token in one step (batch.csv): on one batched cache whose rows
-hold lengths of their own (``append_rows``, contract section 8.1), one call for every
-request, against the requests on caches of their own, one call each.
-
-Last, many requests opening with one long system prompt (shared_prefix.csv), served in turn
-and held side by side: on one paged pool with prefix caching (contract section 9.1: each
-request looks its prompt up and prefills only the rest), on the same kind of pool without
-lookups, and on separate preallocated caches. The prefills of all the requests are timed
-as one statement, each time on fresh caches (and a fresh pool, so the first request misses)
-whose storage was allocated off the clock; the ways must first give the same logits, for
-every prompt's last token and every decoded one.
 """
 
-# This docstring is the command's --help: what a run measures, in the order it measures it.
-# Each module of kvbench says the same of its own table in more detail.
+# The command's --help is this docstring, then each table's module's own, in the order a
+# run measures them (help_text): what a table measures is said once, where it is measured.
 
 from __future__ import annotations
 
@@ -63,6 +33,7 @@ from pathlib import Path
 import torch
 
 import kvimpl
+from kvbench import batch, decode, memory, shared_prefix
 from kvbench.report import (
     batch_table,
     describe,
@@ -101,11 +72,17 @@ def _lengths(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(lengths)))
 
 
+def help_text() -> str:
+    """What a run measures: this module's docstring, then each table's, in order."""
+    tables = (decode, memory, batch, shared_prefix)
+    return "\n".join(text.strip() + "\n" for text in (__doc__, *(m.__doc__ for m in tables)))
+
+
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str, CacheFactory]]:
     """The options, and the caches to time by label (every built-in unless --kv-impl)."""
     parser = argparse.ArgumentParser(
         prog="python -m kvbench",
-        description=__doc__,
+        description=help_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
