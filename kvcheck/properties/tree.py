@@ -505,15 +505,16 @@ def off_the_paths(parents: tuple[int, ...], accepted) -> tuple[tuple[int, ...], 
 
 
 def every_tree_plan(scope: kvscope.Scope) -> Iterator[TreePlan]:
-    """Every plan of one tree round: a prefix of p tokens in every split (none at p = 0: the
-    tree on an empty cache), a tree of n nodes in every parent assignment (``every_parents``,
+    """Every plan of one tree round: a prefix of p tokens fed as one prefill (none at p = 0:
+    the tree on an empty cache; its splits are the search's, every one would multiply the
+    plans by 2^(p - 1)), a tree of n nodes in every parent assignment (``every_parents``,
     n <= ``ENUMERATED_NODES``), per batch row every accepted path (``every_acceptance``), the
     nodes off each row's path poisoned or none (the poisoned variant only where some node is
     off a path), then a >= 1 tokens fed after the commit in every split; p + n + a tokens
     in all (the rows fed up to one length for a cache of rows of their own are the accepted
     paths' difference, at most n, which the nodes bound already). Per layout of B rows, at T
-    tokens: sum over p + n + a = T of c(p) x sum over trees of sum over acceptances of
-    (1 + [some node off a path]) x 2^(a - 1), c(0) = 1, c(p) = 2^(p - 1).
+    tokens: sum over p + n + a = T of sum over trees of sum over acceptances of
+    (1 + [some node off a path]) x 2^(a - 1).
 
     Fixed, and why: one round (a second multiplies the plans by the first's; the search
     draws two), no later events (truncate, reorder, fork, reset after the commit) and no bad
