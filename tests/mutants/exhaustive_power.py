@@ -155,10 +155,12 @@ def render(rows: list[dict], tokens: int, cap: float, property_cap: float) -> st
             "property's pinned inputs and 20 derandomized examples) against the exhaustive "
             "mode.",
             "",
-            "| mutant | the ci hunt, every property | caught to N tokens by | first failing plan |",
-            "|---|---|---|---|",
+            "| mutant | caught to N tokens by | first failing plan | that property's ci search "
+            "| the whole ci hunt |",
+            "|---|---|---|---|---|",
             *(
-                f"| {row['mutant']} | {_hunt(row)} | {_caught(row, cap)} | {_plan(row)} |"
+                f"| {row['mutant']} | {_caught(row, cap)} | {_plan(row)} | {_ci(row)} "
+                f"| {_hunt(row)} |"
                 for row in small
             ),
             "",
@@ -170,8 +172,7 @@ def render(rows: list[dict], tokens: int, cap: float, property_cap: float) -> st
         "|---|---|---|---|",
     ]
     for row in catalogue:
-        ci = "" if row["ci"] is None else "catches it" if row["ci"] else "**misses it**"
-        lines.append(f"| {row['mutant']} | {_caught(row, cap)} | {_plan(row)} | {ci} |")
+        lines.append(f"| {row['mutant']} | {_caught(row, cap)} | {_plan(row)} | {_ci(row)} |")
     return "\n".join([*lines, ""])
 
 
@@ -188,6 +189,10 @@ def _caught(row: dict, cap: float) -> str:
 
 def _plan(row: dict) -> str:
     return f"#{row['plan']:,}" if "plan" in row else ""
+
+
+def _ci(row: dict) -> str:
+    return "" if row["ci"] is None else "catches it" if row["ci"] else "**misses it**"
 
 
 def _hunt(row: dict) -> str:
