@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import itertools
 import math
-from contextlib import nullcontext
 
 import pytest
 import torch
@@ -25,11 +24,8 @@ from kvcheck.scope import LAYOUTS, Scope
 from kvimpl.chunked import ChunkedCache
 from kvimpl.latent import LatentCache
 from kvimpl.streaming import StreamingCache
-from kvref import CacheContractError
-from tests.mutants import MUTANTS
-from tests.test_exhaustive_single import run_every
+from tests.exhaustive_runs import assert_caught, run_every
 
-MUTANT = {mutant.name: mutant for mutant in MUTANTS}
 SHARED_MODELS = 3  # the default layouts of 2 layers, each with its one kv_sources, (None, 0)
 
 
@@ -365,12 +361,6 @@ def test_fewest_tokens_first_each_plan_once(name):
 # --- Every plan at a few tokens holds on a correct built-in ---
 
 
-def run_as_the_runner(prop, factory, tokens: int) -> int:
-    """``run_every`` inside the property's context (the sharded runtime's processes)."""
-    with prop.context(factory) if prop.context else nullcontext():
-        return run_every(prop, factory, tokens)
-
-
 HOLDS = [
     (attend.ATTEND, ChunkedCache, 5),
     (attend.LATENT_ATTEND, LatentCache, 5),
@@ -389,7 +379,7 @@ def ids(cases) -> list[str]:
 
 @pytest.mark.parametrize(("prop", "factory", "tokens"), HOLDS, ids=ids(HOLDS))
 def test_every_plan_holds_on_a_correct_cache(prop, factory, tokens):
-    assert run_as_the_runner(prop, factory, tokens) > 0
+    assert run_every(prop, factory, tokens) > 0
 
 
 # --- A mutant the property catches is caught by one of its plans ---
@@ -408,9 +398,4 @@ CATCHES = [
 
 @pytest.mark.parametrize(("prop", "name", "tokens"), CATCHES, ids=ids(CATCHES))
 def test_a_mutant_is_caught_by_a_plan(prop, name, tokens):
-    mutant = MUTANT[name]
-    with kvsizes.aiming_at(kvsizes.declared_by(mutant.factory)):
-        assert prop.not_offered(mutant.factory) is None, f"{name} does not offer {prop.name}"
-    with pytest.raises((AssertionError, CacheContractError)) as caught, mutant.patch():
-        run_as_the_runner(prop, mutant.factory, tokens)
-    assert "not offered" not in str(caught.value)
+    assert_caught(prop, name, tokens)

@@ -15,8 +15,7 @@ import kvimpl
 from kvcheck import sizes as kvsizes
 from kvcheck.properties import edits, rows, shift, sinks
 from kvcheck.scope import LAYOUTS, Scope, compositions
-from kvref import CacheContractError
-from tests.mutants import MUTANTS
+from tests.exhaustive_runs import assert_caught, run_every
 
 
 def fed(plan) -> int:
@@ -303,13 +302,7 @@ HOLDS = [
 
 @pytest.mark.parametrize(("name", "factory", "tokens"), HOLDS)
 def test_every_plan_holds_on_a_correct_cache(name, factory, tokens):
-    prop = PROPERTIES[name][0]
-    with with_sizes(factory):
-        assert prop.not_offered(factory) is None
-        plans = list(prop.every_plan(Scope.within_domain(tokens)))
-        assert plans
-        for plan in plans:
-            prop.run(factory, plan)
+    assert run_every(PROPERTIES[name][0], factory, tokens) > 0
 
 
 # --- A mutant the property catches is caught by a plan of the enumeration ---
@@ -328,12 +321,4 @@ CAUGHT = [
 
 @pytest.mark.parametrize(("name", "mutant_name", "tokens"), CAUGHT)
 def test_a_mutant_is_caught_by_some_plan(name, mutant_name, tokens):
-    prop = PROPERTIES[name][0]
-    (mutant,) = [m for m in MUTANTS if m.name == mutant_name]
-    with mutant.patch(), with_sizes(mutant.factory):
-        for plan in prop.every_plan(Scope.within_domain(tokens)):
-            try:
-                prop.run(mutant.factory, plan)
-            except (AssertionError, CacheContractError):
-                return
-    pytest.fail(f"{mutant_name}: no plan of {name!r} up to {tokens} tokens catches it")
+    assert_caught(PROPERTIES[name][0], mutant_name, tokens)

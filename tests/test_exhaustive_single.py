@@ -14,18 +14,13 @@ import pytest
 import torch
 
 import kvimpl
-from kvcheck import profiles as kvprofiles
-from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
-from kvcheck.kit import kit_paths
 from kvcheck.properties import edits, isolation, memory, moves, rejection, reset, shift
 from kvcheck.scope import LAYOUTS, Scope
 from kvimpl.chunked import ChunkedCache
 from kvimpl.latent import LatentCache
-from kvref import CacheContractError
-from tests.mutants import MUTANTS
+from tests.exhaustive_runs import assert_caught, run_every
 
-MUTANT = {mutant.name: mutant for mutant in MUTANTS}
 # The cache specs of the default layouts: (1, 1), (2, 2) (twice: query heads are not in a
 # spec), and the window layout's two layers (window 2 and global), batch 1, 2 kv heads.
 SPECS = 4
@@ -258,20 +253,6 @@ HOLDS = [
 ]
 
 
-def run_every(prop, factory, tokens: int) -> int:
-    """Every plan of ``prop`` to ``tokens`` tokens on ``factory``, every case and path, as
-    the runner does (within the cache's declared sizes, one torch thread)."""
-    runs = 0
-    with kvsizes.aiming_at(kvsizes.declared_by(factory)), kvprofiles.torch_threads():
-        assert prop.not_offered(factory) is None
-        for plan in prop.every_plan(Scope.within_domain(tokens)):
-            for path in kit_paths(prop, factory):
-                for case in prop.cases or [None]:
-                    prop.run(factory, plan, case, path)
-                    runs += 1
-    return runs
-
-
 @pytest.mark.parametrize(("prop", "factory", "tokens"), **named(HOLDS))
 def test_every_plan_holds_on_a_correct_cache(prop, factory, tokens):
     assert run_every(prop, factory, tokens) > 0
@@ -292,6 +273,4 @@ CATCHES = [
 
 @pytest.mark.parametrize(("prop", "name", "tokens"), **named(CATCHES))
 def test_a_mutant_is_caught_by_a_plan(prop, name, tokens):
-    mutant = MUTANT[name]
-    with pytest.raises((AssertionError, CacheContractError)), mutant.patch():
-        run_every(prop, mutant.factory, tokens)
+    assert_caught(prop, name, tokens)
