@@ -19,6 +19,11 @@ from tests.mutants import MUTANTS
 MUTANT = {mutant.name: mutant for mutant in MUTANTS}
 
 
+def by_property(cases) -> dict:
+    """``pytest.mark.parametrize``'s values and ids for rows that begin with a property."""
+    return {"argvalues": cases, "ids": [prop.name for prop, *_ in cases]}
+
+
 def run_every(prop, factory, tokens: int) -> int:
     """Every plan of ``prop`` to ``tokens`` tokens on ``factory``, every case and path; the
     runs made (none would prove nothing: the property must be offered)."""

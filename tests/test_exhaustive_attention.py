@@ -24,7 +24,7 @@ from kvcheck.scope import LAYOUTS, Scope
 from kvimpl.chunked import ChunkedCache
 from kvimpl.latent import LatentCache
 from kvimpl.streaming import StreamingCache
-from tests.exhaustive_runs import assert_caught, run_every
+from tests.exhaustive_runs import assert_caught, by_property, run_every
 
 SHARED_MODELS = 3  # the default layouts of 2 layers, each with its one kv_sources, (None, 0)
 
@@ -373,11 +373,7 @@ HOLDS = [
 ]
 
 
-def ids(cases) -> list[str]:
-    return [prop.name for prop, *_ in cases]
-
-
-@pytest.mark.parametrize(("prop", "factory", "tokens"), HOLDS, ids=ids(HOLDS))
+@pytest.mark.parametrize(("prop", "factory", "tokens"), **by_property(HOLDS))
 def test_every_plan_holds_on_a_correct_cache(prop, factory, tokens):
     assert run_every(prop, factory, tokens) > 0
 
@@ -396,6 +392,6 @@ CATCHES = [
 ]
 
 
-@pytest.mark.parametrize(("prop", "name", "tokens"), CATCHES, ids=ids(CATCHES))
+@pytest.mark.parametrize(("prop", "name", "tokens"), **by_property(CATCHES))
 def test_a_mutant_is_caught_by_a_plan(prop, name, tokens):
     assert_caught(prop, name, tokens)

@@ -17,7 +17,7 @@ import kvimpl
 from kvcheck.properties import pool, requests
 from kvcheck.properties.requests import Feed, Finish, Fork, Reorder, Start, Truncate
 from kvcheck.scope import LAYOUTS, Scope, first_use_order
-from tests.exhaustive_runs import assert_caught, run_every
+from tests.exhaustive_runs import assert_caught, by_property, run_every
 
 PAGED = kvimpl.CACHES["paged"]
 # What each enumeration passes to every_request_plan (its docstring's bounds).
@@ -231,11 +231,7 @@ HOLDS = [
 ]
 
 
-def ids(cases) -> list[str]:
-    return [prop.name for prop, *_ in cases]
-
-
-@pytest.mark.parametrize(("prop", "factory", "tokens"), HOLDS, ids=ids(HOLDS))
+@pytest.mark.parametrize(("prop", "factory", "tokens"), **by_property(HOLDS))
 def test_every_plan_holds_on_a_correct_cache(prop, factory, tokens):
     assert run_every(prop, factory, tokens) > 0
 
@@ -249,6 +245,6 @@ CATCHES = [
 ]
 
 
-@pytest.mark.parametrize(("prop", "name", "tokens"), CATCHES, ids=ids(CATCHES))
+@pytest.mark.parametrize(("prop", "name", "tokens"), **by_property(CATCHES))
 def test_a_mutant_is_caught_by_a_plan(prop, name, tokens):
     assert_caught(prop, name, tokens)

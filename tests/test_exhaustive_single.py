@@ -19,7 +19,7 @@ from kvcheck.properties import edits, isolation, memory, moves, rejection, reset
 from kvcheck.scope import LAYOUTS, Scope
 from kvimpl.chunked import ChunkedCache
 from kvimpl.latent import LatentCache
-from tests.exhaustive_runs import assert_caught, run_every
+from tests.exhaustive_runs import assert_caught, by_property, run_every
 
 # The cache specs of the default layouts: (1, 1), (2, 2) (twice: query heads are not in a
 # spec), and the window layout's two layers (window 2 and global), batch 1, 2 kv heads.
@@ -80,11 +80,7 @@ ENUMERATED = [
 ]
 
 
-def named(cases) -> dict:
-    return {"argvalues": cases, "ids": [prop.name for prop, *_ in cases]}
-
-
-@pytest.mark.parametrize(("prop", "tokens"), **named(ENUMERATED))
+@pytest.mark.parametrize(("prop", "tokens"), **by_property(ENUMERATED))
 def test_plans_run_fewest_tokens_first_each_once(prop, tokens):
     plans = list(prop.every_plan(Scope(tokens)))
     totals = [fed(prop, plan) for plan in plans]
@@ -253,7 +249,7 @@ HOLDS = [
 ]
 
 
-@pytest.mark.parametrize(("prop", "factory", "tokens"), **named(HOLDS))
+@pytest.mark.parametrize(("prop", "factory", "tokens"), **by_property(HOLDS))
 def test_every_plan_holds_on_a_correct_cache(prop, factory, tokens):
     assert run_every(prop, factory, tokens) > 0
 
@@ -271,6 +267,6 @@ CATCHES = [
 ]
 
 
-@pytest.mark.parametrize(("prop", "name", "tokens"), **named(CATCHES))
+@pytest.mark.parametrize(("prop", "name", "tokens"), **by_property(CATCHES))
 def test_a_mutant_is_caught_by_a_plan(prop, name, tokens):
     assert_caught(prop, name, tokens)
