@@ -78,6 +78,8 @@ class PrefixBooks:
                     full = held - index * size == size
                     if full and (count or self._twin_of(table[index], written)):
                         self.full_writes[written.identity()] += 1
+                    if not count and _extends(self.blocks.get(table[index]), written):
+                        continue  # a block a fork shares, held short of what was written there
                     self._overwrite(table[index], written)
 
     def _twin_of(self, block: int, written: Written) -> bool:
@@ -216,6 +218,23 @@ def _tables(cache) -> list[list[int]]:
             f"(kvref.BlockTables): prefix caching needs them"
         )
     return cache.block_tables
+
+
+def _extends(seen: Written | None, given: Written) -> bool:
+    """Whether ``seen`` is ``given`` and more: the same layer, salt, tokens and rows, then
+    rows beyond. A fork or a restore (no new write) that holds a block only partly leaves
+    what was written past its end there: a request that rolled back into a block written
+    full, then forked, shares that block, which may stay published and be found whole. The
+    rows the kit knows are kept, and a hit on the block is held to them bit for bit."""
+    if seen is None or (seen.layer, seen.salt) != (given.layer, given.salt):
+        return False
+    rows = given.keys.shape[1]
+    return (
+        len(seen.tokens) > len(given.tokens)
+        and seen.tokens[: len(given.tokens)] == given.tokens
+        and torch.equal(seen.keys[:, :rows], given.keys)
+        and torch.equal(seen.values[:, :rows], given.values)
+    )
 
 
 def _mismatch(seen: Written, layer: int, salt: object, tokens: tuple[int, ...]) -> str:

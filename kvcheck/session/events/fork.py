@@ -7,7 +7,8 @@ The child's books are a copy of the parent's; what holds after it is every layer
 and from then on the two are separate requests, each fed and compared on its own, so a fork
 that shares storage it should have copied shows in the other's next logits. On a
 prefix-caching pool the blocks a fork copied hold the parent's prefixes again: the prefix
-books learn of them as twins, not new writes.
+books learn of them as twins, not new writes; a block it shares keeps what the books know
+was written there, past the fork's end too (a parent that rolled back into a full block).
 """
 
 from __future__ import annotations
