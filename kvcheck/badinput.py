@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kvcheck import contract
 from kvcheck.asserts import dtype_name
 from kvcheck.harness import Recorder, builder, record, recorded
 from kvcheck.strategies import ModelPlan, as_values, build_model, random_rows
@@ -50,7 +51,9 @@ class BadInput:
     may_be_accepted: bool = False
     # Whether the input is bad at all in a given state (a model call may need two layers).
     applies: Callable[[Any], bool] = field(default=_always)
-    since: str = "1.0"  # the contract version the case arrived in (kvcheck.contract)
+    # The contract version the case arrived in (kvcheck.contract): never a default, set for
+    # a whole table by arrived_in, which every table is built with.
+    since: str | None = None
 
     def __str__(self) -> str:
         return self.name
@@ -64,6 +67,11 @@ class BadInput:
 
 def arrived_in(version: str, cases: list[BadInput]) -> list[BadInput]:
     """A table of cases that arrived together in contract ``version``."""
+    if version not in contract.VERSIONS:
+        raise ValueError(
+            f"bad-input cases arrived in {version!r}, no version of the contract "
+            f"(kvcheck.contract.VERSIONS: {', '.join(contract.VERSIONS)})"
+        )
     return [dataclasses.replace(case, since=version) for case in cases]
 
 
@@ -164,76 +172,79 @@ def overflow(max_length: int, rows: int) -> BadInput:
 
 # make(key, value) -> (bad key, bad value). "shape" or "size" alone names nothing: a shape
 # counts when it is shown.
-BAD_APPENDS = [
-    BadInput("key of rank 3", lambda k, v: (k[..., 0], v), RANK, shapes_of(0)),
-    BadInput("value of rank 5", lambda k, v: (k, v[None]), RANK, shapes_of(1)),
-    BadInput(
-        "value with one token more than key",
-        lambda k, v: (k, grow(v, 2)),
-        rf"differ|mismatch|match|!=|same|equal|length|tokens?\b|{cased('T')}",
-        shapes_of(0, 1),
-    ),
-    BadInput(
-        "wrong batch",
-        lambda k, v: (grow(k, 0), grow(v, 0)),
-        BATCH,
-        either(shapes_of(0), sizes_of(0)),
-    ),
-    BadInput(
-        "wrong kv_heads",
-        lambda k, v: (grow(k, 1), grow(v, 1)),
-        rf"kv.?heads?|heads|{cased('H')}|{cased('H_kv')}",
-        either(shapes_of(0), sizes_of(1)),
-    ),
-    BadInput(
-        "wrong head_dim",
-        lambda k, v: (grow(k, 3), grow(v, 3)),
-        rf"head.?dim|head.?size|\bdim\b|width|{cased('D')}",
-        either(shapes_of(0), sizes_of(3)),
-    ),
-    BadInput(
-        "value of another width than its spec's",
-        lambda k, v: (k, grow(v, 3)),
-        rf"differ|mismatch|match|!=|same|equal|width|head.?dim|\bdim\b|value.?dim|{cased('D')}",
-        shapes_of(1),
-    ),
-    BadInput(
-        "zero new tokens",
-        lambda k, v: (k[:, :, :0], v[:, :, :0]),
-        rf"zero|empty|nothing|no tokens|at least|length|{cased('T')}|(?<![\d.])0(?![\d.])",
-        shapes_of(0),
-        may_be_accepted=True,
-    ),
-    BadInput(
-        "wrong dtype",
-        lambda k, v: (k.to(other_dtype(k.dtype)), v.to(other_dtype(v.dtype))),
-        r"dtype|type|precision",
-        dtypes_of,
-    ),
-    BadInput(
-        "wrong dtype of value only",
-        lambda k, v: (k, v.to(other_half(v.dtype))),
-        r"dtype|type|precision",
-        dtypes_of,
-    ),
-    BadInput(
-        "wrong device",
-        lambda k, v: (k.to(other_device(k.device)), v.to(other_device(v.device))),
-        r"device|meta|cpu|cuda|place",
-    ),
-    BadInput(
-        "key not a tensor",
-        lambda k, v: (k.tolist(), v),
-        NOT_A_TENSOR,
-        errors=NOT_A_TENSOR_ERRORS,
-    ),
-    BadInput(
-        "value not a tensor",
-        lambda k, v: (k, tuple(v.flatten().tolist())),
-        NOT_A_TENSOR,
-        errors=NOT_A_TENSOR_ERRORS,
-    ),
-]
+BAD_APPENDS = arrived_in(
+    "1.0",
+    [
+        BadInput("key of rank 3", lambda k, v: (k[..., 0], v), RANK, shapes_of(0)),
+        BadInput("value of rank 5", lambda k, v: (k, v[None]), RANK, shapes_of(1)),
+        BadInput(
+            "value with one token more than key",
+            lambda k, v: (k, grow(v, 2)),
+            rf"differ|mismatch|match|!=|same|equal|length|tokens?\b|{cased('T')}",
+            shapes_of(0, 1),
+        ),
+        BadInput(
+            "wrong batch",
+            lambda k, v: (grow(k, 0), grow(v, 0)),
+            BATCH,
+            either(shapes_of(0), sizes_of(0)),
+        ),
+        BadInput(
+            "wrong kv_heads",
+            lambda k, v: (grow(k, 1), grow(v, 1)),
+            rf"kv.?heads?|heads|{cased('H')}|{cased('H_kv')}",
+            either(shapes_of(0), sizes_of(1)),
+        ),
+        BadInput(
+            "wrong head_dim",
+            lambda k, v: (grow(k, 3), grow(v, 3)),
+            rf"head.?dim|head.?size|\bdim\b|width|{cased('D')}",
+            either(shapes_of(0), sizes_of(3)),
+        ),
+        BadInput(
+            "value of another width than its spec's",
+            lambda k, v: (k, grow(v, 3)),
+            rf"differ|mismatch|match|!=|same|equal|width|head.?dim|\bdim\b|value.?dim|{cased('D')}",
+            shapes_of(1),
+        ),
+        BadInput(
+            "zero new tokens",
+            lambda k, v: (k[:, :, :0], v[:, :, :0]),
+            rf"zero|empty|nothing|no tokens|at least|length|{cased('T')}|(?<![\d.])0(?![\d.])",
+            shapes_of(0),
+            may_be_accepted=True,
+        ),
+        BadInput(
+            "wrong dtype",
+            lambda k, v: (k.to(other_dtype(k.dtype)), v.to(other_dtype(v.dtype))),
+            r"dtype|type|precision",
+            dtypes_of,
+        ),
+        BadInput(
+            "wrong dtype of value only",
+            lambda k, v: (k, v.to(other_half(v.dtype))),
+            r"dtype|type|precision",
+            dtypes_of,
+        ),
+        BadInput(
+            "wrong device",
+            lambda k, v: (k.to(other_device(k.device)), v.to(other_device(v.device))),
+            r"device|meta|cpu|cuda|place",
+        ),
+        BadInput(
+            "key not a tensor",
+            lambda k, v: (k.tolist(), v),
+            NOT_A_TENSOR,
+            errors=NOT_A_TENSOR_ERRORS,
+        ),
+        BadInput(
+            "value not a tensor",
+            lambda k, v: (k, tuple(v.flatten().tolist())),
+            NOT_A_TENSOR,
+            errors=NOT_A_TENSOR_ERRORS,
+        ),
+    ],
+)
 
 
 def query_shape(bad: tuple) -> list[str]:
@@ -375,126 +386,139 @@ def two_warm_layers(state: ModelState) -> bool:
     return two_layers(state) and state.caches[0].length > 0
 
 
-BAD_CALLS = [
-    BadInput("one cache too few", lambda s: (s.tokens, s.caches[:-1]), r"number"),
-    BadInput("one cache too many", lambda s: (s.tokens, [*s.caches, s.spare]), r"number"),
-    BadInput(
-        "one object for two layers",
-        lambda s: (s.tokens, [s.caches[0], *s.caches[:-1]]),
-        r"same",
-        applies=two_layers,
-    ),
-    BadInput(
-        "layers of different lengths",
-        lambda s: (s.tokens, lengthen(s)),
-        r"length",
-        applies=two_layers,
-    ),
-    BadInput(
-        "some layers empty, some not",
-        lambda s: (s.tokens, empty(s)),
-        r"empty",
-        applies=two_warm_layers,
-    ),
-    # Refused by the model when a cache exposes its spec, else by layer 0's own append,
-    # which may show the batch it got and the one it was built for.
-    BadInput(
-        "caches built for another batch size",
-        lambda s: (grow(s.tokens, 0), s.caches),
-        BATCH,
-        lambda bad: [
-            compared(len(bad[0]), len(bad[0]) - 1),
-            rf"(?<![\d.]){len(bad[0])}(\D{{1,4}}\d+){{3}}",  # the key's shape (B + 1, H, T, D)
-        ],
-    ),
-    BadInput("token ids of rank 1", lambda s: (s.tokens[0], s.caches), r"rank"),
-    BadInput("token ids of rank 3", lambda s: (s.tokens[None], s.caches), r"rank"),
-    BadInput("float token ids", lambda s: (s.tokens.double(), s.caches), r"dtype"),
-    BadInput("uint8 token ids", lambda s: (s.tokens.byte(), s.caches), r"dtype"),
-    BadInput(
-        "token id past the vocabulary",
-        lambda s: (with_token(s.tokens, s.model.config.vocab_size), s.caches),
-        r"vocabulary",
-    ),
-    BadInput("negative token id", lambda s: (with_token(s.tokens, -1), s.caches), r"vocabulary"),
-    BadInput("no token ids", lambda s: (s.tokens[:, :0], s.caches), r"empty"),
-    BadInput(
-        "token ids not a tensor",
-        lambda s: (s.tokens.tolist(), s.caches),
-        r"[Tt]ensor",
-        errors=(TypeError,),
-    ),
-]
+BAD_CALLS = arrived_in(
+    "1.0",
+    [
+        BadInput("one cache too few", lambda s: (s.tokens, s.caches[:-1]), r"number"),
+        BadInput("one cache too many", lambda s: (s.tokens, [*s.caches, s.spare]), r"number"),
+        BadInput(
+            "one object for two layers",
+            lambda s: (s.tokens, [s.caches[0], *s.caches[:-1]]),
+            r"same",
+            applies=two_layers,
+        ),
+        BadInput(
+            "layers of different lengths",
+            lambda s: (s.tokens, lengthen(s)),
+            r"length",
+            applies=two_layers,
+        ),
+        BadInput(
+            "some layers empty, some not",
+            lambda s: (s.tokens, empty(s)),
+            r"empty",
+            applies=two_warm_layers,
+        ),
+        # Refused by the model when a cache exposes its spec, else by layer 0's own append,
+        # which may show the batch it got and the one it was built for.
+        BadInput(
+            "caches built for another batch size",
+            lambda s: (grow(s.tokens, 0), s.caches),
+            BATCH,
+            lambda bad: [
+                compared(len(bad[0]), len(bad[0]) - 1),
+                rf"(?<![\d.]){len(bad[0])}(\D{{1,4}}\d+){{3}}",  # the key's shape (B + 1, H, T, D)
+            ],
+        ),
+        BadInput("token ids of rank 1", lambda s: (s.tokens[0], s.caches), r"rank"),
+        BadInput("token ids of rank 3", lambda s: (s.tokens[None], s.caches), r"rank"),
+        BadInput("float token ids", lambda s: (s.tokens.double(), s.caches), r"dtype"),
+        BadInput("uint8 token ids", lambda s: (s.tokens.byte(), s.caches), r"dtype"),
+        BadInput(
+            "token id past the vocabulary",
+            lambda s: (with_token(s.tokens, s.model.config.vocab_size), s.caches),
+            r"vocabulary",
+        ),
+        BadInput(
+            "negative token id", lambda s: (with_token(s.tokens, -1), s.caches), r"vocabulary"
+        ),
+        BadInput("no token ids", lambda s: (s.tokens[:, :0], s.caches), r"empty"),
+        BadInput(
+            "token ids not a tensor",
+            lambda s: (s.tokens.tolist(), s.caches),
+            r"[Tt]ensor",
+            errors=(TypeError,),
+        ),
+    ],
+)
 
 
 # make(cache length) -> the length argument of ``truncate``
-BAD_TRUNCATES = [
-    BadInput(
-        "negative length",
-        lambda held: (-1,),
-        r"length|negative|range|between|>=|at least|position",
-        lambda bad: [both_numbers(bad[0])],
-    ),
-    BadInput(
-        "past the length held",
-        lambda held: (held + 1,),
-        r"length|range|between|<=|at most|exceed|held|position|beyond|more than",
-        lambda bad: [both_numbers(bad[0])],
-    ),
-    BadInput(
-        "not an int",
-        lambda held: (held / 2 + 0.5,),
-        r"int|type|float|length",
-        lambda bad: [both_numbers(bad[0])],
-        errors=NOT_A_TENSOR_ERRORS,
-    ),
-]
+BAD_TRUNCATES = arrived_in(
+    "1.0",
+    [
+        BadInput(
+            "negative length",
+            lambda held: (-1,),
+            r"length|negative|range|between|>=|at least|position",
+            lambda bad: [both_numbers(bad[0])],
+        ),
+        BadInput(
+            "past the length held",
+            lambda held: (held + 1,),
+            r"length|range|between|<=|at most|exceed|held|position|beyond|more than",
+            lambda bad: [both_numbers(bad[0])],
+        ),
+        BadInput(
+            "not an int",
+            lambda held: (held / 2 + 0.5,),
+            r"int|type|float|length",
+            lambda bad: [both_numbers(bad[0])],
+            errors=NOT_A_TENSOR_ERRORS,
+        ),
+    ],
+)
 REORDER_WORDS = r"indices|index|dtype|int64|long|shape|size|batch|range|device|tensor|between"
 
 # make(spec) -> the indices argument of ``reorder``, for a batch of spec.batch rows
-BAD_REORDERS = [
-    BadInput(
-        "int32 indices",
-        lambda s: (torch.zeros(s.batch, dtype=torch.int32, device=s.device),),
-        REORDER_WORDS,
-    ),
-    BadInput("float indices", lambda s: (torch.zeros(s.batch, device=s.device),), REORDER_WORDS),
-    BadInput(
-        "one index too many",
-        lambda s: (torch.zeros(s.batch + 1, dtype=torch.long, device=s.device),),
-        REORDER_WORDS,
-        shapes_of(0),
-    ),
-    BadInput(
-        "indices of rank 2",
-        lambda s: (torch.zeros(s.batch, 1, dtype=torch.long, device=s.device),),
-        REORDER_WORDS,
-        shapes_of(0),
-    ),
-    BadInput(
-        "index past the batch",
-        lambda s: (torch.full((s.batch,), s.batch, dtype=torch.long, device=s.device),),
-        REORDER_WORDS,
-    ),
-    BadInput(
-        "negative index",
-        lambda s: (torch.full((s.batch,), -1, dtype=torch.long, device=s.device),),
-        REORDER_WORDS,
-    ),
-    BadInput(
-        "indices on another device",
-        lambda s: (
-            torch.zeros(s.batch, dtype=torch.long, device=other_device(torch.device(s.device))),
+BAD_REORDERS = arrived_in(
+    "1.0",
+    [
+        BadInput(
+            "int32 indices",
+            lambda s: (torch.zeros(s.batch, dtype=torch.int32, device=s.device),),
+            REORDER_WORDS,
         ),
-        REORDER_WORDS + "|meta|cpu|cuda",
-    ),
-    BadInput(
-        "indices not a tensor",
-        lambda s: ([0] * s.batch,),
-        NOT_A_TENSOR,
-        errors=NOT_A_TENSOR_ERRORS,
-    ),
-]
+        BadInput(
+            "float indices", lambda s: (torch.zeros(s.batch, device=s.device),), REORDER_WORDS
+        ),
+        BadInput(
+            "one index too many",
+            lambda s: (torch.zeros(s.batch + 1, dtype=torch.long, device=s.device),),
+            REORDER_WORDS,
+            shapes_of(0),
+        ),
+        BadInput(
+            "indices of rank 2",
+            lambda s: (torch.zeros(s.batch, 1, dtype=torch.long, device=s.device),),
+            REORDER_WORDS,
+            shapes_of(0),
+        ),
+        BadInput(
+            "index past the batch",
+            lambda s: (torch.full((s.batch,), s.batch, dtype=torch.long, device=s.device),),
+            REORDER_WORDS,
+        ),
+        BadInput(
+            "negative index",
+            lambda s: (torch.full((s.batch,), -1, dtype=torch.long, device=s.device),),
+            REORDER_WORDS,
+        ),
+        BadInput(
+            "indices on another device",
+            lambda s: (
+                torch.zeros(s.batch, dtype=torch.long, device=other_device(torch.device(s.device))),
+            ),
+            REORDER_WORDS + "|meta|cpu|cuda",
+        ),
+        BadInput(
+            "indices not a tensor",
+            lambda s: ([0] * s.batch,),
+            NOT_A_TENSOR,
+            errors=NOT_A_TENSOR_ERRORS,
+        ),
+    ],
+)
 
 
 def good_rows(spec: CacheSpec, rows: int, length: int | None = None) -> CacheRows:

@@ -40,6 +40,21 @@ def test_every_property_and_case_arrived_in_a_version_of_the_contract():
     assert unknown == [], f"since names no version of kvcheck.contract.VERSIONS: {unknown}"
 
 
+def test_every_table_of_bad_input_gives_its_cases_a_version_and_takes_only_known_ones():
+    tables = {
+        name: table
+        for name, table in vars(kvbad).items()
+        if isinstance(table, list) and table and isinstance(table[0], kvbad.BadInput)
+    }
+    assert "BAD_TREE_CALLS" in tables
+    assert all(any(t is table for t in tables.values()) for table in TABLES.values())
+    unplaced = [f"{name}: {c.name}" for name, t in tables.items() for c in t if c.since is None]
+    assert unplaced == [], f"cases of a table not built with arrived_in: {unplaced}"
+    with pytest.raises(ValueError, match=r"1\.99"):
+        kvbad.arrived_in("1.99", kvbad.BAD_TRUNCATES)
+    assert {case.since for case in kvbad.BAD_TRUNCATES} == {"1.0"}  # nothing changed
+
+
 def test_the_contract_names_its_version_and_what_arrived_in_each():
     assert f"**Contract version {contract.VERSION}.**" in CONTRACT
     table = CONTRACT[CONTRACT.index("## 12. Versions of this contract") :]

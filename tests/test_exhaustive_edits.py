@@ -15,6 +15,7 @@ import kvimpl
 from kvcheck import sizes as kvsizes
 from kvcheck.properties import edits, rows, shift, sinks
 from kvcheck.scope import LAYOUTS, Scope, compositions
+from tests import depth
 from tests.exhaustive_runs import assert_caught, run_every
 
 
@@ -286,16 +287,17 @@ def layout_index(plan) -> int:
 
 
 # --- Every plan at a few tokens holds on a correct cache ---
+# (fewer tokens in the default run where the plans cost most; --soak runs the full counts)
 
 HOLDS = [
     ("truncate", kvimpl.ConcatCache, 3),
     ("truncate", kvimpl.WindowCache, 3),
     ("reorder", kvimpl.ConcatCache, 3),
-    ("truncate and reorder", kvimpl.PreallocatedCache, 2),
-    ("mixed lengths", kvimpl.PreallocatedCache, 3),
+    ("truncate and reorder", kvimpl.PreallocatedCache, depth.pick(1, soak=2)),
+    ("mixed lengths", kvimpl.PreallocatedCache, depth.pick(2, soak=3)),
     ("context shift", kvimpl.PreallocatedCache, 3),
     ("context shift", kvimpl.UnrotatedCache, 3),
-    ("context shift per row", kvimpl.PreallocatedCache, 3),
+    ("context shift per row", kvimpl.PreallocatedCache, depth.pick(2, soak=3)),
     ("attention sinks", kvimpl.StreamingCache, 3),
 ]
 
