@@ -214,6 +214,38 @@ def model_configs(
     )
 
 
+def readable_by(config: ModelConfig, layer: int, sources) -> list[int]:
+    """The earlier layers ``layer`` may read the cache of, given what each earlier layer
+    reads (``sources``, None: its own cache): those with a cache of their own that attend
+    as it does (the same window and sinks), so that one cache serves both."""
+
+    def attends(index: int) -> tuple:
+        return config.layer_window(index), config.layer_sinks(index)
+
+    return [j for j in range(layer) if sources[j] is None and attends(j) == attends(layer)]
+
+
+@st.composite
+def kv_sources(draw, config: ModelConfig) -> tuple[int | None, ...]:
+    """Which earlier layer each layer reads (``ModelConfig.kv_sources``; None: its own
+    cache), at least one reader where any layer can read (``readable_by``): the last layers
+    reading one source, alternate layers reading the one before, and the rest."""
+    sources: list[int | None] = [None] * config.num_layers
+    for layer in range(1, config.num_layers):
+        eligible = readable_by(config, layer, sources)
+        sources[layer] = draw(st.sampled_from([None, *eligible]), label=f"layer {layer} reads")
+    if all(source is None for source in sources):  # the last layer that can read, reads
+        pairs = [
+            (layer, j)
+            for layer in range(1, config.num_layers)
+            for j in readable_by(config, layer, [None] * layer)
+        ]
+        if pairs:
+            layer, source = pairs[-1]
+            sources[layer] = source
+    return tuple(sources)
+
+
 @st.composite
 def any_attention(draw, layers: st.SearchStrategy[int]) -> dict:
     """The fields of a drawn model that do not depend on its attention: vocabulary, layers,

@@ -14,7 +14,6 @@ from examples import doubling_cache as examples_doubling
 from kvcheck import asserts as kvassert
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
-from kvcheck.properties.shared import kv_sources
 from kvimpl.latent import LatentCache
 from kvref import CacheContractError, ModelConfig, ReferenceTransformer
 from kvref import attention as kvref_attention
@@ -148,7 +147,7 @@ def any_configs(draw, max_layers: int = 2) -> ModelConfig:
     with kvsizes.aiming_at(kvsizes.Sizes(supports=kvsizes.Domain(latent=True))):
         config = draw(kvst.model_configs(max_layers=max_layers), label="config")
     if config.num_layers > 1 and draw(st.booleans(), label="shared layers"):
-        config = replace(config, kv_sources=draw(kv_sources(config), label="kv_sources"))
+        config = replace(config, kv_sources=draw(kvst.kv_sources(config), label="kv_sources"))
     return config
 
 
@@ -426,7 +425,7 @@ def shared_configs(draw) -> ModelConfig:
     """A model of 2 to 4 layers, some reading an earlier layer's cache (windows, MLA)."""
     config = draw(any_configs(max_layers=4).filter(lambda config: config.num_layers > 1))
     if config.kv_sources is None:
-        config = replace(config, kv_sources=draw(kv_sources(config), label="kv_sources"))
+        config = replace(config, kv_sources=draw(kvst.kv_sources(config), label="kv_sources"))
     return config
 
 

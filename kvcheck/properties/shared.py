@@ -96,38 +96,12 @@ class SharedPlan:
 
 
 @st.composite
-def kv_sources(draw, config: ModelConfig) -> tuple[int | None, ...]:
-    """Which earlier layer each layer reads (None: its own cache), at least one reader: each
-    layer may read any earlier layer that has a cache of its own and the same window (the
-    last layers reading one source, alternate layers reading the one before, and the rest)."""
-
-    def attends(layer: int) -> tuple:
-        return config.layer_window(layer), config.layer_sinks(layer)
-
-    sources: list[int | None] = [None] * config.num_layers
-    for layer in range(1, config.num_layers):
-        eligible = [j for j in range(layer) if sources[j] is None and attends(j) == attends(layer)]
-        sources[layer] = draw(st.sampled_from([None, *eligible]), label=f"layer {layer} reads")
-    if all(source is None for source in sources):  # the last layer that can read, reads
-        pairs = [
-            (layer, j)
-            for layer in range(1, config.num_layers)
-            for j in range(layer)
-            if attends(j) == attends(layer)
-        ]
-        if pairs:
-            layer, source = pairs[-1]
-            sources[layer] = source
-    return tuple(sources)
-
-
-@st.composite
 def shared_configs(draw, tokens: int) -> ModelConfig:
     """A model of 2 or 3 layers, some reading an earlier one's cache (``kv_sources``)."""
     config = draw(kvst.model_configs(min_layers=2, max_layers=3, tokens=tokens), label="config")
     if config.num_layers == 2:  # alternate windows would leave no layer one it can read
         config = dataclasses.replace(config, window_layers="all")
-    return dataclasses.replace(config, kv_sources=draw(kv_sources(config), label="kv_sources"))
+    return dataclasses.replace(config, kv_sources=draw(kvst.kv_sources(config), label="kv_sources"))
 
 
 @st.composite
@@ -241,12 +215,8 @@ LAST_TWO_READ_ONE = SharedPlan(
 # --- Every plan within a scope (kvcheck.scope), for the bounded-exhaustive mode ---
 def every_kv_sources(config: ModelConfig) -> Iterator[tuple[int | None, ...]]:
     """Every assignment of which earlier layer each layer reads (None: its own cache) that
-    ``kv_sources`` draws: a layer reads one of the earlier layers with a cache of its own and
-    the same window and sinks, at least one layer reads. For 2 layers of one window: one,
-    (None, 0)."""
-
-    def attends(layer: int) -> tuple:
-        return config.layer_window(layer), config.layer_sinks(layer)
+    ``kvcheck.strategies.kv_sources`` draws: a layer reads one of those ``readable_by`` it,
+    and at least one layer reads. For 2 layers of one window: one, (None, 0)."""
 
     def extend(sources: tuple) -> Iterator[tuple]:
         layer = len(sources)
@@ -254,7 +224,7 @@ def every_kv_sources(config: ModelConfig) -> Iterator[tuple[int | None, ...]]:
             if any(source is not None for source in sources):
                 yield sources
             return
-        eligible = [j for j in range(layer) if sources[j] is None and attends(j) == attends(layer)]
+        eligible = kvst.readable_by(config, layer, sources)
         for source in (None, *eligible):
             yield from extend((*sources, source))
 
