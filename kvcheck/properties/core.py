@@ -25,6 +25,7 @@ from kvcheck import strategies as kvst
 from kvcheck.kit import KitTests, Property, edge_test, property_test
 from kvcheck.reach import Edge
 from kvcheck.session import Engine, Request, assert_logits, diagnose
+from kvcheck.session.checks import check_returned
 from kvref import CacheFactory
 from kvref.protocol import keys_stored
 
@@ -220,6 +221,7 @@ def check_logits_match_uncached(
                 path=step.request.path,
                 lossy=kvassert.coarsest(step.request.caches),
                 budgets=kvassert.budgets_for(step.request.caches),
+                rows_held=lambda: check_returned(step.request, step.end, step.where()),  # noqa: B023
             )
         except failures.WrongResults as error:
             diagnose(error, step.scenario.model(), step.request)

@@ -263,6 +263,26 @@ RESHARDED = dataclasses.replace(
 )
 
 
+# Each other layout of heads over ranks, on 2 ranks: one kv head on both, as many kv heads
+# as ranks, more. Pinned, so that every run reaches each layout the properties name
+# (--kv-require-reach), whatever the seed: the runtime draws a tenth of the examples, too few
+# to meet each of three layouts by chance.
+LAYOUTS_ON_TWO = tuple(
+    ShardedPlan(
+        world=2,
+        config=ModelConfig(
+            vocab_size=11, num_layers=1, num_heads=2 * kv_heads, num_kv_heads=kv_heads, head_dim=2
+        ),
+        path="append",
+        batch=1,
+        dtype=torch.float64,
+        events=(("feed", 0, 3), ("feed", 0, 1)),
+        token_seed=kv_heads,
+    )
+    for kv_heads in (1, 2, 4)
+)
+
+
 # --- Every plan within a scope (kvcheck.scope), for the bounded-exhaustive mode ---
 @functools.cache
 def reorder_seeds(batch: int) -> tuple[int, ...]:
@@ -396,7 +416,7 @@ SHARDED = Property(
     check_sharded,
     sharded_plans(),
     failures.WRONG_RESULTS,
-    pinned=(REPLICATED, RESHARDED),
+    pinned=(REPLICATED, RESHARDED, *LAYOUTS_ON_TWO),
     reaches=SHARD_EDGES + MOVE_EDGES,
     since="1.5",
     every_plan=every_sharded_plan,
@@ -418,9 +438,9 @@ SHARDED_RUNTIME = Property(
     check_sharded_runtime,
     sharded_plans(kvst.DTYPES, moves=False),  # a move needs every rank in one process
     failures.WRONG_RESULTS,
-    pinned=(REPLICATED,),
+    pinned=(REPLICATED, *LAYOUTS_ON_TWO),
     # Its few examples run the plans `sharded` searches in full, on processes: it names the
-    # layouts and the truncate of its pinned plan, not every event of those plans.
+    # layouts and the truncate of its pinned plans, not every event of those plans.
     reaches=tuple(edge for edge in SHARD_EDGES if edge.needs not in (("reorder",), ("fork",))),
     examples_share=0.1,  # each plan runs on every process; `sharded` searches the same plans
     dtypes=kvst.DTYPES,  # on the CPU, where half precision is slow and adds nothing here

@@ -83,6 +83,7 @@ class Feed(Event):
                 what="cached logits and the model's over the rows the shifts left",
                 lossy=kvassert.coarsest(request.caches),
                 budgets=kvassert.SHIFTED_BUDGETS,
+                rows_held=lambda: check_returned(request, self.end, self.where),
             )
             return
         if engine.judges_logits:
@@ -103,6 +104,7 @@ class Feed(Event):
                 self.logits, expected, reference, where=self.where, start=first + start,
                 path=request.path, lossy=kvassert.coarsest(request.caches),
                 budgets=kvassert.budgets_for(request.caches),
+                rows_held=lambda: check_returned(request, self.end, self.where),
             )  # fmt: skip
         except failures.WrongResults as error:
             diagnose(error, engine.model, request, first)
