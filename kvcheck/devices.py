@@ -9,6 +9,7 @@ reason. A dtype the device cannot compute in is dropped from the draws (``usable
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -40,6 +41,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def current() -> torch.device:
     return _chosen[0]
+
+
+def placed(plan):
+    """``plan`` (a frozen dataclass with a ``spec``) with its spec on the run's device: a
+    pinned plan is written before the run chooses one, a drawn one is there already."""
+    if plan.spec.device == current():
+        return plan
+    return dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, device=current()))
 
 
 def describe() -> str:

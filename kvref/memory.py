@@ -29,7 +29,10 @@ def min_nbytes(
     value width) x itemsize (2 x D where values are as wide as keys), where rows is
     ``length``, or min(length, W - 1) with a window. A concat cache reserves exactly this.
     Under a declared lossy ``storage`` (section 10.1), of keys and of values the first
-    ``in_codes`` rows may be in codes, each at its declaration's least (``Quantized.nbytes``)."""
+    ``in_codes`` rows may be in codes, at their declaration's least (``Quantized.nbytes``),
+    or any of them as given where that takes less: "may", and a narrow row's codes with
+    their scale and zero point can take more than the row (2 numbers in int8: 6 bytes; in
+    bfloat16: 4)."""
     itemsize = torch.empty((), dtype=spec.dtype).element_size()
     rows = spec.rows_needed(length)
     total = 0
@@ -37,7 +40,11 @@ def min_nbytes(
     for declared, coded, width in zip(storage, in_codes, widths, strict=True):
         coded = 0 if declared is None else max(0, min(rows, coded - (length - rows)))
         exact = (rows - coded) * width * itemsize
-        total += exact + (declared.nbytes(coded, width) if declared else 0)
+        if declared is not None:  # any k of them in codes, the rest as given: the least
+            exact += min(
+                declared.nbytes(k, width) + (coded - k) * width * itemsize for k in range(coded + 1)
+            )
+        total += exact
     return spec.batch * spec.kv_heads * total
 
 

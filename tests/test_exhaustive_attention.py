@@ -364,9 +364,9 @@ def test_fewest_tokens_first_each_plan_once(name):
 
 
 HOLDS = [
-    (attend.ATTEND, ChunkedCache, 5),
+    (attend.ATTEND, ChunkedCache, depth.pick(4, soak=5)),
     (attend.LATENT_ATTEND, LatentCache, 5),
-    (shared.SHARED_LAYERS, kvimpl.ConcatCache, 5),
+    (shared.SHARED_LAYERS, kvimpl.ConcatCache, depth.pick(4, soak=5)),
     (shared.SHARED_ROWS, kvimpl.PreallocatedCache, 3),
     (shared.SHARED_TREE, ChunkedCache, depth.pick(4, soak=5)),
     (tree.TREE, ChunkedCache, depth.pick(2, soak=3)),

@@ -290,15 +290,15 @@ def layout_index(plan) -> int:
 # (fewer tokens in the default run where the plans cost most; --soak runs the full counts)
 
 HOLDS = [
-    ("truncate", kvimpl.ConcatCache, 3),
-    ("truncate", kvimpl.WindowCache, 3),
-    ("reorder", kvimpl.ConcatCache, 3),
+    ("truncate", kvimpl.ConcatCache, depth.pick(2, soak=3)),
+    ("truncate", kvimpl.WindowCache, depth.pick(2, soak=3)),
+    ("reorder", kvimpl.ConcatCache, depth.pick(2, soak=3)),
     ("truncate and reorder", kvimpl.PreallocatedCache, depth.pick(1, soak=2)),
     ("mixed lengths", kvimpl.PreallocatedCache, depth.pick(2, soak=3)),
     ("context shift", kvimpl.PreallocatedCache, 3),
     ("context shift", kvimpl.UnrotatedCache, 3),
     ("context shift per row", kvimpl.PreallocatedCache, depth.pick(2, soak=3)),
-    ("attention sinks", kvimpl.StreamingCache, 3),
+    ("attention sinks", kvimpl.StreamingCache, depth.pick(2, soak=3)),
 ]
 
 

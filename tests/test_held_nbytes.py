@@ -3,6 +3,7 @@
 cache fails as over-reporting, and say "unknown" where it cannot see, or the bound passes a
 cache it never measured."""
 
+import dataclasses
 import functools
 import threading
 from collections import deque
@@ -12,6 +13,7 @@ from typing import ClassVar
 import pytest
 import torch
 
+from kvref import CacheSpec, Quantized, min_nbytes
 from kvref.memory import held_nbytes
 
 
@@ -106,3 +108,22 @@ def test_what_it_cannot_see_into_is_unknown():
     sparse = torch.zeros(4, 4).to_sparse()
     assert held_nbytes(holding(codes=sparse)) is None
     assert held_nbytes(holding(handle=iter(range(3)))) is None  # an iterator: what is left?
+
+
+def test_the_least_a_cache_holds_counts_rows_that_may_be_in_codes_as_given_where_less():
+    # A correct cache may keep a row its declaration lets it code as given: for 2 numbers,
+    # int8 codes with a scale and a zero point take 6 bytes, the row in bfloat16 4. Found by
+    # a random soak seed on two independent caches of head_dim 2, whose nbytes (the rows as
+    # given) the old bound, which counted every such row in codes, called too few.
+    narrow = CacheSpec(1, 1, 2, 4, torch.bfloat16, torch.device("cpu"))  # B, H_kv, D, L
+    per_token = Quantized(bits=8)
+    assert min_nbytes(narrow, 4, (per_token, per_token), (1, 1)) == 2 * 4 * 4
+    wide = dataclasses.replace(narrow, head_dim=64)
+    coded = per_token.nbytes(1, 64)  # 64 codes + a scale and a zero point: 68 of 128 bytes
+    assert min_nbytes(wide, 4, (per_token, per_token), (1, 1)) == 2 * (3 * 128 + coded)
+    # Along tokens, a scale per channel for each whole group: a group's rows but one in codes
+    # and that one as given can take less than all of them either way.
+    kivi = Quantized(bits=2, group=4, along="tokens")
+    rows = [kivi.nbytes(k, 2) + (4 - k) * 2 * 2 for k in range(5)]
+    assert min_nbytes(narrow, 4, (kivi, None), (4, 0)) == min(rows) + 4 * 4
+    assert min(rows) < min(rows[0], rows[4])
