@@ -526,7 +526,7 @@ class Attention(nn.Module):
             attend = functools.partial(rotating_keys, attend, self.config.rope_base)
         if not bool(valid.all()):
             attend = functools.partial(varlen_attention, attend, valid=valid)
-        return attend(
+        attended = attend(
             q,
             all_k,
             all_v,
@@ -536,6 +536,10 @@ class Attention(nn.Module):
             sink_end=sink_end,
             sink_query=sink_query,
         )
+        # A pad slot's query may see no key (a row that brings no token and holds none):
+        # nan, read by no one, but a half-precision matmul on the CPU (oneDNN's bfloat16
+        # GEMM, measured) can carry a nan in one row of its input into other rows' outputs.
+        return attended.masked_fill(~rows.real[:, None, :, None], 0)
 
     def _attend_tree(
         self,

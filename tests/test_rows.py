@@ -206,3 +206,20 @@ def test_a_cache_that_offers_members_through_getattr_runs_the_whole_plan(monkeyp
     events = {"feed": "feed_rows", "truncate": "truncate_rows", "select": "select_rows"}
     wanted = {events.get(kind, kind) for kind, _ in rows_property.PINNED[0].events}
     assert {*wanted, "reset_at"} <= set(called), called
+
+
+@pytest.mark.parametrize("pad", ["nan", "-inf"])
+def test_a_pad_query_that_sees_no_key_reaches_no_real_row_in_bfloat16(pad):
+    # A row that brings no token and holds none: its pad queries see no key (nan). oneDNN's
+    # bfloat16 GEMM on the CPU carried that nan into row 1's logits through the output
+    # projection, and the model's own batch failed a correct cache; the model now zeroes a
+    # pad slot's attention. Found by a random seed of the soak tier on five built-ins.
+    plan = rows_property.RowsPlan(
+        config=ModelConfig(vocab_size=5, num_layers=1, num_heads=9, num_kv_heads=3, head_dim=6),
+        dtype=torch.bfloat16,
+        batch=3,
+        events=(("feed", (1, 0, 0)), ("feed", (0, 6, 0))),
+        token_seed=0,
+        pad=pad,
+    )
+    rows_property.check_mixed_lengths(PreallocatedCache, plan)
