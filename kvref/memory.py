@@ -39,12 +39,12 @@ def min_nbytes(
     widths = (spec.head_dim, spec.value_width)
     for declared, coded, width in zip(storage, in_codes, widths, strict=True):
         coded = 0 if declared is None else max(0, min(rows, coded - (length - rows)))
-        exact = (rows - coded) * width * itemsize
-        if declared is not None:  # any k of them in codes, the rest as given: the least
-            exact += min(
+        least = (rows - coded) * width * itemsize  # the rows always as given
+        if declared is not None:  # any k of the others in codes, the rest as given: the least
+            least += min(
                 declared.nbytes(k, width) + (coded - k) * width * itemsize for k in range(coded + 1)
             )
-        total += exact
+        total += least
     return spec.batch * spec.kv_heads * total
 
 
