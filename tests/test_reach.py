@@ -1,6 +1,8 @@
 """Reach (kvcheck.reach) and the verdict's account of a run: the edges a property's plans
-ran, a search that spends no example on a plan it already ran, a warm-up that fails reported
+ran, a plan drawn again run again (never rejected), a warm-up that fails reported
 as the warm-up's failure, and the failures one first divergence explains grouped under it."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -37,24 +39,41 @@ def test_split_names_what_was_reached_and_what_a_cache_could_have_reached():
     assert reach.split(declared, {"seen"}, offered={"truncate"}) == (["seen"], ["plain"])
 
 
-def test_a_search_runs_each_distinct_plan_once():
-    ran = []
-    prop = kit.Property(
-        "p", "t", ran.append, st.integers(0, 3), failures.WRONG_RESULTS, since="1.0"
-    )
-    kit.search(prop, ran.append)
-    assert sorted(ran) == sorted(set(ran)), ran
-    assert set(ran) == {0, 1, 2, 3}, ran
+def test_a_plan_drawn_again_runs_again_and_a_correct_cache_holds_every_time():
+    # Every draw builds one plan: each runs (none is rejected, which Hypothesis calls a flaky
+    # test where it replays a choice sequence it saw valid before), and a correct cache holds.
+    from kvcheck.properties import BY_NAME
+    from kvref import ModelConfig
 
+    config = ModelConfig(vocab_size=11, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
+    session = kvst.Session(chunks=(3, 1), token_seed=1, start="fresh")
+    plan = kvst.Scenario(config, batch=1, dtype=torch.float64, sessions=(session,))
+    logits, ran = BY_NAME["logits"], []
 
-def test_a_plan_that_failed_is_run_again_to_be_reported():
-    # Only plans that held are skipped: Hypothesis replays a failing one, and must see it fail.
     def check(drawn):
-        assert drawn < 2
+        ran.append(drawn)
+        logits.run(ConcatCache, drawn, path="append")
 
-    prop = kit.Property("p", "t", check, st.integers(0, 3), failures.WRONG_RESULTS, since="1.0")
-    with pytest.raises(AssertionError):
+    again = dataclasses.replace(logits, strategy=st.integers(0, 9).map(lambda _: plan))
+    kit.search(again, check)
+    drawn_plans = [drawn for drawn in ran if drawn is plan]  # the property's pinned ones aside
+    assert len(drawn_plans) > 1, f"the plan drawn again ran {len(drawn_plans)} times"
+
+
+def test_a_failure_found_while_shrinking_is_reported_as_itself_with_its_plan():
+    # Draws that build the same plans over and over, failing on some: the search ends on the
+    # check's own failure, its plan printed, never on a rejection or a flaky replay.
+    def check(drawn):
+        assert drawn[0] + drawn[1] < 7, f"the sum of {drawn} is 7 or more"
+
+    pairs = st.tuples(st.integers(0, 9), st.integers(0, 9)).map(lambda p: (p[0] // 2, p[1] // 2))
+    prop = kit.Property("p", "t", check, pairs, failures.WRONG_RESULTS, since="1.0")
+    with pytest.raises(AssertionError) as raised:
         kit.search(prop, check)
+    assert type(raised.value) is AssertionError, repr(raised.value)
+    assert "is 7 or more" in str(raised.value)
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "drawn=(" in notes, f"no falsifying plan among the notes: {notes!r}"
 
 
 def test_the_verdict_says_what_the_passing_properties_reached_and_never_reached():
