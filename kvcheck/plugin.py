@@ -7,6 +7,8 @@ It adds, wherever the package is installed:
   NAME is a built-in's short name, ``MODULE:ATTR``, or either after a label
   (``mine=mypkg.caches:MyCache``, test ids ``[mine]``): ``kvcheck.selection``. With none
   named, collecting such a class is a usage error that says how to name one;
+- ``--kv-property NAME`` (repeatable): the kit's properties to run, by the names the verdict
+  prints; the other kit tests are deselected;
 - ``--kv-profile dev|ci|thorough``: how hard the kit's tests search (``kvcheck.profiles``;
   the kit loads no Hypothesis profile for the process);
 - ``--kv-torch-threads N|keep``: torch threads while a kit test runs (default 1);
@@ -30,7 +32,8 @@ It adds, wherever the package is installed:
 - after collection, the lines naming the caches under test, the kit's profile, device,
   contract version, sizes and each cache's domain (under pytest-xdist, where only the
   workers collect, at the top of the verdict); and the verdict per cache at the end of the
-  run (``--kv-report PATH`` writes it as JSON).
+  run (``--kv-report PATH`` writes it as JSON), which counts each property's tests that ran
+  against those collection made (a property some of whose tests were left out is partly run).
 
 A run that collects no kit test pays for importing this module, ``kvcheck.selection``,
 ``kvcheck.contract`` and ``kvcheck.verdict`` (none of them imports torch, Hypothesis or a
@@ -46,7 +49,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -77,6 +80,10 @@ class KitRun:
     contract: str = contract.VERSION  # the contract version the run is held to
     before: list[tuple[list, list]] | None = None  # the settings prepare() replaced
     exhaustive: int | str | None = None  # --kv-exhaustive: a token count or "auto"
+    properties: list[str] = field(default_factory=list)  # --kv-property: names, as printed
+    # The kit tests collection made, per (class, cache, property): what a verdict of some of
+    # them (a -k, a deselect, a test id) counts the ones that ran against.
+    planned: dict[tuple[str, str, str], int] = field(default_factory=dict)
     resume: bool = False  # --kv-exhaustive-resume
 
 
@@ -120,6 +127,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="fail the run where an edge a property names (kvcheck.reach) was reached by no "
         "test of the run that passed: a draw that stopped reaching a case",
+    )
+    group.addoption(
+        "--kv-property",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only this property of the kit, by the name the verdict prints (repeatable, "
+        "e.g. --kv-property logits --kv-property 'bad append'); the other kit tests are "
+        "deselected, and a property of which some cases did not run reads as partly run",
     )
     group.addoption(
         "--kv-torch-threads",
@@ -265,6 +281,7 @@ def read_options(config: pytest.Config) -> KitRun:
         )
     except ValueError as error:
         raise pytest.UsageError(str(error)) from None
+    run.properties = [name.strip() for name in config.getoption("--kv-property")]
     run.exhaustive = config.getoption("--kv-exhaustive")
     run.resume = config.getoption("--kv-exhaustive-resume")
     if run.exhaustive is not None:
@@ -528,15 +545,75 @@ def pytest_make_collect_report(collector: pytest.Collector):
     return report
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object):
+    # Every test a kit test function makes (its caches, paths, cases), counted before a -k, a
+    # deselect or a test id leaves some out: the verdict says how many of them ran.
+    made = yield
+    if isinstance(made, list):
+        planned = collector.config.stash[RUN].planned
+        for item in made:
+            if (key := planned_key(item)) is not None:
+                planned[key] = planned.get(key, 0) + 1
+    return made
+
+
+def planned_key(item: pytest.Item) -> tuple[str, str, str] | None:
+    """What a kit test is counted under: its class, its cache's label and its property."""
+    prop = item.get_closest_marker("kv_property")
+    cache = item.get_closest_marker("kv_cache")
+    if prop is None or cache is None:
+        return None
+    return (getattr(item.parent, "nodeid", ""), cache.args[0], prop.args[0])
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark what arrived after the contract version the run is held to: it runs, and a
-    failure there is reported as an expected one, not counted (``pytest_runtest_makereport``)."""
-    held = config.stash[RUN].contract
-    if held == contract.VERSION:
+    """Leave out the kit tests of properties --kv-property does not name; mark what arrived
+    after the contract version the run is held to: it runs, and a failure there is reported
+    as an expected one, not counted (``pytest_runtest_makereport``)."""
+    run = config.stash[RUN]
+    if run.properties:
+        keep = properties_named(run.properties)
+        kept, left_out = [], []
+        for item in items:
+            mark = item.get_closest_marker("kv_property")
+            (kept if mark is None or mark.args[0] in keep else left_out).append(item)
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = kept
+    if run.contract == contract.VERSION:
         return
     for item in items:
-        if (since := arrived_in(item)) and (why := contract.not_counted(since, held)):
+        if (since := arrived_in(item)) and (why := contract.not_counted(since, run.contract)):
             item.add_marker(pytest.mark.kv_not_counted(since, reason=why))
+
+
+def properties_named(names: list[str]) -> set[str]:
+    """The kit's properties (a cache's and an engine's) that --kv-property names; a usage
+    error that lists them where a name is none of them."""
+    from kvcheck.engines import SINCE as engine_properties
+    from kvcheck.properties import SINCE as cache_properties
+
+    known = [
+        *cache_properties,
+        *(name for name in engine_properties if name not in cache_properties),
+    ]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        import difflib
+
+        hints = [
+            f"{name!r} (did you mean {' or '.join(map(repr, close))}?)"
+            if (close := difflib.get_close_matches(name, known, n=2))
+            else repr(name)
+            for name in unknown
+        ]
+        raise pytest.UsageError(
+            f"--kv-property: no property of the kit is named {', '.join(hints)}; the kit's "
+            f"properties: {', '.join(known)}"
+        )
+    return set(names)
 
 
 def arrived_in(item: pytest.Item) -> str | None:
@@ -678,6 +755,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         # run held to an earlier contract red for a rule it does not hold.
         report.outcome, report.wasxfail = "skipped", newer.kwargs["reason"]
     entry = verdict.entry_for(item, call, report)
+    if entry is not None and (key := planned_key(item)) is not None:
+        # What the property's tests of this class and cache were before any was left out.
+        planned = item.config.stash[RUN].planned
+        entry.update(group=key[0], planned=planned.get(key, 1))
     if entry is not None:
         # A list of its own: item.user_properties is shared by the setup, call and teardown
         # reports. Values are plain data, so pytest-xdist carries them to the controller.

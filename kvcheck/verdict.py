@@ -273,6 +273,12 @@ def tabulate(
                 outcome not in (PASS, NOT_OFFERED) for outcome in row.get("paths", {}).values()
             ):
                 row["result"] = PARTLY
+        newer = cache.get("not counted", {})
+        for name, row in rows.items():
+            _count_cases(row, newer.get(name))
+        for name, row in newer.items():
+            if name not in rows:  # a property new since the contract the run is held to
+                _count_cases(row, None)
         rank = order[cache.get("kind", "cache")]
         cache["properties"] = dict(sorted(rows.items(), key=lambda kv: rank.get(kv[0], 99)))
         cache["holds"] = sum(row["result"] == PASS for row in rows.values())
@@ -285,11 +291,31 @@ def tabulate(
     return caches
 
 
+def _count_cases(row: dict, newer: dict | None) -> None:
+    """How many of a property's tests ran (passed, failed or were skipped by the kit) of
+    those collection made (``planned``, per test class), its cases of a newer contract
+    (``newer``, not counted) included: a property that passed where some did not run (a -k,
+    a deselect, a test id) is partly run, "pass (K of N cases)", and does not hold."""
+    planned = row.pop("planned", {})
+    if newer is not None:
+        planned = {**newer.pop("planned", {}), **planned}
+    if not planned:  # entries from a kit that did not count them (an older report)
+        return
+    ran = row["tests"] + (newer["tests"] if newer is not None else 0)
+    row["cases"] = {"run": min(ran, sum(planned.values())), "of": sum(planned.values())}
+    if row["result"] == PASS and ran < sum(planned.values()):
+        row["result"] = PARTLY
+    if row["result"] == PARTLY:
+        row["partly"] = f"pass ({row['cases']['run']} of {row['cases']['of']} cases)"
+
+
 def _add(row: dict, entry: dict) -> None:
     """One test's outcome into its property's row: the first sets it, a later one replaces it
     where it ranks below (``_ranks_below``: a failure, the worst severity first; a pass over
     a skip)."""
     row["tests"] += 1
+    if "planned" in entry:  # the property's tests in the entry's class, before any left out
+        row.setdefault("planned", {})[entry["group"]] = entry["planned"]
     if "path" in entry:
         paths = row.setdefault("paths", dict.fromkeys(entry["paths"], "not run"))
         if paths[entry["path"]] != FAIL:
@@ -399,6 +425,8 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
             verdict = f"{cache['failed']} FAIL"
         elif skipped:  # skipped (an unavailable device, say): not shown to hold
             verdict = f"{skipped} skipped"
+        elif partly := sum(row["result"] == PARTLY for row in rows.values()):
+            verdict = f"{partly} partly run"  # some of their cases left out: none shown to hold
         elif not cache["run"]:  # nothing offered (outside its domain, say): nothing holds
             verdict = "no property run"
         else:
@@ -444,8 +472,11 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
                     f"its plans to {ran['tokens']} tokens held; the others did not run"
                 )
             elif row["result"] == PARTLY:
-                paths = "; ".join(f"{path} {outcome}" for path, outcome in row["paths"].items())
-                lines.append(f"  partly run   {name}: {paths}")
+                paths = "; ".join(
+                    f"{path} {outcome}" for path, outcome in row.get("paths", {}).items()
+                )
+                said = ", ".join(part for part in (row.get("partly", "pass"), paths) if part)
+                lines.append(f"  partly run   {name}: {said}; the others did not run")
         lines += _roots(rows, width)
         for name, row in cache.get("not counted", {}).items():
             result = _state(row) + (f": {row['reason']}" if row["result"] == FAIL else "")

@@ -473,3 +473,62 @@ def raised(error: Exception):
 def test_a_report_becomes_a_verdict_entry(report, call, expected):
     entry = kvverdict.entry_for(fake_item(), call, report)
     assert {key: entry[key] for key in expected} == expected, entry
+
+
+EVERY_AREA = (
+    "from kvcheck import CacheTests\nfrom kvimpl import ConcatCache\n\n\n"
+    "class TestMine(CacheTests):\n    factory = ConcatCache\n"
+)
+
+
+def kit_verdict(pytester: pytest.Pytester, *args: str) -> tuple[dict, object]:
+    """The JSON verdict of a run of the whole kit on ConcatCache with ``args``, and the run."""
+    (pytester.path / "test_mine.py").write_text(EVERY_AREA)
+    report = pytester.path / "verdict.json"
+    paths = [] if any(arg.startswith("test_mine.py::") for arg in args) else ["test_mine.py"]
+    result = run_in_process(pytester, *paths, "--kv-report", str(report), *args)
+    assert report.exists(), result.stdout + result.stderr
+    return json.loads(report.read_text())["caches"]["ConcatCache"], result
+
+
+def test_a_property_some_of_whose_cases_were_left_out_is_partly_run_not_a_pass(pytester):
+    # -k lengths selects the two pinned cases of `lengths at edges` (of 3 tests of lengths)
+    # and one case of `bad model call` (of 14): neither holds.
+    cache, result = kit_verdict(pytester, "-k", "lengths")
+    for name in ("lengths", "bad model call"):
+        row = cache["properties"][name]
+        assert row["result"] == kvverdict.PARTLY, (name, row)
+        assert row["cases"]["run"] < row["cases"]["of"], (name, row)
+        assert row["partly"] == f"pass ({row['cases']['run']} of {row['cases']['of']} cases)"
+        assert f"partly run   {name}: {row['partly']}" in result.stdout, result.stdout
+    assert cache["holds"] == 0, cache
+    assert "holds every property" not in result.stdout
+
+
+def test_a_test_id_runs_one_case_and_the_verdict_says_so(pytester):
+    test = "test_bad_append_is_refused_and_changes_nothing"
+    one = f"test_mine.py::TestMine::{test}[ConcatCache-wrong batch]"
+    cache, result = kit_verdict(pytester, one)
+    assert set(cache["properties"]) == {"bad append"}, result.stdout
+    row = cache["properties"]["bad append"]
+    assert row["result"] == kvverdict.PARTLY, row
+    assert row["cases"]["run"] == 1 < row["cases"]["of"], row
+
+
+def test_kv_property_runs_the_properties_it_names_in_full(pytester):
+    cache, result = kit_verdict(pytester, "--kv-property", "bad append", "--kv-property", "memory")
+    assert set(cache["properties"]) == {"bad append", "memory"}, cache["properties"]
+    for name, row in cache["properties"].items():
+        assert row["result"] == kvverdict.PASS, (name, row)
+        assert row["cases"]["run"] == row["cases"]["of"], (name, row)
+    assert result.returncode == 0, result.stdout
+
+
+def test_kv_property_refuses_a_name_the_kit_does_not_have_naming_the_closest(pytester):
+    (pytester.path / "test_mine.py").write_text(EVERY_AREA)
+    result = run_in_process(pytester, "test_mine.py", "--kv-property", "bad apend")
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 1, result.stderr
+    assert "'bad apend'" in errors[0], errors
+    assert "'bad append'" in errors[0], errors  # the property meant, offered
