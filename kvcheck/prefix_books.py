@@ -147,7 +147,7 @@ class PrefixBooks:
                         raise failures.DataLoss(
                             f"{said}, but no request wrote that block\n  {where}"
                         )
-                    why = _mismatch(seen, layer, request.salt, want[:end])
+                    why = _mismatch(seen, layer, request.salt, want[:end], size)
                     if why:
                         raise failures.DataLoss(
                             f"{said}, but it was last written by {seen.request} (its step "
@@ -199,7 +199,7 @@ class PrefixBooks:
                 if (
                     end > len(want)
                     or seen is None
-                    or _mismatch(seen, layer, other.salt, want[:end])
+                    or _mismatch(seen, layer, other.salt, want[:end], size)
                 ):
                     break
                 if self.full_writes[seen.identity()] != 1:
@@ -237,17 +237,32 @@ def _extends(seen: Written | None, given: Written) -> bool:
     )
 
 
-def _mismatch(seen: Written, layer: int, salt: object, tokens: tuple[int, ...]) -> str:
+def _mismatch(
+    seen: Written, layer: int, salt: object, tokens: tuple[int, ...], block_size: int
+) -> str:
     """Why ``seen`` is not a full block of ``tokens`` for ``layer`` and ``salt``, or ""."""
-    if len(seen.tokens) < len(tokens) and seen.tokens == tokens[: len(seen.tokens)]:
+    rows = seen.keys.shape[1]
+    # The block's index in a table: its last position's, the block being ``block_size`` rows.
+    index, wanted = (len(seen.tokens) - 1) // block_size, (len(tokens) - 1) // block_size
+    # Only a block short of full at the index wanted can have been published early: a full
+    # block whose tokens are a prefix of these is one from an earlier index.
+    early = rows < block_size and index == wanted and len(seen.tokens) < len(tokens)
+    if early and seen.tokens == tokens[: len(seen.tokens)]:
         return (
-            f"when it held {seen.keys.shape[1]} rows, up to position {len(seen.tokens) - 1}: "
-            f"a block published before it was full and written"
+            f"when it held {rows} rows, up to position {len(seen.tokens) - 1}: a block "
+            f"published before it was full and written"
         )
     if seen.layer != layer:
         return f"for layer {seen.layer}: a hit must be of its own layer"
     if seen.salt != salt:
         return f"with salt {seen.salt!r}: another tenant's rows (salts isolate tenants)"
+    if index != wanted:
+        return (
+            f"when it held positions {index * block_size}..{len(seen.tokens) - 1} ({rows} "
+            f"rows): a block from index {index} of a table, handed back at index {wanted} (a "
+            f"key trusted without comparing the tokens before the block, or a hit that "
+            f"hands its blocks back out of place)"
+        )
     if seen.tokens[: len(tokens)] != tokens or len(seen.tokens) != len(tokens):
         first = next(
             (i for i, (a, b) in enumerate(zip(seen.tokens, tokens, strict=False)) if a != b),

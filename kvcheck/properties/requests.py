@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -34,11 +34,11 @@ from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.devices import dtype_name
-from kvcheck.harness import PATHS
+from kvcheck.harness import PATHS, build
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
 from kvcheck.reach import Edge
 from kvcheck.session import Engine, Request
-from kvref import BlockPool, CacheContractError, CacheFactory, ModelConfig
+from kvref import BlockPool, CacheContractError, CacheFactory, ModelConfig, capabilities
 
 MAX_LENGTH = 48  # per request; prompts are drawn around the 16-row boundaries below it
 MAX_LIVE = 4  # requests alive at once
@@ -158,9 +158,12 @@ class RequestPlan:
         batches = {event.batch for event in self.events if isinstance(event, Start)}
         return f"{fed} ({events})", str(self.config.num_layers), "/".join(map(str, batches))
 
-    def blocks_needed(self, block_size: int) -> int:
+    def blocks_needed(self, block_size: int, offered: Collection[str] = frozenset()) -> int:
         """The most blocks of ``block_size`` rows the plan's live caches hold at once when
-        nothing is shared: ceil(length / block_size) per batch row of each layer's cache."""
+        nothing is shared: ceil(length / block_size) per batch row of each layer's cache.
+        The same whatever the caches offer (``offered``): a truncate is counted as shortening
+        nothing, and a fork counts the parent's length for the child, which is what fresh
+        caches fed the parent's history hold where fork is not offered, the parent live."""
         batch: dict[int, int] = {}
         length: dict[int, int] = {}
         busiest = 0
@@ -569,13 +572,18 @@ def run_plan(
     busiest moment, ``plan.blocks_needed``, and its ``margin``; keyed by ``block_hash`` where
     given): after every event the engine's checks, a refusal for want of blocks a crash, and
     at the end (after ``before_finish``) every block back. A plan has ``config``, ``dtype``,
-    ``path``, ``events``, ``margin``, ``blocks_needed(block_size)`` and ``describe(done)``."""
+    ``path``, ``events``, ``margin``, ``blocks_needed(block_size, offered)`` and
+    ``describe(done)``."""
     pool = isinstance(factory, BlockPool)
-    blocks = plan.blocks_needed(factory.block_size) + plan.margin if pool else 0
+    model = kvst.build_model(plan.config, plan.dtype)
+    blocks = 0
+    if pool:
+        offered = _offered(factory, model, max_length)
+        blocks = plan.blocks_needed(factory.block_size, offered) + plan.margin
     done = [0]
     engine = Engine(
         factory,
-        kvst.build_model(plan.config, plan.dtype),
+        model,
         max_length=max_length,
         path=path_for(plan.path, factory),
         blocks=blocks,
@@ -602,6 +610,16 @@ def run_plan(
         engine.check(f"event #{index} ({event.describe()})")
     before_finish()
     engine.finish()
+
+
+def _offered(factory: CacheFactory, model, max_length: int) -> frozenset[str]:
+    """The capabilities of the caches a run builds from ``factory``, read as the engine reads
+    them (its first layer's cache, ``Engine.start``): what a plan's events do to the caches,
+    and so the room the pool needs, depends on them (a serving rollback is skipped where
+    truncate is not offered, and the caches keep every row). The probe is built on the
+    factory itself and dropped, so that the run's own pool starts empty."""
+    probe = build(factory, model.cache_spec(1, max_length, layer=0))
+    return frozenset(capabilities(probe))
 
 
 # What the plans of requests, fork and pool must reach (kvcheck.reach), noted in run_event.

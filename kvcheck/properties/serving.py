@@ -30,6 +30,7 @@ import copy
 import gc
 import math
 import random
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,7 +47,7 @@ from kvcheck.prefix_books import PrefixBooks
 from kvcheck.properties.pool import fill
 from kvcheck.properties.requests import run_plan
 from kvcheck.session import Engine, Request
-from kvref import BlockPool, CacheFactory, ModelConfig, PrefixCaching
+from kvref import BlockPool, CacheFactory, ModelConfig, PrefixCaching, may_refuse_truncate
 
 EDGE = kvst.EDGE
 MAX_LENGTH = 64  # per request
@@ -211,19 +212,29 @@ class ServingPlan:
         batches = "/".join(sorted({str(event.batch) for event in arrivals}))
         return self.describe(), str(self.config.num_layers), batches
 
-    def blocks_needed(self, block_size: int) -> int:
+    def blocks_needed(self, block_size: int, offered: Collection[str] = frozenset()) -> int:
         """The most blocks the live requests' caches hold at once, nothing shared: each row
         of each layer ceil(length / block_size), a request still in its prompt counted as
-        holding all of it (a hit may hand it that much at once), swapped ones included."""
+        holding all of it (a hit may hand it that much at once), swapped ones included.
+
+        The lengths are what the run makes the caches hold, for caches offering ``offered``
+        (their capabilities; none known: the most): a rollback shortens a request only where
+        truncate is offered and no window layer may refuse it (without truncate the run skips
+        the rollback, and a refused one changes nothing: the caches keep every row), and a
+        feed never shortens it (the run feeds only past what the caches hold)."""
+        windows = [self.config.layer_window(layer) for layer in range(self.config.num_layers)]
         held: dict[int, list[int]] = {}  # request -> [batch, length, prompt]
         busiest = 0
         for event in self.events:
             if isinstance(event, Arrive):
                 held[event.request] = [event.batch, 0, event.prompt]
             elif isinstance(event, Feed):
-                held[event.request][1] = event.to
+                held[event.request][1] = max(held[event.request][1], event.to)
             elif isinstance(event, Rollback):
-                held[event.request][1] -= event.back
+                length = held[event.request][1]
+                target = length - event.back
+                if "truncate" in offered and not may_refuse_truncate(windows, length, target):
+                    held[event.request][1] = target
             elif isinstance(event, Sample):
                 held[event.request] = list(held[event.parent])
             rows = sum(
