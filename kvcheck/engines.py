@@ -47,6 +47,7 @@ from kvref.engine import (
     engine_capabilities,
     logits_of,
 )
+from kvref.reprs import short_repr
 
 # --- the events ------------------------------------------------------------------------
 
@@ -107,6 +108,7 @@ REMOVALS = ("middle", "tail", "head", "whole", "past the end")
 OPERATION = {Remove: "remove", Copy: "copy", Shift: "shift"}
 
 
+@short_repr
 @dataclass(frozen=True)
 class EnginePlan:
     """A model and the events to drive an engine built from it through."""

@@ -129,3 +129,11 @@ def first_line(error: BaseException) -> str:
     if not isinstance(error, PropertyFailure):
         text = f"{type(error).__name__}: {text}"
     return text
+
+
+def whole_message(error: BaseException) -> str:
+    """Everything ``error`` says: its type, message and notes (where it diverged, the plan,
+    the diagnosis, the falsifying example), as the report's JSON keeps it."""
+    import traceback
+
+    return "".join(traceback.format_exception_only(error)).rstrip("\n")

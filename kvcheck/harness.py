@@ -126,6 +126,7 @@ class Recorder:
         self.latent_scale: float | None = None  # the last attend_latent's scale, if it was one
         self.attended_latent = False  # whether attend_latent was ever called
         self.new_tokens = 0
+        self.resets = 0
         self.lent: tuple[Tensor, ...] = ()
         # Rows of their own (contract, section 8.1): per batch row, the (keys, values) it was
         # given since its reset, (H_kv, rows, D) each; and what append_rows last returned.
@@ -281,6 +282,7 @@ class Recorder:
         self.views = None
         self.cache.reset()
         self._forget()
+        self.resets += 1  # a message may say that rows came back from before one
 
     def _forget(self) -> None:
         self.given = self.returned = self.attended = None

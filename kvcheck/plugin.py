@@ -754,6 +754,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         # xfail, but by the kit itself, so that no ini (xfail_strict) or --runxfail turns a
         # run held to an earlier contract red for a rule it does not hold.
         report.outcome, report.wasxfail = "skipped", newer.kwargs["reason"]
+    if report.failed and call.excinfo is not None and item.get_closest_marker("kv_property"):
+        shown_as_read(item.config, report, call.excinfo.value)
     entry = verdict.entry_for(item, call, report)
     if entry is not None and (key := planned_key(item)) is not None:
         # What the property's tests of this class and cache were before any was left out.
@@ -764,3 +766,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         # reports. Values are plain data, so pytest-xdist carries them to the controller.
         report.user_properties = [*report.user_properties, (verdict.KEY, entry)]
     return report
+
+
+def shown_as_read(config: pytest.Config, report: pytest.TestReport, error: BaseException):
+    """A kit test's failure shown message first, then the cache's own frames
+    (``kvcheck.tracebacks``), where pytest's --tb style is its default (or short) and
+    --full-trace is not given."""
+    from kvcheck import tracebacks
+
+    if config.option.tbstyle not in tracebacks.STYLES or config.option.fulltrace:
+        return
+    if (text := tracebacks.readable(error, str(config.rootpath))) is not None:
+        report.longrepr = text

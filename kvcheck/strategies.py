@@ -28,6 +28,7 @@ from hypothesis.errors import InvalidArgument
 from kvcheck import devices as kvdevices
 from kvcheck import sizes as kvsizes
 from kvref import CacheSpec, ModelConfig, ReferenceTransformer
+from kvref.reprs import short_repr
 
 DTYPES = (torch.float64, torch.float32)  # close enough for a tolerance (asserts.TOLERANCES)
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # held to an error budget (asserts.BUDGETS)
@@ -65,6 +66,7 @@ chunk_sizes = st.one_of(
 prompt_sizes = st.one_of(chunk_sizes, st.integers(LONG_SESSION - 16, LONG_SESSION + 16))
 
 
+@short_repr
 @dataclass(frozen=True)
 class Session:
     """One prompt's worth of work: ``chunks[0]`` is the prefill, the rest are decode steps."""
@@ -79,12 +81,21 @@ class Session:
     def length(self) -> int:
         return sum(self.chunks)
 
+    def in_words(self) -> str:
+        """Its steps as the plan reads: ``prompt 5, decode 1, chunk 16``."""
+        steps = [f"prompt {self.chunks[0]}"]
+        steps += [f"decode {size}" if size == 1 else f"chunk {size}" for size in self.chunks[1:]]
+        if self.poison:
+            steps.append(f"{self.poison_rows} {self.poison} rows")
+        return ", ".join(steps)
+
     def describe(self) -> str:
         plan = f"prompt {self.chunks[0]} + chunks {list(self.chunks[1:])}"
         poisoned = f", then {self.poison_rows} {self.poison} rows" if self.poison else ""
         return f"{plan} ({self.length} tokens, {self.start} caches{poisoned})"
 
 
+@short_repr
 @dataclass(frozen=True)
 class Scenario:
     config: ModelConfig
@@ -106,6 +117,15 @@ class Scenario:
     def reference(self) -> ReferenceTransformer:
         """The float64 model: the truth a half-precision run is measured against."""
         return build_model(self.config, torch.float64)
+
+    def in_words(self) -> str:
+        """The whole plan as it reads: ``prompt 5, reset, prompt 2, decode 1 (1 layer, ...)``,
+        each later session after ``reset`` (its caches reset) or ``fresh caches``."""
+        sessions = [self.sessions[0].in_words()]
+        for session in self.sessions[1:]:
+            start = "reset" if session.start == "reset" else "fresh caches"
+            sessions.append(f"{start}, {session.in_words()}")
+        return f"{', '.join(sessions)} ({self.describe()})"
 
     def describe(self) -> str:
         return f"{describe_config(self.config)}, batch {self.batch}, " + (
@@ -566,6 +586,7 @@ def poison_rows(spec: CacheSpec, rows: int, kind: str, *, values: bool = False) 
     return torch.full(shape, poison_value(kind, spec.dtype), dtype=spec.dtype, device=spec.device)
 
 
+@short_repr
 @dataclass(frozen=True)
 class CachePlan:
     """A cache spec, the sizes of the appends that warm it (rows from ``random_rows``), and
@@ -602,6 +623,7 @@ def cache_plans(draw, room: int = 1, min_chunks: int = 0, max_new: int = 3) -> C
     return CachePlan(spec, tuple(chunks), new_tokens)
 
 
+@short_repr
 @dataclass(frozen=True)
 class ModelPlan:
     """A model's caches warmed by a prefill and decode steps (``chunks``), a layer a bad call

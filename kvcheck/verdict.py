@@ -27,6 +27,7 @@ import argparse
 import json
 import platform
 import sys
+import textwrap
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
@@ -96,6 +97,7 @@ def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestRepor
     default = BY_NAME[entry["property"]].severity if entry["property"] in BY_NAME else FAIL
     severity, culprit = failures.worst(error, default)
     reason = failures.first_line(culprit)
+    entry["message"] = failures.whole_message(culprit)  # the report's JSON: every line of it
     if report.when == "setup":  # a fixture failed (the factory, or one of the user's own)
         reason = f"in setup, before the property ran: {reason}"
     if root := failures.root_of(culprit):  # the first row the cache got wrong
@@ -348,6 +350,9 @@ def _add(row: dict, entry: dict) -> None:
     row["result"] = outcome
     if outcome == FAIL:
         row.update(severity=entry["severity"], reason=entry["reason"], test=entry["test"])
+        row.pop("message", None)
+        if "message" in entry:
+            row["message"] = entry["message"]
         row.pop("root", None)
         if "root" in entry:
             row["root"] = entry["root"]
@@ -401,7 +406,7 @@ def _exhaustive_lines(cache: dict, width: int) -> list[str]:
     ]
     if searched:
         lines.append(f"  searched     {', '.join(searched)} (no enumeration of their plans)")
-    return [line if len(line) <= width else line[: width - 3] + "..." for line in lines]
+    return [fitted for line in lines for fitted in _fitted(line, width)]
 
 
 def _worse(severity: str, than: str) -> bool:
@@ -451,7 +456,7 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
             ]
             line = f"  reached      {hit} of {hit + len(missed)} edges the passing properties name"
             line += f"; never: {'; '.join(missed)}" if missed else ""
-            lines.append(line if len(line) <= width else line[: width - 3] + "...")
+            lines += _fitted(line, width)
         lines += _exhaustive_lines(cache, width)
         absent = [
             _with_domain(name, row) for name, row in rows.items() if row["result"] == NOT_OFFERED
@@ -462,7 +467,7 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
             if row["result"] == FAIL:
                 tests = f"{row['failed']} of {row['tests']} tests"
                 line = f"  FAIL         {name} [{row['severity']}] ({tests}): {row['reason']}"
-                lines.append(line if len(line) <= width else line[: width - 3] + "...")
+                lines += _fitted(line, width)
             elif row["result"] == SKIPPED:
                 lines.append(f"  skipped      {name}: {row['reason']}")
             elif row["result"] == PARTLY and not row.get("exhaustive", {}).get("complete", 1):
@@ -482,8 +487,20 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
             result = _state(row) + (f": {row['reason']}" if row["result"] == FAIL else "")
             what = f"{name}'s cases" if name in rows else name  # a counted property's new cases
             line = f"  not counted  {what} (new in contract {row['since']}): {result}"
-            lines.append(line if len(line) <= width else line[: width - 3] + "...")
+            lines += _fitted(line, width)
     return lines
+
+
+# A verdict line's continuation starts under its text, past the column of its label.
+CONTINUED = " " * len("  not offered  ")
+
+
+def _fitted(line: str, width: int) -> list[str]:
+    """``line`` in lines of at most ``width`` characters, broken between words, never cut
+    (the JSON report holds each failure's whole message)."""
+    return textwrap.wrap(
+        line, width, subsequent_indent=CONTINUED, break_long_words=False, break_on_hyphens=False
+    ) or [line]
 
 
 def _roots(rows: dict[str, dict], width: int) -> list[str]:
@@ -497,7 +514,7 @@ def _roots(rows: dict[str, dict], width: int) -> list[str]:
     for root, names in by_root.items():
         if len(names) > 1:
             line = f"  one root     {root}: the first divergence of {', '.join(names)}"
-            lines.append(line if len(line) <= width else line[: width - 3] + "...")
+            lines += _fitted(line, width)
     return lines
 
 

@@ -65,6 +65,7 @@ from kvref.protocol import (
     kept_rows,
     keys_stored,
 )
+from kvref.reprs import short_repr
 from kvref.rope import apply_rope
 from kvref.rows import RowBatch, row_positions, row_slots
 from kvref.shared import SharedReader, SharedRows, caches_as_handed, is_cached
@@ -72,6 +73,7 @@ from kvref.tree import TreeBatch, tree_depths, tree_mask, tree_paths
 from kvref.varlen import rotating_keys, varlen_attention
 
 
+@short_repr
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 64

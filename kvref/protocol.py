@@ -40,6 +40,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from kvref.reprs import short_repr
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -59,6 +61,7 @@ class Shard:
         return self.num_kv_heads < self.world
 
 
+@short_repr
 @dataclass(frozen=True)
 class CacheSpec:
     """What a cache is built for: keys shaped (batch, kv_heads, length, head_dim) and values

@@ -33,12 +33,14 @@ from kvcheck.harness import SPEC_EDGES, build, coarser, note_spec
 from kvcheck.kit import KitTests, Property, property_test
 from kvref import CacheFactory, CacheSpec, attention
 from kvref.quantized import storage
+from kvref.reprs import short_repr
 
 # Queries and keys times this make scores of some hundreds, past exp's overflow in each
 # dtype, while the dot products keep enough precision for the dtype's tolerance.
 LARGE = {torch.float64: 30.0, torch.float32: 8.0}
 
 
+@short_repr
 @dataclass(frozen=True)
 class AttendPlan:
     """A cache spec, the query heads, and calls: ("append" or "attend", T new rows)."""
@@ -348,6 +350,7 @@ ATTEND = Property(
 )
 
 
+@short_repr
 @dataclass(frozen=True)
 class LatentAttendPlan:
     """A latent layer's cache spec (contract, section 10.2: rope keys ``head_dim`` wide,

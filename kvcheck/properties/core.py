@@ -157,7 +157,10 @@ def note_step(step_index: int, size: int, end: int) -> None:
 def run(factory: CacheFactory, scenario: kvst.Scenario, path: str = "append") -> Iterator[Step]:
     """Run every session of ``scenario`` on caches from ``factory``, yielding each step."""
     model = scenario.model()
-    engine = Engine(factory, model, max_length=scenario.max_length, path=path)
+    plan = f"plan: {scenario.in_words()}"
+    engine = Engine(
+        factory, model, max_length=scenario.max_length, path=path, describe=lambda: plan
+    )
     request: Request | None = None
     for session_index, session in enumerate(scenario.sessions):
         name = f"session #{session_index}"

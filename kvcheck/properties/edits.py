@@ -42,6 +42,7 @@ from kvcheck.strategies import (
     windows,
 )
 from kvref import CacheFactory, ModelConfig, may_refuse_truncate
+from kvref.reprs import short_repr
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class ForkHere:
 Step = int | Rollback | Rollbacks | Rewind | RewindTo | Reorder | ForkHere
 
 
+@short_repr
 @dataclass(frozen=True)
 class EditPlan:
     """A model, a batch and a prompt, then steps that append, roll back, rewind or reorder the

@@ -28,8 +28,10 @@ from kvcheck.kit import KitTests, Property, property_test
 from kvcheck.properties.rejection import layer_specs, warm_ups
 from kvcheck.strategies import cache_specs, chunk_plans
 from kvref import CacheFactory, CacheSpec
+from kvref.reprs import short_repr
 
 
+@short_repr
 @dataclass(frozen=True)
 class IsolationPlan:
     """Two caches from one factory, A and B, given the chunks of their plans in turns (A, B,

@@ -33,12 +33,14 @@ from kvcheck.kit import KitTests, Property, path_for, property_test
 from kvcheck.properties.rejection import check_refused, every_import
 from kvcheck.session import Engine
 from kvref import BlockPool, CacheFactory, CacheRows, ModelConfig
+from kvref.reprs import short_repr
 
 MOST_TOKENS = 2 * kvst.EDGE + 4
 EVENTS = ("feed", "truncate", "reorder", "reset")  # forks only after the last move
 BLOCK_SIZES = (1, 2, 3, 5, 8, 16, 32)
 
 
+@short_repr
 @dataclasses.dataclass(frozen=True)
 class MovePlan:
     """A model, a batch and a dtype, the layouts a request lives on in turn (the first

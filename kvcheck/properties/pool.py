@@ -38,6 +38,7 @@ from kvcheck.properties.requests import (
 )
 from kvref import BlockTables, CacheFactory, CacheSpec
 from kvref.quantized import storage
+from kvref.reprs import short_repr
 
 # Words a refusal for want of blocks may use; any one names the problem.
 WORDS = (
@@ -46,6 +47,7 @@ WORDS = (
 )  # fmt: skip
 
 
+@short_repr
 @dataclass(frozen=True)
 class ExhaustionPlan:
     """A cache A warmed by ``chunks``; the call tried on a full pool and its extra rows."""

@@ -39,6 +39,7 @@ from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_te
 from kvcheck.reach import Edge
 from kvcheck.session import Engine, Request
 from kvref import BlockPool, CacheContractError, CacheFactory, ModelConfig, capabilities
+from kvref.reprs import short_repr
 
 MAX_LENGTH = 48  # per request; prompts are drawn around the 16-row boundaries below it
 MAX_LIVE = 4  # requests alive at once
@@ -122,6 +123,7 @@ class Finish:
 Event = Start | Feed | Fork | Truncate | Reorder | Finish
 
 
+@short_repr
 @dataclass(frozen=True)
 class RequestPlan:
     config: ModelConfig

@@ -27,8 +27,10 @@ from kvcheck.properties.core import POISONED_EDGES, check_logits_match_uncached
 from kvcheck.properties.rejection import layer_specs, warm_ups
 from kvcheck.strategies import POISON_VALUES, cache_specs, chunk_plans
 from kvref import CacheFactory, CacheSpec
+from kvref.reprs import short_repr
 
 
+@short_repr
 @dataclass(frozen=True)
 class StaleRowsPlan:
     """A cache given rows full of ``poison``, then reset (or replaced by a fresh cache from

@@ -33,6 +33,7 @@ from kvcheck.devices import dtype_name
 from kvcheck.kit import KitTests, Property, property_test
 from kvcheck.session import Engine
 from kvref import CacheFactory, ModelConfig
+from kvref.reprs import short_repr
 from kvref.rope import ROPE_TABLE_POSITIONS
 
 MAX_LENGTH = 48  # per row: prompts and rollbacks drawn around the 16-row boundaries below it
@@ -40,6 +41,7 @@ EVENTS = ("feed", "truncate", "select", "join", "restart")
 FIRST_POSITIONS = (0, 1, 47, 48, 49, 255, 256, 1023, 1025, 4095, 4096, 8191, 8192, 100_003)
 
 
+@short_repr
 @dataclass(frozen=True)
 class RowsPlan:
     """One batch and its events, each ``(kind, per-row counts or rows)``."""

@@ -48,6 +48,7 @@ from kvcheck.properties.pool import fill
 from kvcheck.properties.requests import run_plan
 from kvcheck.session import Engine, Request
 from kvref import BlockPool, CacheFactory, ModelConfig, PrefixCaching, may_refuse_truncate
+from kvref.reprs import short_repr
 
 EDGE = kvst.EDGE
 MAX_LENGTH = 64  # per request
@@ -181,6 +182,7 @@ class Leave:
 Event = Arrive | Feed | Rollback | Reorder | Swap | Sample | Recompute | Leave
 
 
+@short_repr
 @dataclass(frozen=True)
 class ServingPlan:
     config: ModelConfig

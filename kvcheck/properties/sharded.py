@@ -32,11 +32,13 @@ from kvcheck.kit import KitTests, Property, offered, path_for, property_test
 from kvcheck.session import Engine
 from kvcheck.sharded_cache import Ranks, ShardedFactory, SimulatedRanks, plan_for
 from kvref import CacheFactory, ModelConfig, shard_heads
+from kvref.reprs import short_repr
 
 MOST_TOKENS = 2 * kvst.EDGE + 4
 EVENTS = ("feed", "truncate", "reorder", "fork", "reset")  # of kvcheck.scripts
 
 
+@short_repr
 @dataclasses.dataclass(frozen=True)
 class ShardedPlan:
     """A world of ranks, a model, the path each rank's caches take, a batch and a dtype, and

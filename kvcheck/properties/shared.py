@@ -51,12 +51,14 @@ from kvcheck.properties import tree as kvtree
 from kvcheck.session import assert_logits
 from kvref import CacheContractError, CacheFactory, ModelConfig, may_refuse_truncate
 from kvref.model import ReferenceTransformer
+from kvref.reprs import short_repr
 from kvref.rows import row_slots, rows_laid_out
 from kvref.tree import tree_paths
 
 MOST_TOKENS = 2 * kvst.EDGE + 1  # past two 16-row blocks: chunks straddle them
 
 
+@short_repr
 @dataclasses.dataclass(frozen=True)
 class SharedPlan:
     """A model whose layers share caches (``config.kv_sources``), a batch and a dtype, one
@@ -284,6 +286,7 @@ SHARED_LAYERS = Property(
 ROWS_MAX_LENGTH = 24  # per row: prompts, chunks and rollbacks around a 16-row block
 
 
+@short_repr
 @dataclasses.dataclass(frozen=True)
 class SharedRowsPlan(kvrows.RowsPlan):
     """A shared model's batch and its events, a ``RowsPlan``'s of three kinds: ``feed``
@@ -506,6 +509,7 @@ def note_shared_feed(config: ModelConfig, held: list[int], counts, after: str | 
         reach.note(READER_PAST_A_LAYER)
 
 
+@short_repr
 @dataclasses.dataclass(frozen=True)
 class SharedTreePlan:
     """A shared model, a prefix fed in chunks, a draft tree, the path every row accepts

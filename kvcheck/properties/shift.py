@@ -54,6 +54,7 @@ from kvcheck.properties.rows import (
 )
 from kvcheck.session import Engine
 from kvref import CacheFactory, ModelConfig
+from kvref.reprs import short_repr
 from kvref.rope import ROPE_TABLE_POSITIONS
 
 EDGE = kvst.EDGE
@@ -69,6 +70,7 @@ FAR_LENGTH = 25 * EDGE  # 400: room for shifts past 256, the last count bfloat16
 FAR_SHIFT = 100
 
 
+@short_repr
 @dataclass(frozen=True)
 class ShiftPlan:
     """One batch and its events: ``("feed", (tokens,))`` or ``("shift", (start, count))``."""
@@ -468,6 +470,7 @@ ROW_MAX_LENGTH = 2 * EDGE + 1  # per row: prompts and shifts drawn around the bl
 ROW_SPANS = ("untouched", "untouched", "from 0", "after kept", "whole tail", "any")
 
 
+@short_repr
 @dataclass(frozen=True)
 class RowShiftPlan:
     """One batch with rows of their own and its events: ``("feed", counts per row)`` or

@@ -32,6 +32,7 @@ from kvcheck import strategies as kvst
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
 from kvcheck.session import Engine
 from kvref import CacheFactory, ModelConfig
+from kvref.reprs import short_repr
 
 # Windows around the chunk sizes drawn, from one row (the sinks and the query alone) up.
 SINK_WINDOWS = st.one_of(
@@ -55,6 +56,7 @@ class SinkEdit:
         return f"{what} after chunk #{self.chunk} of session #{self.session}"
 
 
+@short_repr
 @dataclasses.dataclass(frozen=True)
 class SinkPlan:
     """A scenario whose model has a window with sinks, the path it takes, and the edits

@@ -56,6 +56,7 @@ from kvcheck.kit import KitTests, Property, path_for, property_test
 from kvcheck.session import Engine, Request
 from kvcheck.session.tree_tap import NODES_IN_CODES
 from kvref import CacheFactory, ModelConfig
+from kvref.reprs import short_repr
 from kvref.tree import tree_paths
 
 EDGE = kvst.EDGE
@@ -114,6 +115,7 @@ class TreeRound:
         )
 
 
+@short_repr
 @dataclass(frozen=True)
 class TreePlan:
     """A prefix fed in chunks, then draft trees verified and committed, each followed by

@@ -176,6 +176,40 @@ def first_wrong_layer(
     )
 
 
+def refusal_diagnosis(request: Request) -> str | None:
+    """Where the model refused what a layer's cache returned (``kvref.guards``): the first
+    layer whose last append returned keys and values that disagree with each other or with
+    the rows it was given since its reset, and how; None where every layer's agree."""
+    for layer, cache in enumerate(request.caches):
+        if cache.returned is None:  # not called since its reset: a later layer
+            continue
+        keys, values = cache.returned
+        if keys.ndim != 4 or values.ndim != 4:
+            return (
+                f"  diagnosis: layer {layer}'s cache returned keys of rank {keys.ndim} and "
+                f"values of rank {values.ndim}, not 4 (batch, kv heads, rows, width)"
+            )
+        given, fewest = cache.given_length, cache.fewest_rows()
+        since = "since its reset" if cache.resets else "since it was built"
+        rows = {"keys": keys.shape[2], "values": values.shape[2]}
+        wrong = {name: n for name, n in rows.items() if not fewest <= n <= given}
+        if not wrong and rows["keys"] == rows["values"]:
+            continue
+        said = f"{rows['keys']} key rows and {rows['values']} value rows"
+        if too_many := [name for name, n in wrong.items() if n > given]:
+            came_back = "rows from before its reset" if cache.resets else "rows it was never given"
+            why = f"{came_back} came back in its {' and '.join(too_many)}"
+        elif wrong:
+            why = f"its {' and '.join(wrong)} lost rows (it must return {fewest} at least)"
+        else:
+            why = "its keys and values disagree"
+        return (
+            f"  diagnosis: layer {layer}'s cache was given {given} rows {since} and returned "
+            f"{said}: {why}"
+        )
+    return None
+
+
 def _loose(tensor: Tensor) -> dict[str, float]:
     # A diagnosis, not a verdict: half precision at a few roundings.
     return kvassert.TOLERANCES.get(tensor.dtype, {"rtol": 2e-2, "atol": 2e-2})

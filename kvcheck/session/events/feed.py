@@ -19,7 +19,7 @@ from torch import Tensor
 from kvcheck import asserts as kvassert
 from kvcheck import failures
 from kvcheck.session.checks import check_returned, not_row_shifted
-from kvcheck.session.compare import assert_logits, diagnose
+from kvcheck.session.compare import assert_logits, diagnose, refusal_diagnosis
 from kvcheck.session.events.base import Event, Session
 from kvcheck.session.request import Request
 from kvcheck.session.shifted import after_shift
@@ -52,6 +52,8 @@ class Feed(Event):
             self.logits = engine.model(self.new, caches=self.request.caches)
         except Exception as error:
             error.add_note(f"  at {self.where}")
+            if failures.is_contract_error(error) and (why := refusal_diagnosis(self.request)):
+                error.add_note(why)  # the model's guards refused a layer's rows: whose, how
             raise
 
     def update(self, engine: Session) -> None:
