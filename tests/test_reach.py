@@ -64,14 +64,15 @@ def test_a_failure_found_while_shrinking_is_reported_as_itself_with_its_plan():
     # Draws that build the same plans over and over, failing on some: the search ends on the
     # check's own failure, its plan printed, never on a rejection or a flaky replay.
     def check(drawn):
-        assert drawn[0] + drawn[1] < 7, f"the sum of {drawn} is 7 or more"
+        assert drawn[0] + drawn[1] < 2, f"the sum of {drawn} is 2 or more"
 
-    pairs = st.tuples(st.integers(0, 9), st.integers(0, 9)).map(lambda p: (p[0] // 2, p[1] // 2))
+    # Ten draws build each plan; most plans fail, so every Hypothesis version finds one.
+    pairs = st.tuples(st.integers(0, 9), st.integers(0, 9)).map(lambda p: (p[0] // 5, p[1] // 5))
     prop = kit.Property("p", "t", check, pairs, failures.WRONG_RESULTS, since="1.0")
     with pytest.raises(AssertionError) as raised:
         kit.search(prop, check)
     assert type(raised.value) is AssertionError, repr(raised.value)
-    assert "is 7 or more" in str(raised.value)
+    assert "is 2 or more" in str(raised.value)
     notes = "\n".join(getattr(raised.value, "__notes__", []))
     assert "drawn=(" in notes, f"no falsifying plan among the notes: {notes!r}"
 
