@@ -282,6 +282,8 @@ def read_options(config: pytest.Config) -> KitRun:
     except ValueError as error:
         raise pytest.UsageError(str(error)) from None
     run.properties = [name.strip() for name in config.getoption("--kv-property")]
+    if run.properties:  # here, on the controller too: a worker's usage error would crash it
+        properties_named(run.properties)
     run.exhaustive = config.getoption("--kv-exhaustive")
     run.resume = config.getoption("--kv-exhaustive-resume")
     if run.exhaustive is not None:
@@ -629,6 +631,14 @@ def arrived_in(item: pytest.Item) -> str | None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     if hasattr(session.config, "workerinput"):  # for the controller's verdict (xdist)
         session.config.workeroutput[verdict.KEY] = kit_lines(session.config, session.items)
+        # Each kit test's cache and property: a test whose worker died before it reported
+        # is still the kit's, and a crash, in the verdict.
+        session.config.workeroutput[verdict.TESTS_KEY] = {
+            item.nodeid: [mark.args[0], mark.args[1], prop.args[0]]
+            for item in session.items
+            if (mark := item.get_closest_marker("kv_cache"))
+            and (prop := item.get_closest_marker("kv_property"))
+        }
         if properties := sys.modules.get("kvcheck.properties"):  # kit tests were collected
             session.config.workeroutput[verdict.PROPERTIES_KEY] = properties.SINCE
 
@@ -758,9 +768,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         shown_as_read(item.config, report, call.excinfo.value)
     entry = verdict.entry_for(item, call, report)
     if entry is not None and (key := planned_key(item)) is not None:
-        # What the property's tests of this class and cache were before any was left out.
+        # The property's tests on this cache before any was left out, per class: every
+        # class's, those of a class none of whose tests ran included.
         planned = item.config.stash[RUN].planned
-        entry.update(group=key[0], planned=planned.get(key, 1))
+        entry["planned"] = {
+            group: count for (group, of, prop), count in planned.items() if (of, prop) == key[1:]
+        }
     if entry is not None:
         # A list of its own: item.user_properties is shared by the setup, call and teardown
         # reports. Values are plain data, so pytest-xdist carries them to the controller.
@@ -774,7 +787,8 @@ def shown_as_read(config: pytest.Config, report: pytest.TestReport, error: BaseE
     --full-trace is not given."""
     from kvcheck import tracebacks
 
-    if config.option.tbstyle not in tracebacks.STYLES or config.option.fulltrace:
+    option = config.option
+    if option.tbstyle not in tracebacks.STYLES or option.fulltrace or option.showlocals:
         return
     if (text := tracebacks.readable(error, str(config.rootpath))) is not None:
         report.longrepr = text

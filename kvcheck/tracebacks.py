@@ -2,8 +2,8 @@
 diverged, by how much, the plan, the diagnosis, the falsifying example), then the frames of
 the cache's own code that the failure passed through, innermost last. The frames of the kit,
 its reference model, torch, Hypothesis and pytest are left out: they are the same in every
-failure and push the message off the first screen (``--tb=long`` or ``--full-trace`` shows
-every frame, as pytest does).
+failure and push the message off the first screen (``--tb=long``, ``--full-trace`` or
+``--showlocals`` gives pytest's own report, every frame).
 
 A crash of the kit's own machinery (an exception raised in the kit that is no verdict on the
 cache) keeps pytest's whole traceback: there the kit's frames are the point.
@@ -32,14 +32,20 @@ def readable(error: BaseException, root: str) -> str | None:
         return None
     lines = _message(error)
     if own := _own_frames(error.__traceback__, root):
-        lines += ["", "through the cache's own code (innermost last; --tb=long shows every frame):"]
-        lines += own
-    cause = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
-    if cause is not None:
-        lines += ["", "raised from this, which the cache raised:"]
-        lines += _own_frames(cause.__traceback__, root)
-        lines += [f"  {line}" for line in _message(cause)]
+        lines += ["", "through your code (innermost last; --tb=long shows every frame):", *own]
+    seen = {id(error)}
+    cause = _cause(error)
+    while cause is not None and id(cause) not in seen:  # the whole chain, down to its root
+        seen.add(id(cause))
+        own = _own_frames(cause.__traceback__, root)
+        lines += ["", "raised from this, which your code raised:" if own else "raised from this:"]
+        lines += [*own, *(f"  {line}" for line in _message(cause))]
+        cause = _cause(cause)
     return "\n".join(lines)
+
+
+def _cause(error: BaseException) -> BaseException | None:
+    return error.__cause__ or (None if error.__suppress_context__ else error.__context__)
 
 
 def _message(error: BaseException) -> list[str]:
@@ -62,11 +68,13 @@ def _own_frames(tb: TracebackType | None, root: str) -> list[str]:
 
 
 def _kit_crash(error: BaseException) -> bool:
-    """An exception raised in the kit's own code that is not a verdict on the cache."""
+    """An exception the kit raised in its own code that is no verdict on the cache: not a
+    property failure, and no frame of the user's on its way (a cache that calls a helper of
+    the kit, ``kvref.check_append`` say, and fails in it, crashed in the user's code)."""
     if isinstance(error, AssertionError) or _is_contract_error(error):
         return False
-    frames = list(traceback.walk_tb(error.__traceback__))
-    return bool(frames) and _within(frames[-1][0].f_code.co_filename, ("kvcheck", "kvref"))
+    frames = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(error.__traceback__)]
+    return bool(frames) and all(_within(path, HIDDEN) for path in frames)
 
 
 def _is_contract_error(error: BaseException) -> bool:

@@ -36,6 +36,7 @@ import pytest
 
 KEY = "kvcheck"
 PROPERTIES_KEY = "kvcheck-properties"
+TESTS_KEY = "kvcheck-tests"  # a worker's kit tests: node id -> [cache label, name, property]
 PASS, FAIL, SKIPPED, NOT_OFFERED = "pass", "FAIL", "skipped", "not offered"
 # A property that passed on some of the paths the cache offers and did not run on the others
 # (a -k or a deselect): never a pass.
@@ -76,7 +77,8 @@ def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestRepor
     stash = getattr(item, "stash", {})  # a stand-in item (the plugin's tests) may have none
     if (record := stash.get(EXHAUSTED, {})).get("tokens"):  # one block of plans
         block = item.callspec.params["kv_block"]
-        entry["exhaustive"] = {**record, "group": item.nodeid.replace(f"-{block}]", "]")}
+        # Its test with the block left out of the id (mid-id where the property has cases).
+        entry["exhaustive"] = {**record, "group": item.nodeid.replace(f"-{block}", "")}
     elif record.get("searched"):  # an exhaustive run's search of a property it cannot enumerate
         entry["searched"] = True
     if report.passed:
@@ -152,9 +154,14 @@ class Verdict:
         # kvcheck.properties.SINCE (each property's contract version, in order), from a worker
         self.kit_properties: dict[str, str] | None = None
         self.unreached_lines: list[str] = []  # --kv-require-reach's finding
+        self.kit_tests: dict[str, list[str]] = {}  # from the workers: node id -> its cache
+        self.unreported: set[str] = set()  # failed with no entry: a worker died in them
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.entries.extend(value for key, value in report.user_properties if key == KEY)
+        entries = [value for key, value in report.user_properties if key == KEY]
+        self.entries.extend(entries)
+        if report.failed and not entries:
+            self.unreported.add(report.nodeid)
 
     @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: a worker is done
     def pytest_testnodedown(self, node, error) -> None:
@@ -164,6 +171,7 @@ class Verdict:
         self.workers_lines = self.workers_lines or output.get(KEY, [])
         # And the kit's properties in order: the controller need not import them (and torch).
         self.kit_properties = self.kit_properties or output.get(PROPERTIES_KEY)
+        self.kit_tests.update(output.get(TESTS_KEY, {}))
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if not self.entries:
@@ -176,7 +184,27 @@ class Verdict:
             terminalreporter.write_line(f"(written as JSON to {path})")
 
     def caches(self) -> dict[str, dict]:
-        return tabulate(self.entries, self.kit_properties, self.contract)
+        return tabulate([*self.entries, *self.crashed()], self.kit_properties, self.contract)
+
+    def crashed(self) -> list[dict]:
+        """An entry for each kit test that failed without one: its process died while it ran
+        (a native crash of the cache, say, which pytest-xdist reports for it)."""
+        from kvcheck import failures  # no torch
+
+        return [
+            {
+                "cache": label,
+                "name": name,
+                "property": prop,
+                "test": nodeid,
+                "outcome": FAIL,
+                "severity": failures.CRASH,
+                "reason": "its process died while the test ran, before it could report",
+            }
+            for nodeid in sorted(self.unreported)
+            if (found := self.kit_tests.get(nodeid)) is not None
+            for label, name, prop in [found]
+        ]
 
     def never_reached(self) -> dict[str, list[str]]:
         """Per property that passed somewhere in the run, the edges it names that some cache
@@ -294,21 +322,23 @@ def tabulate(
 
 
 def _count_cases(row: dict, newer: dict | None) -> None:
-    """How many of a property's tests ran (passed, failed or were skipped by the kit) of
-    those collection made (``planned``, per test class), its cases of a newer contract
-    (``newer``, not counted) included: a property that passed where some did not run (a -k,
-    a deselect, a test id) is partly run, "pass (K of N cases)", and does not hold."""
-    planned = row.pop("planned", {})
+    """How many of a property's tests ran (passed, failed, or were found not offered: a skip
+    of the user's, an xfail, a tier's skip did not run) of those collection made
+    (``planned``, per test class), its cases of a newer contract (``newer``, not counted)
+    included: a property that passed where some did not run (a -k, a deselect, a test id)
+    is partly run, "pass (K of N cases)", and does not hold."""
+    planned, ran = row.pop("planned", {}), row.pop("ran", set())
     if newer is not None:
         planned = {**newer.pop("planned", {}), **planned}
+        ran = ran | newer.pop("ran", set())
     if not planned:  # entries from a kit that did not count them (an older report)
         return
-    ran = row["tests"] + (newer["tests"] if newer is not None else 0)
-    row["cases"] = {"run": min(ran, sum(planned.values())), "of": sum(planned.values())}
-    if row["result"] == PASS and ran < sum(planned.values()):
+    of = sum(planned.values())
+    row["cases"] = {"run": min(len(ran), of), "of": of}
+    if row["result"] == PASS and len(ran) < of:
         row["result"] = PARTLY
     if row["result"] == PARTLY:
-        row["partly"] = f"pass ({row['cases']['run']} of {row['cases']['of']} cases)"
+        row["partly"] = f"pass ({row['cases']['run']} of {of} cases)"
 
 
 def _add(row: dict, entry: dict) -> None:
@@ -316,8 +346,10 @@ def _add(row: dict, entry: dict) -> None:
     where it ranks below (``_ranks_below``: a failure, the worst severity first; a pass over
     a skip)."""
     row["tests"] += 1
-    if "planned" in entry:  # the property's tests in the entry's class, before any left out
-        row.setdefault("planned", {})[entry["group"]] = entry["planned"]
+    if "planned" in entry:  # the property's tests on the cache per class, before any left out
+        row.setdefault("planned", {}).update(entry["planned"])
+    if entry["outcome"] in (PASS, FAIL, NOT_OFFERED):  # ran, or the kit found it not offered
+        row.setdefault("ran", set()).add(entry["test"])  # once, however often it ran
     if "path" in entry:
         paths = row.setdefault("paths", dict.fromkeys(entry["paths"], "not run"))
         if paths[entry["path"]] != FAIL:
@@ -456,7 +488,7 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
             ]
             line = f"  reached      {hit} of {hit + len(missed)} edges the passing properties name"
             line += f"; never: {'; '.join(missed)}" if missed else ""
-            lines += _fitted(line, width)
+            lines.append(line)
         lines += _exhaustive_lines(cache, width)
         absent = [
             _with_domain(name, row) for name, row in rows.items() if row["result"] == NOT_OFFERED
@@ -467,7 +499,7 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
             if row["result"] == FAIL:
                 tests = f"{row['failed']} of {row['tests']} tests"
                 line = f"  FAIL         {name} [{row['severity']}] ({tests}): {row['reason']}"
-                lines += _fitted(line, width)
+                lines.append(line)
             elif row["result"] == SKIPPED:
                 lines.append(f"  skipped      {name}: {row['reason']}")
             elif row["result"] == PARTLY and not row.get("exhaustive", {}).get("complete", 1):
@@ -487,8 +519,8 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
             result = _state(row) + (f": {row['reason']}" if row["result"] == FAIL else "")
             what = f"{name}'s cases" if name in rows else name  # a counted property's new cases
             line = f"  not counted  {what} (new in contract {row['since']}): {result}"
-            lines += _fitted(line, width)
-    return lines
+            lines.append(line)
+    return [fitted for line in lines for fitted in _fitted(line, width)]
 
 
 # A verdict line's continuation starts under its text, past the column of its label.

@@ -254,3 +254,12 @@ def test_a_small_scope_mutant_fails_a_plan_of_the_logits_enumeration(mutant):
             else:  # a failure, or the model's guard on what the cache returned
                 with pytest.raises((AssertionError, CacheContractError)):
                     LOGITS.check_all_cases(mutant, plan)
+
+
+def test_a_property_with_cases_run_block_by_block_is_complete(pytester):
+    # Its blocks sit mid-id ([ConcatCache-exhaustive 1-n of n-wrong batch]): one test a case.
+    write_class(pytester, "kvimpl", "ConcatCache")
+    result = run_in_process(pytester, "--kv-property", "bad append", "--kv-exhaustive", "2")
+    assert result.returncode == 0, result.stdout
+    assert "partly run" not in result.stdout, result.stdout
+    assert "every plan holds: bad append" in result.stdout, result.stdout

@@ -22,11 +22,15 @@ from tests.pytest_run import ROOT, run_in_process
 USERS = """
 from kvcheck import CacheTests
 from tests.users.keeps_values_cache import KeepsValuesCache
-from tests.users.unchecked_cache import UncheckedCache
+from tests.users.unchecked_cache import UncheckedCache, WrappingCache
 
 
 class TestUnchecked(CacheTests):
     factory = UncheckedCache
+
+
+class TestWrapping(CacheTests):
+    factory = WrappingCache
 
 
 class TestKeepsValues(CacheTests):
@@ -131,3 +135,12 @@ def test_a_verdict_line_breaks_between_words():
     assert len(fail) > 1, lines
     assert all(len(line) <= 100 and not line.endswith("wor") for line in fail), fail
     assert " ".join(line.strip() for line in fail).count("word") == 80, fail
+
+
+def test_every_link_of_the_chain_under_the_kits_message_is_shown(pytester):
+    test = "TestWrapping::test_bad_append_is_refused_and_changes_nothing[WrappingCache-wrong batch]"
+    report, out = failure_report(pytester, test)
+    text = "\n".join(report)
+    assert text.index("UnclearError") < text.index("could not store the rows"), out
+    assert text.index("could not store the rows") < text.index("The expanded size"), out
+    assert "unchecked_cache.py:23 in append" in text, out  # the root's own frame

@@ -532,3 +532,60 @@ def test_kv_property_refuses_a_name_the_kit_does_not_have_naming_the_closest(pyt
     assert len(errors) == 1, result.stderr
     assert "'bad apend'" in errors[0], errors
     assert "'bad append'" in errors[0], errors  # the property meant, offered
+
+
+def kit_entry(test: str, outcome: str = kvverdict.PASS, **more) -> dict:
+    """A verdict entry of cache A's logits property, from test ``test``."""
+    planned = {"t.py::TestA": 3}
+    return {"cache": "A", "name": "m:A", "property": "logits", "test": test} | {
+        "outcome": outcome,
+        "planned": planned,
+        **more,
+    }
+
+
+def test_a_test_reported_twice_counts_once():
+    # --dist each, or a rerun plugin: two reports of one test are one case that ran.
+    entries = [kit_entry("t::a"), kit_entry("t::a"), kit_entry("t::b")]
+    row = kvverdict.tabulate(entries, ["logits"])["A"]["properties"]["logits"]
+    assert row["result"] == kvverdict.PARTLY, row
+    assert row["cases"] == {"run": 2, "of": 3}, row
+
+
+def test_a_users_skip_or_xfail_is_not_a_case_that_ran():
+    skipped = {"outcome": kvverdict.SKIPPED, "reason": "xfail: known"}
+    entries = [kit_entry("t::a"), kit_entry("t::b"), kit_entry("t::c", **skipped)]
+    row = kvverdict.tabulate(entries, ["logits"])["A"]["properties"]["logits"]
+    assert row["result"] == kvverdict.PARTLY, row
+    not_offered = {"outcome": kvverdict.NOT_OFFERED, "reason": "not offered: no attend"}
+    entries[2] = kit_entry("t::c", **not_offered)  # the kit found that case not offered: ran
+    row = kvverdict.tabulate(entries, ["logits"])["A"]["properties"]["logits"]
+    assert row["result"] == kvverdict.PASS, row
+
+
+def test_the_cases_of_every_class_on_one_cache_are_counted():
+    # Two classes test cache A's logits; only the first class's tests ran.
+    both = {"t.py::TestA": 3, "t.py::TestB": 3}
+    entries = [kit_entry(f"t::{case}", planned=both) for case in "abc"]
+    row = kvverdict.tabulate(entries, ["logits"])["A"]["properties"]["logits"]
+    assert row["cases"] == {"run": 3, "of": 6}, row
+    assert row["result"] == kvverdict.PARTLY, row
+
+
+def test_a_kit_test_whose_worker_died_is_a_crash_in_the_verdict(pytester):
+    gathered = kvverdict.Verdict(pytester.parseconfig(), held_to="1.0")
+    gathered.kit_tests = {"t.py::TestA::test_logits[A]": ["A", "m:A", "logits"]}
+    gathered.unreported = {"t.py::TestA::test_logits[A]", "t.py::test_not_the_kits"}
+    gathered.entries = [kit_entry("t::a"), kit_entry("t::b")]
+    row = gathered.caches()["A"]["properties"]["logits"]
+    assert row["result"] == kvverdict.FAIL, row
+    assert row["severity"] == failures.CRASH, row
+    assert "died" in row["reason"], row
+
+
+def test_a_misspelled_property_is_one_usage_error_under_xdist(tmp_path):
+    (tmp_path / "test_mine.py").write_text(EVERY_AREA)
+    result = run_pytest("-n", "2", "test_mine.py", "--kv-property", "logit", cwd=tmp_path)
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
+    assert "INTERNALERROR" not in result.stdout + result.stderr, result.stdout + result.stderr
+    assert "'logits'" in result.stderr, result.stderr  # the property meant, offered
