@@ -31,7 +31,8 @@ by the model), and for the optional capabilities ``AttendTests``, ``ForkTests``,
 ``RowsTests`` (rows of their own, ``append_rows``), ``ShiftTests`` (context shift, ``shift``),
 ``SinksTests`` (attention sinks a cache declares), ``ServingTests`` (prefix caching and
 offload), ``TreeTests`` (tree drafts), ``MoveTests`` (moves between layouts) and
-``ShardedTests`` (tensor-parallel ranks, run on every cache)); subclass one of them instead
+``ShardedTests`` (tensor-parallel ranks, run on every cache) and ``InteractionTests`` (every
+pair of events the cache offers)); subclass one of them instead
 to run only that area. ``EngineTests`` puts a whole engine under the kit where its cache
 cannot be reached layer by layer (``kvcheck.engines``, contract section 13). The contract a
 cache must keep is in ``kvref.protocol`` and
@@ -47,6 +48,7 @@ __all__ = [
     "Domain",
     "EngineTests",
     "ForkTests",
+    "InteractionTests",
     "IsolationTests",
     "MemoryTests",
     "MoveTests",
@@ -73,6 +75,7 @@ if TYPE_CHECKING:  # what __getattr__ below serves, for type checkers and the AP
         CacheTests,
         CoreTests,
         ForkTests,
+        InteractionTests,
         IsolationTests,
         MemoryTests,
         MoveTests,

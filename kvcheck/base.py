@@ -20,6 +20,7 @@ from kvcheck.kit import KitTests
 from kvcheck.properties.attend import AttendTests
 from kvcheck.properties.core import CoreTests
 from kvcheck.properties.edits import ReorderTests, TruncateTests
+from kvcheck.properties.interactions import InteractionTests
 from kvcheck.properties.isolation import IsolationTests
 from kvcheck.properties.memory import MemoryTests
 from kvcheck.properties.moves import MoveTests
@@ -58,6 +59,7 @@ class CacheTests(
     SinksTests,
     MoveTests,
     ShardedTests,
+    InteractionTests,
 ):
     """Every property of the kit. Subclass it, set ``factory``, and pytest runs them all;
     those of a capability the cache does not offer are skipped as "not offered"."""
@@ -68,6 +70,7 @@ __all__ = [
     "CacheTests",
     "CoreTests",
     "ForkTests",
+    "InteractionTests",
     "IsolationTests",
     "KitTests",
     "MemoryTests",

@@ -3,8 +3,9 @@
 Each ``Property`` says its name, the contract version it arrived in (``since``), its default
 severity and what it holds (``holds``, else its title); the test class that binds it says
 its area. From these, ``python -m kvcheck.catalogue`` rewrites the property tables of
-docs/properties.md (between the ``generated`` markers) and the whole of docs/reach.md (the
-edges each property names, ``kvcheck.reach.table``). A test fails while either is stale, so a
+docs/properties.md (between the ``generated`` markers), the whole of docs/reach.md (the
+edges each property names, ``kvcheck.reach.table``) and of docs/interactions.md (the pairs of
+events, ``kvcheck.interplay.table``). A test fails while either is stale, so a
 new property's row is written when the property is, in its own module.
 
     python -m kvcheck.catalogue            # rewrite the pages under docs/
@@ -21,7 +22,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from kvcheck import reach
+from kvcheck import interplay, reach
 from kvcheck.engines import ENGINE_PROPERTIES, EngineTests
 from kvcheck.kit import Property
 from kvcheck.properties import ALL, AREAS
@@ -82,6 +83,7 @@ def pages(docs: Path) -> dict[Path, str]:
     return {
         properties: fill(properties.read_text(), tables),
         docs / "reach.md": reach.table((*ALL, *ENGINE_PROPERTIES)),
+        docs / "interactions.md": interplay.table(),
     }
 
 

@@ -23,6 +23,7 @@ VERSIONS: dict[str, str] = {
     "along tokens, shared layers through rows and trees, shifts per row, sinks and latents "
     "on the attend path",
     "1.7": "engines under the kit: the model as the unit, driven by token ids (section 13)",
+    "1.8": "interactions: every pair of events a cache offers, run by construction (section 14)",
 }
 VERSION = list(VERSIONS)[-1]
 ENV = "KV_CONTRACT"

@@ -82,7 +82,8 @@ def entry_for(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestRepor
     elif record.get("searched"):  # an exhaustive run's search of a property it cannot enumerate
         entry["searched"] = True
     if report.passed:
-        return {**entry, **_reach(item, entry["property"], factory), "outcome": PASS}
+        pairs = _pairs(item, entry["property"], factory)
+        return {**entry, **_reach(item, entry["property"], factory), **pairs, "outcome": PASS}
     expected = hasattr(report, "wasxfail")  # an xfail: the user's, or ours (not counted)
     if expected and newer is None:  # the user's: their call, not a verdict
         return {**entry, "outcome": SKIPPED, "reason": f"xfail: {report.wasxfail}".strip()}
@@ -129,6 +130,26 @@ def _reach(item: pytest.Item, name: str, factory) -> dict:
             offered = kit.offered_and_methods(factory)
     hit, missed = reach.split(declared, item.stash.get(REACHED, set()), offered)
     return {"reached": hit, "not reached": missed}
+
+
+def _pairs(item: pytest.Item, name: str, factory) -> dict:
+    """The pairs of events (``kvcheck.interplay``) a passed test ran; for the property that
+    runs them by construction, also every pair the cache offers (the verdict's N)."""
+    from kvcheck import interplay
+
+    reached = item.stash.get(REACHED, set()) if hasattr(item, "stash") else set()
+    found = {
+        "pairs ran": sorted(
+            n.removeprefix(interplay.PREFIX) for n in reached if n.startswith(interplay.PREFIX)
+        )
+    }
+    if name == "interactions" and factory is not None:
+        from kvcheck import kit, sizes
+        from kvcheck.properties.interactions import CALLED
+
+        with sizes.aiming_at(sizes.declared_by(factory, getattr(item, "cls", None))):
+            found["pairs offered"] = interplay.offered_pairs(kit.offered(factory) & CALLED)
+    return found if found["pairs ran"] or "pairs offered" in found else {}
 
 
 def _skip_reason(report: pytest.TestReport) -> str:
@@ -216,11 +237,15 @@ class Verdict:
                 edges = named.setdefault(entry["property"], {})
                 for edge in [*entry["reached"], *entry["not reached"]]:
                     edges[edge] = edges.get(edge, False) or edge in entry["reached"]
-        return {
+        missed = {
             name: missed
             for name, edges in named.items()
             if (missed := [edge for edge, reached in edges.items() if not reached])
         }
+        for label, cache in self.caches().items():  # the pairs of events each cache offers
+            if never := cache.get("interactions", {}).get("never"):
+                missed[f"interactions on {label}"] = never
+        return missed
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if self.config.getoption("--kv-require-reach") and (missed := self.never_reached()):
@@ -285,12 +310,21 @@ def tabulate(
         )
         if "domain" in entry:  # what the cache declares it supports: all that was drawn
             cache["domain"] = entry["domain"]
+        if entry["outcome"] == PASS:  # the pairs of events it ran, and those offered
+            pairs = cache.setdefault("interactions", {"ran": set(), "offered": None})
+            pairs["ran"].update(entry.get("pairs ran", ()))
+            if "pairs offered" in entry:
+                pairs["offered"] = entry["pairs offered"]
         counted = entry.get("counted", True)
         rows = cache["properties"] if counted else cache.setdefault("not counted", {})
         row = rows.setdefault(entry["property"], {"result": PASS, "tests": 0, "failed": 0})
         row["since"] = max(row.get("since", "1.0"), entry.get("since", "1.0"), key=contract.key)
         _add(row, entry)
     for cache in caches.values():
+        if (pairs := cache.pop("interactions", None)) and pairs["offered"] is not None:
+            ran = [pair for pair in pairs["offered"] if pair in pairs["ran"]]
+            never = [pair for pair in pairs["offered"] if pair not in pairs["ran"]]
+            cache["interactions"] = {"offered": len(pairs["offered"]), "ran": ran, "never": never}
         rows = cache["properties"]
         for row in [*rows.values(), *cache.get("not counted", {}).values()]:
             if "blocks" in row:  # the bounded-exhaustive mode ran its plans
@@ -489,6 +523,9 @@ def render(caches: dict[str, dict], width: int = 200) -> list[str]:
             line = f"  reached      {hit} of {hit + len(missed)} edges the passing properties name"
             line += f"; never: {'; '.join(missed)}" if missed else ""
             lines.append(line)
+        if pairs := cache.get("interactions"):
+            line = f"  interactions {len(pairs['ran'])} of {pairs['offered']} pairs of events ran"
+            lines.append(line + (f"; never: {'; '.join(pairs['never'])}" if pairs["never"] else ""))
         lines += _exhaustive_lines(cache, width)
         absent = [
             _with_domain(name, row) for name, row in rows.items() if row["result"] == NOT_OFFERED

@@ -55,7 +55,7 @@ def test_since_is_required_and_a_version_of_the_contract():
 
 
 def test_a_stale_page_is_named_and_rewritten(tmp_path):
-    for name in ("properties.md", "reach.md"):
+    for name in ("properties.md", "reach.md", "interactions.md"):
         (tmp_path / name).write_text((DOCS / name).read_text())
     page = tmp_path / "properties.md"
     page.write_text(page.read_text().replace("| logits | `CoreTests` |", "| logits | `Nope` |"))

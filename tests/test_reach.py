@@ -86,8 +86,9 @@ def test_the_verdict_says_what_the_passing_properties_reached_and_never_reached(
     assert "  reached      3 of 4 edges the passing properties name; never: logits: y" in lines
 
 
-def test_require_reach_judges_the_run_as_a_whole():
-    run = kvverdict.Verdict.__new__(kvverdict.Verdict)
+def test_require_reach_judges_the_run_as_a_whole(pytester):
+    run = kvverdict.Verdict(pytester.parseconfig(), held_to="1.0")
+    run.kit_properties = ["logits"]
     run.entries = [
         entry("logits", reached=["x"], **{"not reached": ["y"]}),
         {

@@ -13,6 +13,7 @@ from kvcheck.properties import (
     attend,
     core,
     edits,
+    interactions,
     isolation,
     memory,
     moves,
@@ -50,6 +51,7 @@ AREAS = (
     sinks,
     moves,
     sharded,
+    interactions,
 )
 
 

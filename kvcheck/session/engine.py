@@ -31,7 +31,7 @@ from torch import Tensor
 
 from kvcheck import asserts as kvassert
 from kvcheck import devices as kvdevices
-from kvcheck import failures, pool_books
+from kvcheck import failures, interplay, pool_books
 from kvcheck import strategies as kvst
 from kvcheck.harness import assert_views_kept, builder, record
 from kvcheck.prefix_books import PrefixBooks
@@ -127,16 +127,22 @@ class Engine:
         else:
             caches, reuse.caches = reuse.caches, None
             self.live.pop(reuse.name, None)
+            last_event = getattr(reuse, "last_event", None)  # its reset meets what follows
         kvassert.fail_if_not_empty(caches, self.where(f"{name} starts"))
         history = torch.empty(batch, 0, dtype=torch.long, device=kvdevices.current())
         offered = frozenset(capabilities(caches[0].cache))
         request = Request(name, caches, history, offered=offered)
+        if reuse is not None:
+            request.last_event = last_event
         self.live[name] = request
         return request
 
     def apply(self, event: Event) -> Any:
-        """Run ``event`` on this engine's caches and books (``Event.run``)."""
-        return event.run(self)
+        """Run ``event`` on this engine's caches and books (``Event.run``), and note the
+        pair of events it completes on its request (``kvcheck.interplay``)."""
+        result = event.run(self)
+        interplay.noted(event, self, result)
+        return result
 
     # Each event by its name, as the plans call them; the event's unit says what it does.
     def feed(self, request: Request, new: Tensor, *, compare: bool = True, at: str = "") -> Tensor:

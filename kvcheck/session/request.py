@@ -36,6 +36,9 @@ class Request:
     row_shifted: list[tuple[list[tuple[Tensor, Tensor]], list[tuple[Tensor, Tensor]]]] | None = None
     salt: object = None  # its tenant, for a prefix-caching pool (section 9.1)
     looked_up: int = 0  # the tokens its last prefix lookup declared
+    # Its last event's kind and the state it left (kvcheck.interplay): the next event on it
+    # completes a pair of the two.
+    last_event: tuple[str, str] | None = None
 
     @property
     def held(self) -> int:

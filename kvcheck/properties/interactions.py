@@ -1,0 +1,132 @@
+"""Interactions: every pair of events a cache offers, run by construction (contract 14).
+
+A random search reaches a pair of events in a particular state only as often as its draws
+happen to put them together, and so a bug where two events meet (a truncate that ends on a
+page boundary, then a decode; a fork, then a write to the parent) can survive every seed but
+one. Here the plans are not drawn: ``kvcheck.interplay.covering_walks`` builds, for the
+capabilities the cache offers, walks that run every offered pair ``A → [s] → B`` at least
+once, and each walk runs on the session engine, whose checks after every event (the logits
+of every feed against the uncached model over the whole history, every row returned, the
+lengths, the views, a pool's books) judge it. Each feed brings new tokens, so that rows a
+truncate or a reset should have dropped differ from the ones that replace them.
+
+The verdict reports which offered pairs ran in a passing test of any property
+(``interactions: M of N pairs ran``); this property makes N of N the floor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcheck import failures, interplay
+from kvcheck import sizes as kvsizes
+from kvcheck import strategies as kvst
+from kvcheck.kit import KitTests, Property, offered, property_test
+from kvcheck.session import Engine, Request
+from kvref import CacheFactory, ModelConfig
+
+# The capabilities a walk's events call (kvcheck.interplay.KINDS), of those kit.offered names.
+CALLED = frozenset(kind.needs for kind in interplay.KINDS if kind.needs is not None)
+
+
+def walks_for(factory: CacheFactory) -> tuple[list[tuple[interplay.Step, ...]], int, int]:
+    """The covering walks for ``factory``'s caches, the tokens they are built for and their
+    page: pages of the page the cache declares (16 rows otherwise), two of them and five
+    tokens more, so that every state is a few tokens from every other."""
+    page = interplay.page_of(kvsizes.current().page)
+    most = 2 * page + 5
+    return interplay.covering_walks(offered(factory) & CALLED, most, page), most, page
+
+
+def model_for_the_walks() -> tuple[ModelConfig, torch.dtype, int]:
+    """The smallest model and batch inside the cache's declared domain: two layers (a bug
+    of one layer's bookkeeping shows against the other's), a batch of two where it may (a
+    reorder moves rows), the first dtype judged to a tolerance."""
+    domain = kvsizes.domain()
+    head_dim = domain.head_dims[0] if domain.head_dims else 4
+    kv_heads = domain.kv_heads[0] if domain.kv_heads else 1
+    group = domain.groups[0] if domain.groups else 2
+    config = ModelConfig(
+        vocab_size=13,
+        num_layers=2,
+        num_heads=kv_heads * group,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn_dim=16,
+    )
+    batch = min(2, domain.max_batch or 2)
+    return config, kvst.supported_dtypes(kvst.WITH_HALF)[0], batch
+
+
+def check_every_offered_pair(
+    factory: CacheFactory, *, examples_scale: float = 1.0, path: str = "append"
+) -> None:
+    """Run the walks that cover every pair of events the cache offers; the engine judges
+    every event of them."""
+    walks, most, _ = walks_for(factory)
+    config, dtype, batch = model_for_the_walks()
+    model = kvst.build_model(config, dtype)
+    for number, walk in enumerate(walks):
+        run_walk(factory, model, walk, most, batch, path, f"walk {number + 1} of {len(walks)}")
+
+
+def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str) -> None:
+    done: list[str] = []
+    engine = Engine(
+        factory,
+        model,
+        max_length=most,
+        path=path,
+        describe=lambda: f"interactions {name}: {', '.join(done) or 'nothing yet'}",
+    )
+    request = engine.start("r0", batch)
+    forks: list[Request] = []
+    tokens = 0  # every feed brings new tokens: the seed of the next ones
+    for index, step in enumerate(walk):
+        done.append(step.describe())
+        if step.kind in ("prefill", "decode", "chunk"):
+            tokens += 1
+            new = kvst.random_tokens(model.config, batch, step.length - request.held, tokens)
+            engine.feed(request, new)
+        elif step.kind == "reset":
+            engine.reset(request)
+        elif step.kind == "truncate":
+            engine.truncate(request, step.length)
+        elif step.kind == "reorder":
+            # Reversed, then every row the last one's: a repeat shares a row two ways.
+            order = list(range(batch))[::-1] if index % 2 else [batch - 1] * batch
+            engine.reorder(request, torch.tensor(order, device=request.history.device))
+        elif step.kind == "fork":
+            forks.append(engine.fork(request, f"r{len(forks) + 1}, a fork at step #{index}"))
+        elif step.kind == "offload and restore":
+            engine.offload(request)
+            engine.restore(request)
+        engine.check(f"step #{index}, {step.describe()}")
+    for fork in forks:  # each fork holds its own history still, whatever its parent did
+        if 0 < fork.held < most:
+            tokens += 1
+            engine.feed(fork, kvst.random_tokens(model.config, batch, 1, tokens), at=" (fork)")
+    engine.finish()
+
+
+INTERACTIONS = Property(
+    name="interactions",
+    title="every pair of events the cache offers, each in every state it can leave, runs as "
+    "the uncached model does",
+    check=check_every_offered_pair,
+    strategy=None,  # not drawn: built per cache (kvcheck.interplay.covering_walks)
+    severity=failures.WRONG_RESULTS,
+    paths=True,
+    since="1.8",
+    holds="Walks that run every offered pair `A → [s] → B` of prefill, decode, chunk, reset "
+    "and the capabilities truncate, reorder, fork and offload (each pair at least once, "
+    "state `s` one of empty, warm, page edge, full), on two layers and a batch of two; the "
+    "engine judges every event; docs/interactions.md lists the pairs and those the contract "
+    "rules out.",
+)
+
+
+class InteractionTests(KitTests):
+    """Every pair of events the cache offers, by construction."""
+
+    test_every_offered_pair_of_events = property_test(INTERACTIONS)

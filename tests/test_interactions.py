@@ -1,0 +1,154 @@
+"""Interactions (kvcheck.interplay, the ``interactions`` property): the pairs a cache offers
+follow from its capabilities, the covering walks run every one of them by construction, the
+session engine notes the pair each event completes in any property's plan, and the verdict
+counts them."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kvcheck import interplay, reach
+from kvcheck import strategies as kvst
+from kvcheck.properties.interactions import CALLED, run_walk
+from kvcheck.session import Engine
+from kvimpl import ConcatCache
+from kvref import CacheContractError, ModelConfig, check_append, check_truncate
+from tests.pytest_run import run_in_process
+
+CAPABILITIES = sorted(CALLED)
+SUBSETS = [
+    set(combo)
+    for r in range(len(CAPABILITIES) + 1)
+    for combo in itertools.combinations(CAPABILITIES, r)
+]
+
+
+@pytest.mark.parametrize("page", [16, 3, 2, 128])
+@pytest.mark.parametrize("offered", SUBSETS, ids=lambda s: "+".join(sorted(s)) or "none")
+def test_the_walks_run_every_offered_pair_and_only_pairs_a_cache_can_run(offered, page):
+    most = 2 * page + 5
+    walks = interplay.covering_walks(offered, most, page)
+    ran = {pair for walk in walks for pair in interplay.pairs_of(walk)}
+    assert ran == set(interplay.offered_pairs(offered)), sorted(
+        set(interplay.offered_pairs(offered)) ^ ran
+    )
+    for walk in walks:
+        assert 1 < len(walk) <= 24, walk
+        held = 0
+        for step in walk:  # each step runs where it may, and leaves the state it says
+            kind = interplay.BY_NAME[step.kind]
+            assert interplay.state_of(held, most, page) in kind.runs_in, (walk, step)
+            assert step.state == interplay.state_of(step.length, most, page), step
+            held = step.length
+
+
+def test_a_cache_with_no_capability_offers_the_pairs_of_feeds_and_resets():
+    assert len(interplay.offered_pairs(set())) == 22
+    assert len(interplay.offered_pairs(set(CAPABILITIES))) == 130
+    assert "truncate → [page edge] → decode" in interplay.offered_pairs({"truncate"})
+    assert not any("truncate" in pair for pair in interplay.offered_pairs(set()))
+
+
+def test_every_pair_ruled_out_says_why_and_none_is_offered():
+    every = set(interplay.offered_pairs(set(CAPABILITIES)))
+    for pair, why in interplay.ruled_out():
+        assert why, pair
+        assert pair not in every, pair
+
+
+def test_the_engine_notes_the_pair_each_event_completes():
+    config = ModelConfig(vocab_size=11, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
+    model = kvst.build_model(config, torch.float64)
+    engine = Engine(ConcatCache, model, max_length=37)
+    request = engine.start("r0", 1)
+    with reach.collecting() as noted:
+        engine.feed(request, kvst.random_tokens(config, 1, 20, 1))
+        engine.truncate(request, 16)
+        engine.feed(request, kvst.random_tokens(config, 1, 1, 2))
+        engine.reset(request)
+        engine.feed(request, kvst.random_tokens(config, 1, 3, 3))
+    pairs = {
+        name.removeprefix(interplay.PREFIX) for name in noted if name.startswith(interplay.PREFIX)
+    }
+    assert pairs == {
+        "prefill → [warm] → truncate",
+        "truncate → [page edge] → decode",
+        "decode → [warm] → reset",
+        "reset → [empty] → prefill",
+    }, pairs
+
+
+class ChunkListCache:
+    """Rows in a list of chunks of 8; ``stale_edge``: a truncate that ends on a chunk's
+    boundary keeps that chunk whole (the rows past the length come back with the next
+    append): a truncate alone, or ending inside a chunk, is right."""
+
+    CHUNK = 8
+
+    def __init__(self, spec, stale_edge: bool = False):
+        self.spec, self.stale_edge = spec, stale_edge
+        self.reset()
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.chunks)
+
+    def append(self, key, value):
+        check_append(self.spec, self._length, key, value)
+        for row in range(key.shape[2]):
+            if not self.chunks or self.chunks[-1][0].shape[2] == self.CHUNK:
+                empty = key[:, :, :0]
+                self.chunks.append((empty, value[:, :, :0]))
+            k, v = self.chunks[-1]
+            self.chunks[-1] = (
+                torch.cat((k, key[:, :, row : row + 1]), 2),
+                torch.cat((v, value[:, :, row : row + 1]), 2),
+            )
+        self._length += key.shape[2]
+        keys = torch.cat([k for k, _ in self.chunks], 2)
+        return keys, torch.cat([v for _, v in self.chunks], 2)
+
+    def truncate(self, length: int) -> None:
+        check_truncate(self._length, length)
+        whole, part = divmod(length, self.CHUNK)
+        kept = self.chunks[:whole]
+        if part or (self.stale_edge and whole < len(self.chunks)):
+            k, v = self.chunks[whole]
+            kept.append((k, v) if not part else (k[:, :, :part], v[:, :, :part]))
+        self.chunks, self._length = kept, length
+
+    def reset(self) -> None:
+        self.chunks, self._length = [], 0
+
+
+def test_a_bug_where_a_truncate_meets_a_page_boundary_is_caught():
+    config = ModelConfig(vocab_size=13, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4)
+    model = kvst.build_model(config, torch.float64)
+    walks = interplay.covering_walks({"truncate"}, 21, 8)
+
+    def run_all(factory) -> None:
+        for walk in walks:
+            run_walk(factory, model, walk, 21, 2, "append", "a walk")
+
+    run_all(ChunkListCache)  # the correct twin holds every walk
+    with pytest.raises((AssertionError, CacheContractError)):
+        run_all(lambda spec: ChunkListCache(spec, stale_edge=True))
+
+
+def test_the_verdict_counts_the_pairs_that_ran(pytester):
+    (pytester.path / "test_mine.py").write_text(
+        "from kvcheck.properties.interactions import InteractionTests\n"
+        "from kvimpl import ConcatCache\n\n\n"
+        "class TestMine(InteractionTests):\n    factory = ConcatCache\n"
+    )
+    result = run_in_process(pytester, "test_mine.py")
+    assert result.returncode == 0, result.stdout
+    pairs = len(interplay.offered_pairs({"truncate", "reorder"}))
+    assert f"interactions {pairs} of {pairs} pairs of events ran" in result.stdout, result.stdout
