@@ -1,8 +1,9 @@
-"""transformers 5.24.0: a float64 Llama with eager attention returns NaN logits for every
-left-padded row of a batch (generate with the dynamic or the static cache, or one forward).
+"""transformers 5.24.0, class 1 (wrong results in normal use): a float64 Llama with eager
+attention returns NaN logits for every left-padded row of a batch (generate with the dynamic
+or the static cache, or one forward).
 
-The eager mask fills masked slots with torch.finfo(float64).min (masking_utils.py, eager_mask,
-~line 615); eager_attention_forward adds it to the scores and takes the softmax with
+The eager mask fills masked slots with torch.finfo(float64).min (masking_utils.py:615-617);
+eager_attention_forward adds it to the scores and takes the softmax with
 dtype=torch.float32 (models/llama/modeling_llama.py:197), which turns -1.8e308 into -inf. A
 pad query sees only masked slots: its row is all -inf and its softmax NaN; the pad slot's
 NaN keys and values in the next layer then reach every query of that row. sdpa, and eager
@@ -41,6 +42,6 @@ for attn, dtype in (("eager", torch.float64), ("eager", torch.float32), ("sdpa",
         print(f"{attn:5} {dtype!s:13} {cache:7}: rows with NaN logits: {nan_rows}")
         broken |= bool(nan_rows)
 if broken:
-    print("DEFECT: NaN logits for the left-padded row (float64, eager attention)")
+    print("DEFECT (class 1): NaN logits for the left-padded row (float64, eager attention)")
     sys.exit(1)
 print("fixed: every row finite")

@@ -1,16 +1,15 @@
-"""transformers 5.24.0: a float64 Llama computes in float32 where it means to upcast.
-LlamaRMSNorm.forward casts its input .to(torch.float32) (models/llama/modeling_llama.py:64),
-LlamaRotaryEmbedding computes cos and sin from float32 frequencies and float32 positions
-(lines 106, 111), and eager_attention_forward takes the softmax in float32 (line 197): for
-float16 and bfloat16 each is an upcast, for float64 a downcast. A float64 model is then only
-float32-accurate: its logits are about 1e-6 from a float64 computation, where float64
-rounding would leave about 1e-14.
+"""transformers 5.24.0, class 3 (a deviation from the kit's contract, not a defect): a
+float64 Llama is only float32-accurate.
 
-Exits 1 while the defect is there: the norm of a float64 tensor differs from the same
-formula computed in float64 by more than float64 rounding.
+LlamaRMSNorm.forward casts its input to float32 (models/llama/modeling_llama.py:64), the
+rotary tables are computed from float32 frequencies and positions (lines 106, 111), and eager
+attention takes its softmax in float32 (line 197). For float16 and bfloat16 each is an upcast
+on purpose, for numerical stability; for float64 a downcast. float64 is not a precision the
+models are written for, so this is design, not a defect; the kit's adapters declare float32.
+
+Plain transformers and torch. Run as `python repros/generate_float64_llama_is_float32_accurate.py`.
+Exits 0.
 """
-
-import sys
 
 import torch
 from transformers import LlamaConfig
@@ -34,7 +33,8 @@ angles = positions[0].to(torch.float64)[:, None] * inverse
 rope_error = (cos[0, :, :8] - angles.cos()).abs().max().item()
 print(f"float64 RMSNorm vs the formula in float64: {norm_error:.2e}")
 print(f"float64 RoPE cos vs the formula in float64: {rope_error:.2e}")
-if norm_error > 1e-12 or rope_error > 1e-12:
-    print("DEFECT: a float64 Llama computes its norm and rotations in float32")
-    sys.exit(1)
-print("fixed")
+seen = "seen" if max(norm_error, rope_error) > 1e-12 else "no longer seen"
+print(
+    f"class 3: deviation from the kit's contract, not a defect ({seen}): the float32 norm and "
+    "rotations are deliberate; float64 is not a precision the models target"
+)

@@ -1,12 +1,15 @@
-"""transformers 5.24.0: cache_implementation="offloaded" (DynamicCache(offloading=True)) is
-accepted for a model on the CPU, then crashes in its first update with torch's
-"AssertionError: Torch not compiled with CUDA enabled": Cache.update calls
-torch.cuda.default_stream(...) unconditionally when offloading (cache_utils.py:1614, 1617),
-although its prefetch stream is the device-agnostic torch.Stream() (line 1545). Nothing
-refuses the setting up front, and nothing falls back to a plain cache.
+"""transformers 5.24.0, class 3 (a deviation from the kit's contract, not a defect):
+cache_implementation="offloaded" needs a CUDA device.
 
-Run on a CPU-only torch, as `python repros/generate_offloaded_cache_cpu_crash.py` (its tiny Llama
-from _tiny_llama.py next to it). Exits 1 while the defect is there.
+DynamicCache(offloading=True) is accepted for a model on the CPU, then its first update raises
+torch's "AssertionError: Torch not compiled with CUDA enabled": Cache.update calls
+torch.cuda.default_stream(...) when offloading (cache_utils.py:1614, 1617). transformers'
+cache guide says so: "Cache offloading requires a GPU" (docs/source/en/kv_cache.md, Offloaded
+Cache). A documented requirement met by a late and unclear error: the kit calls that an
+unclear refusal, a maintainer a documented limit.
+
+Run on a CPU-only torch, as `python repros/generate_offloaded_cache_cpu_crash.py` (its tiny
+Llama from _tiny_llama.py next to it). Exits 0.
 """
 
 import sys
@@ -27,10 +30,10 @@ try:
         do_sample=False,
         cache_implementation="offloaded",
     )
+    seen = f"no longer seen: generated {out.tolist()}"
 except AssertionError as error:
-    print(
-        f"DEFECT: generate(cache_implementation='offloaded') on the CPU raised "
-        f"AssertionError: {error}"
-    )
-    sys.exit(1)
-print("fixed: generated", out.tolist())
+    seen = f"seen: the first update raised AssertionError: {error}"
+print(
+    f"class 3: deviation from the kit's contract, not a defect ({seen}); the offloaded cache "
+    "is documented as needing a GPU"
+)

@@ -1,4 +1,5 @@
-"""llama.cpp: llama_memory_seq_add on one sequence also moves the tokens it shares with a copy.
+"""llama.cpp, class 3 (a deviation from the kit's contract, not a defect): in a unified KV
+buffer, llama_memory_seq_add on one sequence also moves the tokens it shares with a copy.
 
 With a unified KV buffer (kv_unified = true, or one sequence per context stream), seq_cp
 does not copy cells: it adds the target's id to the source's cells. Each cell has ONE
@@ -6,13 +7,17 @@ position, and llama_memory_seq_add(mem, seq, ...) changes it for every sequence 
 (llama_kv_cells::pos_add, src/llama-kv-cells.h), so shifting the source shifts the copy too:
 the copy's positions move, its keys are re-rotated, and a shift below 0 deletes its tokens.
 Without kv_unified (a stream per sequence) seq_cp copies the buffer and the copy stays put.
+By design: within one stream "no data copy is necessary, we just have to update the cells meta
+data" (llama_kv_cache::seq_cp, src/llama-kv-cache.cpp:464-465); kv_unified is documented as
+"a unified buffer across the input sequences" for sequences that "share a large prefix"
+(include/llama.h:412-414), and seq_add moves "all tokens that belong to the specified
+sequence" (llama.h:782), a shared cell included. The kit's contract treats a copy as
+independent of its source, hence the deviation.
 
 Plain llama-cpp-python + gguf + numpy (a tiny random llama, no tokenizer, from _tiny_gguf.py
-next to this file). Run as `python repros/llamacpp_shift_moves_copies.py`. Exits 1 while the
-defect is there. Tested with llama-cpp-python 0.3.36 (llama.cpp 0c1e570).
+next to this file). Run as `python repros/llamacpp_shift_moves_copies.py`. Exits 0. Written
+for llama-cpp-python 0.3.36 (llama.cpp 0c1e570); not run in this revision (no build here).
 """
-
-import sys
 
 import llama_cpp
 from _tiny_gguf import fill_batch, load_tiny_llama, write_tiny_llama
@@ -50,9 +55,11 @@ def main():
             f"seq_add(0, +5) (expected 0..2); its last position after sequence 0 is shifted "
             f"below 0: {after_drop} (expected 2) -> {'ok' if ok else 'WRONG'}"
         )
-    if wrong:
-        print("llama_memory_seq_add moved another sequence's tokens (shared KV cells)")
-        sys.exit(1)
+    seen = "seen" if wrong else "no longer seen"
+    print(
+        f"class 3: deviation from the kit's contract, not a defect ({seen}): a unified buffer "
+        "shares a copy's cells with its source by design"
+    )
 
 
 if __name__ == "__main__":
