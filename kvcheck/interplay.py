@@ -78,7 +78,7 @@ class Kind:
             up = [n for n in up if n - held >= 2]
         elif self.name == "reset":
             return [0]
-        elif self.name == "truncate":
+        elif self.name in ("truncate", "shift"):  # a shift discards held - length tokens
             return sorted({0, held - 1, (held - 1) // page * page})
         elif self.name not in ("decode",):
             return [held]  # a reorder, a fork, an offload and restore: no length changes
@@ -118,6 +118,13 @@ KINDS = (
         ("warm", "page edge", "full"),
         ("empty", "warm", "page edge"),
         why_not="a truncate of empty caches keeps nothing of nothing",
+    ),
+    Kind(
+        "shift",
+        "shift",
+        ("warm", "page edge", "full"),
+        ("empty", "warm", "page edge"),
+        why_not="a shift of empty caches discards nothing",
     ),
     Kind(
         "reorder",
@@ -284,7 +291,7 @@ def noted(event, engine, result) -> None:
     request, noted (``kvcheck.reach``); an event of no kind here ends the request's run of
     pairs, so that none is named across it."""
     from kvcheck import reach
-    from kvcheck.session.events import feed, fork, offload, reorder, reset, truncate
+    from kvcheck.session.events import feed, fork, offload, reorder, reset, shift, truncate
 
     request, kind = getattr(event, "request", None), None
     if isinstance(event, feed.Feed):
@@ -292,6 +299,8 @@ def noted(event, engine, result) -> None:
         kind = "prefill" if event.start == 0 else "decode" if count == 1 else "chunk"
     elif isinstance(event, truncate.Truncate) and result is not False:  # False: refused
         kind = "truncate"
+    elif isinstance(event, shift.Shift) and result is not False:
+        kind = "shift"
     elif isinstance(event, reorder.Reorder):
         kind = "reorder"
     elif isinstance(event, reset.Reset):

@@ -15,6 +15,7 @@ from kvcheck import strategies as kvst
 from kvcheck.properties.interactions import CALLED, run_walk
 from kvcheck.session import Engine
 from kvimpl import ConcatCache
+from kvimpl.preallocated import PreallocatedCache
 from kvref import CacheContractError, ModelConfig, check_append, check_truncate
 from tests.pytest_run import run_in_process
 
@@ -47,7 +48,9 @@ def test_the_walks_run_every_offered_pair_and_only_pairs_a_cache_can_run(offered
 
 def test_a_cache_with_no_capability_offers_the_pairs_of_feeds_and_resets():
     assert len(interplay.offered_pairs(set())) == 22
-    assert len(interplay.offered_pairs(set(CAPABILITIES))) == 130
+    # 130 before shift joined: 17 pairs begin with it (empty: a prefill; warm and page edge:
+    # every kind but a prefill) and 20 end with it (every pair before it that leaves tokens).
+    assert len(interplay.offered_pairs(set(CAPABILITIES))) == 167
     assert "truncate → [page edge] → decode" in interplay.offered_pairs({"truncate"})
     assert not any("truncate" in pair for pair in interplay.offered_pairs(set()))
 
@@ -79,6 +82,36 @@ def test_the_engine_notes_the_pair_each_event_completes():
         "decode → [warm] → reset",
         "reset → [empty] → prefill",
     }, pairs
+
+
+def test_after_a_shift_every_event_is_followed_and_noted_on_a_correct_cache():
+    # The oracle after a shift keeps rows of its own: a truncate, a reorder and a fork of
+    # them are judged as the caches should hold them, and the pairs they complete count.
+    config = ModelConfig(vocab_size=11, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4)
+    model = kvst.build_model(config, torch.float64)
+    engine = Engine(PreallocatedCache, model, max_length=37)
+    request = engine.start("r0", 2)
+    with reach.collecting() as noted:
+        engine.feed(request, kvst.random_tokens(config, 2, 12, 1))
+        engine.shift(request, 3, 2)
+        engine.truncate(request, 8)
+        engine.shift(request, 0, 1)
+        engine.reorder(request, torch.tensor([1, 1]))
+        engine.shift(request, 2, 3)
+        child = engine.fork(request, "r1")
+        engine.feed(request, kvst.random_tokens(config, 2, 1, 2))
+        engine.feed(child, kvst.random_tokens(config, 2, 2, 3))
+    assert request.rows is None  # still a batch fed as one
+    pairs = {
+        name.removeprefix(interplay.PREFIX) for name in noted if name.startswith(interplay.PREFIX)
+    }
+    assert {
+        "shift → [warm] → truncate",
+        "shift → [warm] → reorder",
+        "shift → [warm] → fork",
+        "fork → [warm] → decode",
+        "fork → [warm] → chunk",
+    } <= pairs, pairs
 
 
 class ChunkListCache:

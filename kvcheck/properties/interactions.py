@@ -92,6 +92,11 @@ def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str) 
             engine.reset(request)
         elif step.kind == "truncate":
             engine.truncate(request, step.length)
+        elif step.kind == "shift":
+            # The span discarded alternates between the head and the middle: every later key
+            # moves (keys kept before it too, in the middle).
+            count = request.held - step.length
+            engine.shift(request, step.length // 2 if index % 2 else 0, count)
         elif step.kind == "reorder":
             # Reversed, then every row the last one's: a repeat shares a row two ways.
             order = list(range(batch))[::-1] if index % 2 else [batch - 1] * batch
@@ -119,7 +124,7 @@ INTERACTIONS = Property(
     paths=True,
     since="1.8",
     holds="Walks that run every offered pair `A → [s] → B` of prefill, decode, chunk, reset "
-    "and the capabilities truncate, reorder, fork and offload (each pair at least once, "
+    "and the capabilities truncate, shift, reorder, fork and offload (each pair at least once, "
     "state `s` one of empty, warm, page edge, full), on two layers and a batch of two; the "
     "engine judges every event; docs/interactions.md lists the pairs and those the contract "
     "rules out.",

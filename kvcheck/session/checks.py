@@ -99,13 +99,6 @@ def refusal_allowed(
 
 
 # --- the plans the oracle follows ---------------------------------------------------------
-def not_shifted(request: Request, call: str) -> None:
-    # The oracle after a shift follows feeds only; a plan that edits a shifted history
-    # otherwise would be compared against stale rows.
-    if request.shifted is not None or request.row_shifted is not None:
-        raise TypeError(f"{call} of {request.name} after a context shift: no plan does so")
-
-
 def not_row_shifted(request: Request, call: str) -> None:
     # Each row's oracle after a shift per row follows feeds by row and further shifts per
     # row only (no plan does more).

@@ -63,8 +63,9 @@ class Request:
         return self.rows
 
     def row_firsts(self) -> list[int]:
-        """Each row's first position as the plan set it (never the cache's own claim)."""
-        return self.firsts or [0] * len(self.own_rows())
+        """Each row's first position as the plan set it (never the cache's own claim). Asking
+        leaves a batch fed as one as it is (``own_rows`` would give it rows of their own)."""
+        return self.firsts or [0] * self.batch
 
     def shared_first(self) -> int:
         """The position of the first token, for a batch fed as one (its rows share it)."""

@@ -64,6 +64,16 @@ def row_rows(engine: Session, request: Request, row: int):
     )
 
 
+def follow(request: Request, edit: Callable[[Tensor], Tensor]) -> None:
+    """A whole-batch shift's oracle after an edit that moves no position (a truncate keeps a
+    head of the rows, a reorder takes other rows of the batch): ``edit`` applied to every
+    layer's keys and values, in both dtypes."""
+    if request.shifted is not None:
+        request.shifted = tuple(
+            [(edit(keys), edit(values)) for keys, values in rows] for rows in request.shifted
+        )
+
+
 def after_shift(
     engine: Session, request: Request, new: Tensor
 ) -> tuple[Tensor, Callable[[], Tensor]]:

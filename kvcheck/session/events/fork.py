@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcheck.session.checks import check_lengths, not_shifted
+from kvcheck.session.checks import check_lengths, not_row_shifted
 from kvcheck.session.events.base import Event, Session
 from kvcheck.session.request import Request
 
@@ -29,7 +29,7 @@ class Fork(Event):
     at: str = ""
 
     def run(self, engine: Session) -> Request:
-        not_shifted(self.parent, "fork")
+        not_row_shifted(self.parent, "fork")
         if "fork" not in self.parent.offered:
             return self.fed_again(engine)
         return super().run(engine)
@@ -55,6 +55,7 @@ class Fork(Event):
         parent = self.parent
         child = Request(self.name, self.caches, parent.history.clone(), offered=parent.offered)
         child.salt, child.looked_up = parent.salt, parent.looked_up
+        child.shifted = parent.shifted  # a shift's oracle: never edited in place, so shared
         engine.live[self.name] = child
         self.child = child
 

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from kvcheck.session.checks import check_lengths, not_shifted
+from kvcheck.session.checks import check_lengths, not_row_shifted
 from kvcheck.session.events.base import Event, Session
 from kvcheck.session.request import Request
+from kvcheck.session.shifted import follow
 
 
 @dataclass
@@ -26,7 +27,7 @@ class Reorder(Event):
     at: str = ""
 
     def before(self, engine: Session) -> None:
-        not_shifted(self.request, "reorder")
+        not_row_shifted(self.request, "reorder")
         self.indices = self.indices.to(engine.model.device)
 
     def apply(self, engine: Session) -> None:
@@ -34,6 +35,7 @@ class Reorder(Event):
 
     def update(self, engine: Session) -> None:
         self.request.history = self.request.history[self.indices]
+        follow(self.request, lambda rows: rows[self.indices.to(rows.device)])
 
     def verify(self, engine: Session) -> None:
         check_lengths(engine, self.request, f"reorder by {self.indices.tolist()}{self.at}")

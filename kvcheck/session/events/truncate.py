@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcheck import asserts as kvassert
-from kvcheck.session.checks import check_lengths, not_shifted, refusal_allowed, windows
+from kvcheck.session.checks import check_lengths, not_row_shifted, refusal_allowed, windows
 from kvcheck.session.events.base import Event, Session
 from kvcheck.session.request import Request
+from kvcheck.session.shifted import follow
 from kvref import may_refuse_truncate
 
 
@@ -28,7 +29,7 @@ class Truncate(Event):
     at: str = ""
 
     def before(self, engine: Session) -> None:
-        not_shifted(self.request, "truncate")
+        not_row_shifted(self.request, "truncate")
         self.what = f"truncate to {self.target}{self.at}"
 
     def apply(self, engine: Session) -> Exception | None:
@@ -40,6 +41,7 @@ class Truncate(Event):
 
     def update(self, engine: Session) -> None:
         self.request.history = self.request.history[:, : self.target]
+        follow(self.request, lambda rows: rows[:, :, : self.target])
 
     def verify(self, engine: Session) -> None:
         check_lengths(engine, self.request, self.what)
