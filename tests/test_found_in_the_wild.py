@@ -2,9 +2,15 @@
 
 Each test runs a check of the suite on an adapter with a small fixed input and asserts that
 the check FAILS with the message the suite printed: it passes while the defect is there.
-Found with transformers 5.24.0; docs/found-in-the-wild.md has the details. The last
-two tests are defects found by hand that the suite cannot draw yet; they call transformers directly.
+Found with transformers 5.24.0; docs/found-in-the-wild.md has the details. Two tests are
+defects found by hand that the suite cannot draw; they call transformers directly. The last test
+checks that the mutants of the yardstick (tools/hf_mutation_yardstick.py, docs/yardstick.md)
+still apply to the installed transformers.
 """
+
+import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -24,9 +30,15 @@ from kvcheck import badinput as kvbad
 from kvcheck import failures
 from kvcheck import strategies as kvst
 from kvcheck.harness import warm
-from kvcheck.properties import rejection
-from kvimpl.hf import HFDynamicLayer, HFStaticLayer
-from kvref import CacheSpec, ModelConfig
+from kvcheck.properties import edits, rejection
+from kvimpl.hf import (
+    TESTED_WITH,
+    TRANSFORMERS_VERSION,
+    HFDynamicLayer,
+    HFDynamicSlidingWindowLayerRecording,
+    HFStaticLayer,
+)
+from kvref import CacheContractError, CacheSpec, ModelConfig
 
 CASES = {case.name: case for case in kvbad.BAD_APPENDS}
 
@@ -142,3 +154,57 @@ def test_sliding_window_layers_count_the_tokens_of_a_refused_update(make):
         lambda: layer.update(torch.randn(1, 1, 2, 2), torch.randn(2, 1, 2, 2))
     )
     assert layer.get_seq_length() == 5  # it holds 3
+
+
+def test_recording_sliding_layer_loses_a_row_on_a_second_crop():
+    """DynamicSlidingWindowLayer after activate_past_recording (as generate sets it before it may
+    roll back): a crop trims the layer back to its last W - 1 rows, so a second crop with no
+    update between (two rejections back to back, or crop(0) then crop(-1)) slices W - 1 rows
+    out of W - 1 and keeps one row fewer than the next query needs, with no error; the next
+    update returns too few rows (through a model, the next forward fails on the mask's shape).
+    Here W = 4: prompt 7, draft 1, forget 1 then 1 more (transformers 5.24.0)."""
+    config = ModelConfig(
+        vocab_size=11, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, window=4
+    )
+    plan = edits.EditPlan(
+        config=config,
+        batch=1,
+        dtype=torch.float64,
+        prompt=7,
+        steps=(edits.Rollbacks(drafted=1, first=1, second=1), 1),
+        token_seed=0,
+    )
+    message = r"must return 4 to 7 rows.*returned keys \(1, 1, 3,"
+    with pytest.raises(CacheContractError, match=message):
+        edits.check_edits(HFDynamicSlidingWindowLayerRecording, plan)
+
+
+def test_sliding_layer_crop_of_an_empty_cache_raises_attribute_error():
+    """Found by the kit in a bad-truncate case (a negative length on an empty cache, refused
+    with AttributeError), and by hand for a valid one: DynamicSlidingWindowLayer.crop on a layer
+    with no states (new, or after reset()) calls DynamicLayer.crop, which returns early for an
+    uninitialized layer, then reads ``self.keys.shape`` of None. So ``DynamicCache(config=...)
+    .crop(0)`` raises for a sliding-window model before its first forward or after ``reset()``,
+    where a full-attention model's cache takes it as the no-op it is (transformers 5.24.0)."""
+    spec = CacheSpec(1, 1, 2, 8, torch.float64, torch.device("cpu"), window=4)
+    with pytest.raises(AttributeError, match="'NoneType' object has no attribute 'shape'"):
+        HFDynamicSlidingWindowLayerRecording(spec).truncate(0)  # crop(0) of a layer holding nothing
+    full = HFDynamicLayer(spec)
+    full.truncate(0)  # the full-attention layer: a no-op
+    assert full.length == 0
+
+
+@pytest.mark.skipif(TRANSFORMERS_VERSION != TESTED_WITH, reason="the mutants are of 5.24.0")
+def test_yardstick_mutants_apply_to_the_installed_cache_utils():
+    """Every mutant of tools/hf_mutation_yardstick.py finds its original line, once, in the
+    method it names in the installed transformers/cache_utils.py, and compiles."""
+    path = Path(__file__).resolve().parent.parent / "tools" / "hf_mutation_yardstick.py"
+    spec = importlib.util.spec_from_file_location("hf_mutation_yardstick", path)
+    yardstick = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = yardstick  # its dataclasses look their module up there
+    spec.loader.exec_module(yardstick)
+    import transformers.cache_utils
+
+    source = Path(transformers.cache_utils.__file__).read_text()
+    assert len(yardstick.MUTANTS) >= 20
+    yardstick.check_all(source)
