@@ -22,7 +22,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from kvcheck import interplay, reach
+from kvcheck import engine_interplay, interplay, reach
 from kvcheck.engines import ENGINE_PROPERTIES, EngineTests
 from kvcheck.kit import Property
 from kvcheck.properties import ALL, AREAS
@@ -83,7 +83,7 @@ def pages(docs: Path) -> dict[Path, str]:
     return {
         properties: fill(properties.read_text(), tables),
         docs / "reach.md": reach.table((*ALL, *ENGINE_PROPERTIES)),
-        docs / "interactions.md": interplay.table(),
+        docs / "interactions.md": interplay.table() + engine_interplay.table(),
     }
 
 

@@ -33,7 +33,7 @@ import torch
 from hypothesis import strategies as st
 
 from kvcheck import asserts as kvassert
-from kvcheck import failures, reach
+from kvcheck import engine_interplay, failures, reach
 from kvcheck import sizes as kvsizes
 from kvcheck.engine_books import CacheBooks
 from kvcheck.kit import NOT_OFFERED, Property, search
@@ -177,10 +177,11 @@ def run_plan(factory: EngineFactory, plan: EnginePlan, spec: EngineSpec, dtype) 
     engine = factory(truth, spec)
     mirror = Mirror(spec.sequences)
     books = CacheBooks(truth, spec.sequences)  # what a KV cache holds (kvcheck.engine_books)
-    edges = EdgeNotes()
+    edges, pairs = EdgeNotes(), engine_interplay.PairNotes(spec.sequences)
     for index, event in enumerate(plan.events):
         where = f"event {index + 1} of {len(plan.events)}, {describe(event)}"
         edges.before(event, mirror)
+        pairs.before(event, [held.positions for held in mirror.held])
         if isinstance(event, Decode):
             steps = []
             for feed in event.feeds:
@@ -877,6 +878,7 @@ EDGES = {
         E("a shift of a sequence that shares a copy", needs=("copy",)),
     ),
     "engine mixed": (E("a clear between other operations", needs=("remove",)),),
+    "engine interactions": (),  # its pairs are its reach (kvcheck.engine_interplay)
 }
 del E
 TITLES = {
@@ -887,6 +889,8 @@ TITLES = {
     "engine copy": "a copied sequence and its source go on apart",
     "engine shift": "after shift(), keys attend from their new positions",
     "engine mixed": "every operation offered, in any order",
+    "engine interactions": "every pair of calls the engine offers, on one sequence, runs as "
+    "the uncached model does",
 }
 # What each holds, in full, for its row of docs/properties.md (kvcheck.catalogue).
 HOLDS = {
@@ -916,7 +920,15 @@ HOLDS = {
         "attend from their new positions (where `shift` is offered)"
     ),
     "engine mixed": ("up to 5 events of every kind the engine offers, each followed by a batch"),
+    "engine interactions": (
+        "every offered pair `A → [s] → B` of a chunk, a token, each span of `remove` the "
+        "engine takes, `copy`, a shift on or back and `clear`, on one sequence with nothing "
+        "between them (state `s` one of empty, holds, a gap, shared), each in a plan of its "
+        "own: a chunk of it and of the sequence beside it first, a token of every sequence "
+        "after; docs/interactions.md lists the pairs"
+    ),
 }
+INTERACTIONS = "engine interactions"
 ENGINE_PROPERTIES = tuple(
     Property(
         name=name,
@@ -926,7 +938,7 @@ ENGINE_PROPERTIES = tuple(
         severity=failures.WRONG_RESULTS,
         # "engine remove" needs remove(), and so on; the others need no operation.
         requires=tuple(op for op in ENGINE_OPERATIONS if name == f"engine {op}"),
-        since="1.7",
+        since="1.8" if name == INTERACTIONS else "1.7",
         holds=HOLDS[name],
         reaches=EDGES[name],
     )
@@ -936,8 +948,10 @@ BY_NAME = {prop.name: prop for prop in ENGINE_PROPERTIES}
 SINCE = {prop.name: prop.since for prop in ENGINE_PROPERTIES}
 
 
-# The operations the engine under a test offers, kept on its item for the verdict's reach.
+# The operations the engine under a test offers, kept on its item for the verdict's reach;
+# for the interactions, the pairs it offers (the verdict's N).
 OFFERED = pytest.StashKey[frozenset]()
+PAIRS_OFFERED = pytest.StashKey[list]()
 
 
 def engine_test(prop: Property):
@@ -953,6 +967,9 @@ def engine_test(prop: Property):
                 f"{NOT_OFFERED}: the engine has no {' or '.join(f'{n}()' for n in lacks)} method"
             )
         request.node.stash[OFFERED] = drawing.offered  # for the verdict's reach
+        if prop.name == INTERACTIONS:  # not drawn: a plan per pair, built for this engine
+            run_every_pair(self, engine_factory, drawing, request)
+            return
         drawn = dataclasses.replace(prop, strategy=plans(focus, drawing))
         search(
             drawn,
@@ -964,6 +981,32 @@ def engine_test(prop: Property):
 
     test.__doc__ = prop.title
     return pytest.mark.kv_property(prop.name, prop.since)(test)
+
+
+def small_model(head_dim: int, ffn: str, *, layers=1, queries=1, vocab=8) -> ModelConfig:
+    """A model of one KV head ``head_dim`` wide, read by ``queries`` query heads."""
+    return ModelConfig(
+        vocab_size=vocab,
+        num_layers=layers,
+        num_heads=queries,
+        num_kv_heads=1,
+        head_dim=head_dim,
+        ffn_dim=8,
+        ffn=ffn,
+    )
+
+
+def run_every_pair(tests: EngineTests, factory: EngineFactory, drawing: Drawing, request) -> None:
+    """The plans that run every pair of calls the engine offers, on the smallest model of
+    two layers (one layer's bookkeeping against the other's)."""
+    spec = drawing.spec
+    config = small_model(drawing.head_dims[0], drawing.ffn, layers=2, queries=2, vocab=16)
+    pair_plans = engine_interplay.covering_plans(drawing.offered, spec.sequences, spec.max_tokens)
+    request.node.stash[PAIRS_OFFERED] = [plan.pair for plan in pair_plans]
+    engine_interplay.run_every_pair(
+        lambda events: run_plan(factory, EnginePlan(config, events, 0), spec, tests.dtype),
+        pair_plans,
+    )
 
 
 class EngineTests:
@@ -984,20 +1027,7 @@ class EngineTests:
 
     def drawing(self, factory: EngineFactory) -> Drawing:
         spec = EngineSpec(self.sequences, self.max_tokens, self.max_batch)
-        probe = factory(
-            ReferenceTransformer(
-                ModelConfig(
-                    vocab_size=8,
-                    num_layers=1,
-                    num_heads=1,
-                    num_kv_heads=1,
-                    head_dim=self.head_dims[0],
-                    ffn_dim=8,
-                    ffn=self.ffn,
-                )
-            ),
-            spec,
-        )
+        probe = factory(ReferenceTransformer(small_model(self.head_dims[0], self.ffn)), spec)
         offered = engine_capabilities(probe)
         if "remove" in offered:
             unknown = set(self.removes) - set(REMOVALS)

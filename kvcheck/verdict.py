@@ -143,13 +143,21 @@ def _pairs(item: pytest.Item, name: str, factory) -> dict:
             n.removeprefix(interplay.PREFIX) for n in reached if n.startswith(interplay.PREFIX)
         )
     }
-    if name == "interactions" and factory is not None:
+    if hasattr(item, "stash") and (pairs := item.stash.get(_engine_pairs(), None)) is not None:
+        found["pairs offered"] = pairs  # an engine's (kvcheck.engine_interplay)
+    elif name == "interactions" and factory is not None:
         from kvcheck import kit, sizes
         from kvcheck.properties.interactions import CALLED
 
         with sizes.aiming_at(sizes.declared_by(factory, getattr(item, "cls", None))):
             found["pairs offered"] = interplay.offered_pairs(kit.offered(factory) & CALLED)
     return found if found["pairs ran"] or "pairs offered" in found else {}
+
+
+def _engine_pairs():
+    from kvcheck import engines
+
+    return engines.PAIRS_OFFERED
 
 
 def _skip_reason(report: pytest.TestReport) -> str:

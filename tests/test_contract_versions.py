@@ -258,16 +258,16 @@ def test_the_versions_on_record_change_only_on_purpose():
     assert set(recorded) <= set(SINCE), "a property on record is gone"
     new = {name: since for name, since in SINCE.items() if name not in recorded}
     assert all(since == contract.VERSION for since in new.values()), new
-    assert (
-        dict.fromkeys(
+    assert {
+        **dict.fromkeys(
             [
                 *("engine decode", "engine sequences", "engine clear", "engine remove"),
                 *("engine copy", "engine shift", "engine mixed"),
             ],
             "1.7",
-        )
-        == ENGINE_SINCE
-    )
+        ),
+        "engine interactions": "1.8",
+    } == ENGINE_SINCE
     cases = {prop: (len(table), {c.since for c in table}) for prop, table in TABLES.items()}
     assert cases == {
         "bad append": (13, {"1.0"}),
