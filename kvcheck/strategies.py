@@ -28,6 +28,7 @@ from hypothesis.errors import InvalidArgument
 from kvcheck import devices as kvdevices
 from kvcheck import sizes as kvsizes
 from kvref import CacheSpec, ModelConfig, ReferenceTransformer
+from kvref.model import ZERO_TOKEN
 from kvref.reprs import short_repr
 
 DTYPES = (torch.float64, torch.float32)  # close enough for a tolerance (asserts.TOLERANCES)
@@ -76,6 +77,7 @@ class Session:
     start: Literal["fresh", "reset"]  # new caches from the factory, or reset() the previous
     poison: str | None = None  # after the session, append rows full of nan/inf/-inf/huge values
     poison_rows: int = 0
+    tokens: str = "random"  # one of TOKEN_KINDS: what the rows it writes look like
 
     @property
     def length(self) -> int:
@@ -87,6 +89,8 @@ class Session:
         steps += [f"decode {size}" if size == 1 else f"chunk {size}" for size in self.chunks[1:]]
         if self.poison:
             steps.append(f"{self.poison_rows} {self.poison} rows")
+        if self.tokens != "random":
+            steps.append(f"tokens: {self.tokens}")
         return ", ".join(steps)
 
     def describe(self) -> str:
@@ -109,7 +113,9 @@ class Scenario:
         return max(s.length + s.poison_rows for s in self.sessions) + self.slack
 
     def tokens(self, session: Session) -> torch.Tensor:
-        return random_tokens(self.config, self.batch, session.length, session.token_seed)
+        return tokens_of_kind(
+            session.tokens, self.config, self.batch, session.length, session.token_seed
+        )
 
     def model(self) -> ReferenceTransformer:
         return build_model(self.config, self.dtype)
@@ -177,6 +183,33 @@ def random_tokens(config: ModelConfig, batch: int, length: int, seed: int) -> to
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, config.vocab_size, (batch, length), generator=generator)
     return tokens.to(kvdevices.current())
+
+
+# What the rows a session writes look like, beside noise: a cache that reads lengths or
+# identity from its rows' contents (counts non-zero rows, keys blocks by their bytes, takes
+# equal rows for one) goes wrong on these. The first layer's keys and values depend on the
+# token alone (values) or the token and its position (keys), and token 0 embeds to zeros
+# (kvref.model.ZERO_TOKEN), so:
+# - "padding": every other token is 0: all-zero key and value rows in the first layer;
+# - "repeated": one token throughout: equal value rows at every position;
+# - "rows alike": every batch row the same tokens: rows equal across the batch.
+TOKEN_KINDS = ("random", "padding", "repeated", "rows alike")
+
+
+def tokens_of_kind(
+    kind: str, config: ModelConfig, batch: int, length: int, seed: int
+) -> torch.Tensor:
+    """``random_tokens`` shaped as ``kind`` (one of ``TOKEN_KINDS``) says."""
+    tokens = random_tokens(config, batch, length, seed)
+    if kind == "padding":
+        tokens[:, ::2] = ZERO_TOKEN
+    elif kind == "repeated":
+        tokens[:] = tokens[:1, :1]
+    elif kind == "rows alike":
+        tokens[:] = tokens[:1]
+    elif kind != "random":
+        raise ValueError(f"tokens must be one of {TOKEN_KINDS}, got {kind!r}")
+    return tokens
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype) -> ReferenceTransformer:
@@ -344,6 +377,8 @@ def finish_session(draw, chunks: list[int], start: str, poison: bool) -> Session
         start=start,
         poison=poison_kind,
         poison_rows=draw(st.integers(1, 4), label="poison rows") if poison else 0,
+        # Random first, so that a session shrinks to random tokens unless the kind matters.
+        tokens=draw(st.sampled_from(TOKEN_KINDS), label="tokens"),
     )
 
 

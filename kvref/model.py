@@ -3,7 +3,8 @@
 Pre-norm blocks (RMSNorm), rotary position embeddings (RoPE), grouped-query attention
 (``num_kv_heads`` divides ``num_heads``; equal means ordinary multi-head attention), a SiLU
 feed-forward block and a tied output embedding. There is no dropout, so the model is a pure
-function of its weights, which come from ``config.seed`` alone.
+function of its weights, which come from ``config.seed`` alone (token 0 embeds to zeros, as a
+padding token often does: ``ZERO_TOKEN``).
 
 ``model(token_ids)`` runs the whole sequence at once. ``model(token_ids, caches=caches)`` runs
 only the new tokens: their positions start at the caches' common length, their rotated keys
@@ -628,6 +629,9 @@ class Block(nn.Module):
         return self.ffn_out(hidden)
 
 
+ZERO_TOKEN = 0  # the token whose embedding is all zeros (``ReferenceTransformer``)
+
+
 class ReferenceTransformer(nn.Module):
     def __init__(
         self,
@@ -658,6 +662,10 @@ class ReferenceTransformer(nn.Module):
                 parameter.copy_(noise)
             else:
                 parameter.copy_(noise / math.sqrt(parameter.shape[1]))
+        # Token 0 embeds to zeros, as a padding token often does: its keys and values are
+        # all-zero rows in the first layer (no projection has a bias), which a cache that
+        # reads lengths or identity from its rows' contents mistakes for empty slots.
+        self.embedding.weight[ZERO_TOKEN] = 0.0
 
     @property
     def dtype(self) -> torch.dtype:

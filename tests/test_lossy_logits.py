@@ -19,9 +19,10 @@ from kvref import ModelConfig
 from tests.independent.coded_radix_pool import CodedRadixPool
 from tests.mutants.quantized import ScaleIgnoredOnRead
 
-# The draw: a prefill of 17 tokens at batch 2 on this model, in float64.
+# The draw: a prefill of 17 tokens at batch 2 on this model, in float64 (the seed found 3576;
+# since token 0 embeds to zeros, 52 is the first seed whose prefill shows such a gap).
 ILL_CONDITIONED = ModelConfig(
-    vocab_size=5, num_layers=2, num_heads=1, num_kv_heads=1, head_dim=2, ffn_dim=8, seed=3576
+    vocab_size=5, num_layers=2, num_heads=1, num_kv_heads=1, head_dim=2, ffn_dim=8, seed=52
 )
 
 

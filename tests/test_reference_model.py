@@ -17,6 +17,7 @@ from kvcheck import strategies as kvst
 from kvimpl.latent import LatentCache
 from kvref import CacheContractError, ModelConfig, ReferenceTransformer
 from kvref import attention as kvref_attention
+from kvref.model import ZERO_TOKEN
 from kvref.rows import row_slots, rows_laid_out
 from kvref.varlen import varlen_attention
 from tests import depth
@@ -216,12 +217,13 @@ def test_golden_checksum():
     )
 
 
-# sum, sum of |logits|, and three logits of the last position (torch 2.13, CPU, float64)
+# sum, sum of |logits|, and three logits of the last position (torch 2.13, CPU, float64);
+# since token 0 embeds to zeros (its logit is 0: the output embedding is tied).
 GOLDEN = [
-    -243.97113264112664,
-    7474.39279499817,
-    -6.106102380916201,
-    4.836253780372817,
+    -171.07999842510938,
+    7385.66912887197,
+    0.0,
+    4.8362537803728145,
     -8.29662676168749,
 ]
 
@@ -629,3 +631,26 @@ def test_an_mla_layer_attends_through_attend_latent_and_checks_what_comes_back()
         CacheContractError, match=r"layer 0: attend_latent must return .*\(2, 4, 3, 6\)"
     ):
         model(tokens[:, :3], caches)
+
+
+def test_token_zero_writes_all_zero_rows_in_the_first_layer_only():
+    # What a cache that reads lengths from its rows' contents mistakes for empty slots.
+    config = ModelConfig(vocab_size=11, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4)
+    model = ReferenceTransformer(config)
+    _, rows = model.forward_with_kv(torch.tensor([[3, ZERO_TOKEN, 5]]))
+    (keys, values), (later_keys, _) = rows
+    assert not keys[:, :, 1].any()
+    assert not values[:, :, 1].any()
+    assert keys[:, :, 0].any()
+    assert later_keys[:, :, 1].any()  # later layers mix in the tokens before it
+
+
+@pytest.mark.parametrize("kind", kvst.TOKEN_KINDS)
+def test_each_kind_of_tokens_writes_the_rows_it_names(kind):
+    config = ModelConfig(vocab_size=11, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
+    tokens = kvst.tokens_of_kind(kind, config, 3, 8, seed=5)
+    _, ((_, values),) = ReferenceTransformer(config).forward_with_kv(tokens)
+    zero_rows = ~values.any(-1).any(1)  # (batch, position)
+    assert zero_rows[:, ::2].all() == (kind == "padding")
+    assert torch.equal(values[0], values[1]) == (kind in ("repeated", "rows alike"))
+    assert torch.equal(values[0, :, 0], values[0, :, 1]) == (kind == "repeated")

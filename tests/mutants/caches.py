@@ -646,8 +646,26 @@ class ReorderFromSlotZero(WindowCache):
             buffer[:, :, : self._held] = buffer[:, :, : self._held].index_select(0, indices)
 
 
+class LengthFromContents(PreallocatedCache):
+    """Counts its tokens as the slots of the longest row's first head holding a non-zero key.
+
+    Stands for caches that infer what they hold from their contents, as transformers'
+    ``StaticCache.get_seq_length`` did before 4.42 (``key_cache[0, 0].any(dim=-1).sum()``):
+    right while every row is noise, short by one for each all-zero row (a padding token's
+    embedding is zeros, and so are its keys and values in the first layer), and the next
+    append then writes over the rows past that length.
+    """
+
+    @property
+    def length(self) -> int:
+        longest = max(range(self._rows()), key=self._lengths.__getitem__)
+        written = self._lengths[longest]  # its rows: the others are shorter or as long
+        return int(self.key[longest, 0, :written].any(dim=-1).sum())
+
+
 CACHE_MUTANTS = (
     WrongAxis,
+    LengthFromContents,
     Prepends,
     ForgetsPrefix,
     WholeBuffer,
