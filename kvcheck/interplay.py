@@ -78,6 +78,8 @@ class Kind:
             up = [n for n in up if n - held >= 2]
         elif self.name == "reset":
             return [0]
+        elif self.name == TREE:  # three nodes drafted, a path of one or two committed
+            return [held + 1, held + 2] if held + 3 <= most else []
         elif self.name in ("truncate", "shift"):  # a shift discards held - length tokens
             return sorted({0, held - 1, (held - 1) // page * page})
         elif self.name not in ("decode",):
@@ -86,6 +88,7 @@ class Kind:
 
 
 SAME = "same"
+TREE = "tree draft and commit"
 KINDS = (
     Kind(
         "prefill",
@@ -125,6 +128,14 @@ KINDS = (
         ("warm", "page edge", "full"),
         ("empty", "warm", "page edge"),
         why_not="a shift of empty caches discards nothing",
+    ),
+    Kind(
+        TREE,
+        "tree",
+        ("warm", "page edge"),
+        ("warm", "page edge"),  # full: its third node would have no room
+        why_not="a draft tree hangs after committed tokens, and one past max_length is bad "
+        "input (overflow)",
     ),
     Kind(
         "reorder",
@@ -291,7 +302,7 @@ def noted(event, engine, result) -> None:
     request, noted (``kvcheck.reach``); an event of no kind here ends the request's run of
     pairs, so that none is named across it."""
     from kvcheck import reach
-    from kvcheck.session.events import feed, fork, offload, reorder, reset, shift, truncate
+    from kvcheck.session.events import feed, fork, offload, reorder, reset, shift, tree, truncate
 
     request, kind = getattr(event, "request", None), None
     if isinstance(event, feed.Feed):
@@ -301,6 +312,10 @@ def noted(event, engine, result) -> None:
         kind = "truncate"
     elif isinstance(event, shift.Shift) and result is not False:
         kind = "shift"
+    elif isinstance(event, tree.DraftTree):
+        return  # its pair is the commit's
+    elif isinstance(event, tree.CommitTree):
+        kind = TREE
     elif isinstance(event, reorder.Reorder):
         kind = "reorder"
     elif isinstance(event, reset.Reset):

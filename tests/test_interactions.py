@@ -50,7 +50,9 @@ def test_a_cache_with_no_capability_offers_the_pairs_of_feeds_and_resets():
     assert len(interplay.offered_pairs(set())) == 22
     # 130 before shift joined: 17 pairs begin with it (empty: a prefill; warm and page edge:
     # every kind but a prefill) and 20 end with it (every pair before it that leaves tokens).
-    assert len(interplay.offered_pairs(set(CAPABILITIES))) == 167
+    # Then a tree: 18 begin with it (warm and page edge: every kind but a prefill) and 16 end
+    # with it (every pair before it that leaves warm or page edge caches).
+    assert len(interplay.offered_pairs(set(CAPABILITIES))) == 201
     assert "truncate → [page edge] → decode" in interplay.offered_pairs({"truncate"})
     assert not any("truncate" in pair for pair in interplay.offered_pairs(set()))
 

@@ -97,6 +97,10 @@ def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str) 
             # moves (keys kept before it too, in the middle).
             count = request.held - step.length
             engine.shift(request, step.length // 2 if index % 2 else 0, count)
+        elif step.kind == interplay.TREE:
+            tokens += 1
+            new = kvst.random_tokens(model.config, batch, 3, tokens)
+            draft_and_commit(engine, request, new, step.length - request.held)
         elif step.kind == "reorder":
             # Reversed, then every row the last one's: a repeat shares a row two ways.
             order = list(range(batch))[::-1] if index % 2 else [batch - 1] * batch
@@ -114,6 +118,20 @@ def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str) 
     engine.finish()
 
 
+def draft_and_commit(engine: Engine, request: Request, new: torch.Tensor, depth: int) -> None:
+    """A draft tree of a root and its two children (tokens ``new``), each row committing
+    the root, and at ``depth`` 2 a child of its own: paths of one length down different
+    branches."""
+    batch = new.shape[0]
+    accepted = tuple((0, 1 + row % 2)[:depth] for row in range(batch))
+    label = "a tree of parents [-1, 0, 0]"
+    nothing = tuple(() for _ in range(batch))
+    handed = engine.draft_tree(
+        request, (-1, 0, 0), new, poisoned=nothing, poison=0.0, accepted=accepted, label=label
+    )
+    engine.commit_tree(request, handed, new, accepted, label=label)
+
+
 INTERACTIONS = Property(
     name="interactions",
     title="every pair of events the cache offers, each in every state it can leave, runs as "
@@ -124,8 +142,9 @@ INTERACTIONS = Property(
     paths=True,
     since="1.8",
     holds="Walks that run every offered pair `A → [s] → B` of prefill, decode, chunk, reset "
-    "and the capabilities truncate, shift, reorder, fork and offload (each pair at least once, "
-    "state `s` one of empty, warm, page edge, full), on two layers and a batch of two; the "
+    "and the capabilities truncate, shift, tree drafts, reorder, fork and offload (each pair "
+    "at least once, state `s` one of empty, warm, page edge, full), on two layers and a "
+    "batch of two; the "
     "engine judges every event; docs/interactions.md lists the pairs and those the contract "
     "rules out.",
 )
