@@ -36,24 +36,27 @@ FIRST_CHUNK, CHUNK, MOVED_ON_BY = 6, 3, 3
 
 @dataclass(frozen=True)
 class Kind:
-    """A call on one sequence: its name and the offered name it needs (None: every engine)."""
+    """A call on one sequence: its name, the offered name it needs (None: every engine) and
+    what it needs of the sequence (where a first call leaves less, the pair is not run)."""
 
     name: str
     needs: str | None
+    why_not: str = ""
 
 
+HELD = "needs a token held"
 KINDS = (
     Kind("chunk", None),
     Kind("decode", None),
-    Kind("remove tail", "remove tail"),
-    Kind("remove middle", "remove middle"),
-    Kind("remove head", "remove head"),
-    Kind("remove whole", "remove whole"),
-    Kind("remove past the end", "remove past the end"),
-    Kind("copy", "copy"),
-    Kind("shift on", "shift"),
-    Kind("shift back", "shift"),
-    Kind("clear", None),
+    Kind("remove tail", "remove tail", "a tail short of the whole needs 2 tokens held"),
+    Kind("remove middle", "remove middle", "a middle span needs a token kept on either side"),
+    Kind("remove head", "remove head", "a head short of the whole needs 2 tokens held"),
+    Kind("remove whole", "remove whole", HELD),
+    Kind("remove past the end", "remove past the end", HELD),
+    Kind("copy", "copy", "needs a token held and an empty sequence to copy into"),
+    Kind("shift on", "shift", HELD),
+    Kind("shift back", "shift", "closes a gap: needs one"),
+    Kind("clear", None, "the sequence holds nothing to clear"),
 )
 BY_NAME = {kind.name: kind for kind in KINDS}
 
@@ -201,6 +204,15 @@ def covering_plans(offered: frozenset[str], sequences: int, max_tokens: int) -> 
     sequences of up to ``max_tokens`` tokens, the plan that runs it: a chunk of the
     sequence and of the one beside it, the pair's two calls, then a token of every sequence
     holding some (each call's result judged by the logits that follow)."""
+    return _pairs(offered, sequences, max_tokens)[0]
+
+
+def ruled_out(offered: frozenset[str], sequences: int, max_tokens: int) -> list[tuple[str, str]]:
+    """Each pair whose second call cannot run where its first left the sequence, and why."""
+    return _pairs(offered, sequences, max_tokens)[1]
+
+
+def _pairs(offered, sequences: int, max_tokens: int):
     from kvcheck import engines as e
 
     kinds = [kind for kind in KINDS if kind.needs is None or kind.needs in offered]
@@ -208,7 +220,7 @@ def covering_plans(offered: frozenset[str], sequences: int, max_tokens: int) -> 
     setup = [e.Feed(its, 0, FIRST_CHUNK)]
     if its != BESIDE:
         setup.insert(0, e.Feed(BESIDE, 0, 2))
-    plans = []
+    plans, ruled = [], []
     for first in kinds:
         for then in kinds:
             events: list = [e.Decode(tuple(setup))]
@@ -216,14 +228,20 @@ def covering_plans(offered: frozenset[str], sequences: int, max_tokens: int) -> 
             for feed in setup:
                 mirror.held[feed.sequence].positions = list(range(feed.count))
             state = None
+            if first.name == "shift back":  # it closes a gap: a shift on opens one first
+                opened = _call("shift on", its, [h.positions for h in mirror.held], max_tokens)
+                events += opened
+                _apply(mirror, opened[0])
             for kind in (first, then):
                 positions = [held.positions for held in mirror.held]
-                call = _call(kind.name, its, positions, max_tokens)
-                if call is None or (its, kind.name) not in kind_of(call[0], positions):
-                    break
                 if kind is then:
                     shared = isinstance(events[-1], e.Copy) and bool(positions[its])
                     state = state_of(positions[its], shared)
+                call = _call(kind.name, its, positions, max_tokens)
+                if call is None or (its, kind.name) not in kind_of(call[0], positions):
+                    if kind is then:
+                        ruled.append((pair_name(first.name, state, then.name), then.why_not))
+                    break
                 events += call
                 _apply(mirror, call[0])
             else:
@@ -235,7 +253,7 @@ def covering_plans(offered: frozenset[str], sequences: int, max_tokens: int) -> 
                 if fed:
                     events.append(e.Decode(tuple(fed)))
                 plans.append(PairPlan(pair_name(first.name, state, then.name), tuple(events)))
-    return plans
+    return plans, ruled
 
 
 def offered_pairs(offered: frozenset[str], sequences: int, max_tokens: int) -> list[str]:
@@ -285,6 +303,12 @@ def table() -> str:
         f"every span of `remove`, {len(offered)}:",
         "",
         *(f"- {pair}" for pair in offered),
+        "",
+        "### Engine pairs none runs",
+        "",
+        "| pair | why none runs |",
+        "|---|---|",
+        *(f"| {pair} | {why} |" for pair, why in ruled_out(every, 3, 24)),
         "",
     ]
     return "\n".join(lines)

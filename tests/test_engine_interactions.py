@@ -34,7 +34,7 @@ def run_pairs(engine, drawing: kve.Drawing) -> None:
 
 def test_an_engine_offering_every_call_runs_every_pair_its_states_allow():
     pairs = engine_interplay.offered_pairs(EVERY, 3, 24)
-    assert len(pairs) == len(set(pairs)) == 84
+    assert len(pairs) == len(set(pairs)) == 94
     # With no operation: a chunk or a token, then a chunk or a token (a clear empties it).
     assert engine_interplay.offered_pairs(frozenset(), 3, 24) == [
         "chunk → [holds] → chunk",
@@ -50,6 +50,16 @@ def test_an_engine_offering_every_call_runs_every_pair_its_states_allow():
     assert not any(pair.endswith("→ shift back") and "[a gap]" not in pair for pair in pairs)
     # A copy needs an empty sequence: with two sequences, both hold tokens.
     assert not any("copy" in pair for pair in engine_interplay.offered_pairs(EVERY, 2, 24))
+
+
+def test_every_pair_of_kinds_is_run_or_ruled_out_with_its_reason():
+    run = engine_interplay.offered_pairs(EVERY, 3, 24)
+    ruled = dict(engine_interplay.ruled_out(EVERY, 3, 24))
+    assert all(ruled.values())
+    assert not set(run) & set(ruled)
+    named = {(first, then) for first, _, then in map(interplay.split, [*run, *ruled])}
+    kinds = [kind.name for kind in engine_interplay.KINDS]
+    assert named == {(first, then) for first in kinds for then in kinds}
 
 
 def test_each_plan_runs_the_pair_it_names_and_only_valid_calls():
