@@ -76,8 +76,12 @@ so ``sliding_window = spec.window`` exactly, with nothing added or taken.
   where fewer rows come back than the length). ``reorder`` is ``reorder_cache``. No
   ``truncate``: the layer's ``is_croppable`` is False whenever the window is shorter than the
   cache (its ``crop`` cannot bring rolled-out rows back, as its docstring says, and
-  ``generate`` refuses to assist-decode with such a cache); with the window at least the
-  cache's length it is ``StaticLayer``, whose ``crop`` ``HFStaticLayer`` reaches.
+  ``generate`` refuses to assist-decode with such a cache).
+- ``HFStaticSlidingWindowLayerCroppable``: the same layer with its window at least the
+  cache's length, as ``StaticCache`` builds it for a sliding layer of a model whose window is
+  longer than the generation (Gemma 3's 1024 with ``max_cache_len`` 512): never rolled, so
+  ``is_croppable`` is True and assisted decoding crops it. ``truncate`` is ``crop``. It takes
+  specs without a window only (``supports: windows False``), which it maps as below.
 
 A window layer has no "no window". For a spec without one (``window=None``: every query sees,
 and the cache holds, every row) the sliding adapters take ``sliding_window = spec.max_length +
@@ -116,6 +120,8 @@ written here would be this adapter's code, not the layer's.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 try:
     import transformers
@@ -302,6 +308,15 @@ class HFStaticSlidingWindowLayer(_ReorderCache, _StaticBuffer):
         )
 
 
+class HFStaticSlidingWindowLayerCroppable(_Crop, HFStaticSlidingWindowLayer):
+    """``StaticSlidingWindowLayer`` whose window is at least the cache's length, the one
+    ``crop`` can undo (``is_croppable``): ``truncate`` is ``crop``. Built for specs without a
+    window only (module docstring)."""
+
+    # A spec's window would make the layer uncroppable: the kit draws none for it.
+    kv_sizes: ClassVar[dict] = {"supports": {"windows": False}}
+
+
 __all__ = [
     "TESTED_WITH",
     "TRANSFORMERS_VERSION",
@@ -314,4 +329,5 @@ __all__ = [
     "HFStaticLayer",
     "HFStaticLayerEarly",
     "HFStaticSlidingWindowLayer",
+    "HFStaticSlidingWindowLayerCroppable",
 ]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 try:
-    from kvimpl.vllm_pool import VLLMPrefixPool
+    from kvimpl.vllm_pool import TESTED_WITH, VLLM_VERSION, VLLMPrefixPool
 except ImportError as error:
     pytest.skip(str(error), allow_module_level=True)
 
@@ -82,6 +82,16 @@ def test_the_documented_repro_shows_vllm_trusting_its_hash(capsys):
     """The repro imports vLLM alone; it asserts the hit and exits 0 (by design)."""
     exec(compile(_repro_source(), "found-in-the-wild.md (vLLM repro)", "exec"), {})
     assert "hits 4 tokens" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(VLLM_VERSION != TESTED_WITH, reason="the mutants are of vLLM 0.32.0")
+def test_yardstick_mutants_apply_to_the_installed_vllm(monkeypatch):
+    """Every vLLM mutant of the yardstick (tools/yardstick_vllm.py, docs/yardstick.md) finds
+    its original line, once, where it says in the installed vLLM, and compiles."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "tools"))
+    from mutation_yardstick import check_installed
+
+    assert len(check_installed("vllm").mutants) >= 20
 
 
 # --- the engine --------------------------------------------------------------------------
