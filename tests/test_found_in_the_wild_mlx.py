@@ -58,13 +58,15 @@ class TestMLXRotatingKVCache(CacheTests):
     factory = MLXRotatingKVCache
     examples_scale = SCALE
     # Findings: a refused update is half applied; trim refused once offset reaches max_size,
-    # even to 0 (which fails truncate, stateful and sharded, whose plans truncate).
+    # even to 0 (which fails truncate, stateful, sharded and interactions, whose plans
+    # truncate; RotatingKVCacheWithoutTrim below runs them without truncate).
     test_bad_append_is_refused_and_changes_nothing = None
     test_bad_truncate_is_refused_and_changes_nothing = None
     test_rollbacks_and_rewinds_act_on_the_history_left = None
     test_any_sequence_of_prefill_decode_reset_and_bad_calls = None
     test_sharded_ranks_equal_the_unsharded_model = None
     test_a_window_with_sinks_equals_the_uncached_sink_model = None
+    test_every_offered_pair_of_events = None
 
 
 class RotatingKVCacheWithoutTrim(MLXRotatingKVCache):
