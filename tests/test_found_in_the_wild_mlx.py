@@ -8,6 +8,8 @@ kit printed, so that it passes while the defect is there. Found with mlx-lm 0.32
 repros/mlx_*.py the standalone repros.
 """
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("mlx_lm", reason="the adapters need mlx-lm: pip install 'kvcache-verify[mlx]'")
@@ -19,6 +21,8 @@ from kvcheck import badinput as kvbad
 from kvcheck import strategies as kvst
 from kvcheck.properties import edits, rejection
 from kvimpl.mlx import (
+    MLX_LM_VERSION,
+    TESTED_WITH,
     MLXBatchKVCache,
     MLXKVCache,
     MLXQuantizedKVCache,
@@ -196,3 +200,13 @@ def test_quantized_rows_come_back_past_half_a_step():
     keys, _ = cache.append(given, given)
     allowed = cache.kv_storage.allowed_error(given, torch.float32)
     assert ((keys.double() - given.double()).abs() > allowed).any()
+
+
+@pytest.mark.skipif(MLX_LM_VERSION != TESTED_WITH, reason="the mutants are of mlx-lm 0.32.2")
+def test_yardstick_mutants_apply_to_the_installed_mlx_lm(monkeypatch):
+    """Every mlx-lm mutant of the yardstick (tools/yardstick_mlx_lm.py, docs/yardstick.md)
+    finds its original line, once, where it says in the installed mlx-lm, and compiles."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "tools"))
+    from mutation_yardstick import check_installed
+
+    assert len(check_installed("mlx_lm").mutants) >= 20

@@ -111,10 +111,13 @@ def tally(counts: dict[str, int], seconds: float) -> str:
     )
 
 
-def conformance_suites(module: str, mutants: tuple[Mutant, ...]) -> dict[str, tuple[str, ...]]:
+def conformance_suites(
+    module: str, mutants: tuple[Mutant, ...], options: dict[str, tuple[str, ...]] | None = None
+) -> dict[str, tuple[str, ...]]:
     """``Engine.kit_suites`` for adapters run through ``--kv-impl``: on each adapter the
-    mutants name (``module:Adapter``), every property of the kit on valid input, ci profile.
-    The bad-input properties (``test_bad_*``) are left out: they judge refusals of bad input,
+    mutants name (``module:Adapter``), every property of the kit on valid input, ci profile,
+    with the adapter's ``options`` (where the draws aim, e.g. ``--kv-page=256``). The
+    bad-input properties (``test_bad_*``) are left out: they judge refusals of bad input,
     which no mutant of valid-input code changes, and they cost minutes an adapter where they
     shrink the deviations docs/found-in-the-wild.md lists."""
     adapters = sorted({adapter for mutant in mutants for adapter in mutant.adapters})
@@ -124,6 +127,7 @@ def conformance_suites(module: str, mutants: tuple[Mutant, ...]) -> dict[str, tu
             f"--kv-impl={module}:{adapter}",
             "--kv-profile=ci",
             "-knot test_bad_",
+            *(options or {}).get(adapter, ()),
         )
         for adapter in adapters
     }
