@@ -522,7 +522,8 @@ pristine install; a mutant is caught when one of them fails, errors or times out
 
 Not in CI (see each run time): run it by hand after changing an adapter or the pinned engine,
 with the command its section gives, in the engine's own venv (`--python`); `--only M01,M07`
-runs a few. The mutants go into a private overlay of the installed package (a tree of
+runs a few (the section then holds those alone; `--work` and `--page` elsewhere keep this
+one). The mutants go into a private overlay of the installed package (a tree of
 symlinks with its own copies of the mutated files, first on `PYTHONPATH` of the test
 processes), so that nobody sharing the environment imports one; `--in-place` patches the
 installed files instead. The repository's tests check on every run of the extras stage that
