@@ -78,22 +78,7 @@ def kind_of(event, positions: list[list[int]]) -> list[tuple[int, str]]:
     if isinstance(event, e.Decode):
         return [(f.sequence, "decode" if f.count == 1 else "chunk") for f in event.feeds]
     if isinstance(event, e.Remove):
-        held = positions[event.sequence]
-        if not held:
-            return [(event.sequence, "remove whole")]  # of nothing: what it leaves is the same
-        first, last = held[0], held[-1]
-        reaches_end = event.end is None or event.end > last
-        if event.start > last:
-            span = "past the end"
-        elif event.start <= first and reaches_end:
-            span = "whole"
-        elif reaches_end:
-            span = "tail"
-        elif event.start <= first:
-            span = "head"
-        else:
-            span = "middle"
-        return [(event.sequence, f"remove {span}")]
+        return [(event.sequence, f"remove {e.span_removed(event, positions[event.sequence])}")]
     if isinstance(event, e.Copy):
         return [(event.source, "copy")]
     if isinstance(event, e.Shift):
@@ -103,41 +88,33 @@ def kind_of(event, positions: list[list[int]]) -> list[tuple[int, str]]:
 
 class PairNotes:
     """Notes, before each call of a plan, the pair it completes on each sequence it acts on
-    (``kvcheck.reach``, as the cache-level pairs are)."""
+    (``kvcheck.reach``, as the cache-level pairs are); after it, the state it left them in."""
 
     def __init__(self, sequences: int) -> None:
         self.last: list[tuple[str, str] | None] = [None] * sequences
         self.shared: set[int] = set()  # in a copy since the last clear
+        self.acted: list[tuple[int, str]] = []  # the call's sequences, until ``after``
 
     def before(self, event, positions: list[list[int]]) -> None:
         from kvcheck import engines as e
 
-        acted = kind_of(event, positions)
-        for sequence, kind in acted:
+        self.acted = kind_of(event, positions)
+        for sequence, kind in self.acted:
             if (last := self.last[sequence]) is not None:
                 reach.note(PREFIX + pair_name(last[0], last[1], kind))
-        after = _after(event, positions)
         if isinstance(event, e.Copy):
             self.shared |= {event.source, event.target}
             self.last[event.target] = None  # its history begins here: no pair across it
         elif isinstance(event, e.Clear):
             self.shared = set()
-        for sequence, kind in acted:
-            if not after[sequence]:
+
+    def after(self, positions: list[list[int]]) -> None:
+        """The call has run: ``positions`` is what each sequence holds now."""
+        for sequence, kind in self.acted:
+            if not positions[sequence]:
                 self.shared.discard(sequence)
             shared = sequence in self.shared
-            self.last[sequence] = (kind, state_of(after[sequence], shared))
-
-
-def _after(event, positions: list[list[int]]) -> list[list[int]]:
-    """What each sequence holds after ``event``, from ``positions`` before it."""
-    from kvcheck import engines as e
-
-    mirror = e.Mirror(len(positions))
-    for held, now in zip(mirror.held, positions, strict=True):
-        held.positions = list(now)
-    _apply(mirror, event)
-    return [held.positions for held in mirror.held]
+            self.last[sequence] = (kind, state_of(positions[sequence], shared))
 
 
 def _apply(mirror, event) -> None:

@@ -216,6 +216,7 @@ def run_plan(factory: EngineFactory, plan: EnginePlan, spec: EngineSpec, dtype) 
             operation(*dataclasses.astuple(event))
             getattr(books, OPERATION[type(event)])(*dataclasses.astuple(event))
         mirror.apply(event)
+        pairs.after([held.positions for held in mirror.held])
 
 
 class EdgeNotes:
@@ -294,20 +295,37 @@ class EdgeNotes:
             reach.note("a remove of a sequence that shares a copy")
         if not positions:
             return
-        first, last = positions[0], positions[-1]
-        reaches_end = event.end is None or event.end > last
-        if event.start > last:
-            reach.note("a span past the end removed")
-        elif event.start <= first and reaches_end:
-            reach.note("a whole sequence removed")
+        span = span_removed(event, positions)
+        reach.note(SPAN_EDGES[span])
+        if span == "whole":
             self.emptied.add(event.sequence)
             self.sharing.discard(event.sequence)
-        elif reaches_end:
-            reach.note("a tail removed")
-        elif event.start <= first:
-            reach.note("the head removed")
-        else:
-            reach.note("a middle span removed (a gap left)")
+
+
+# The edge each span of REMOVALS reaches.
+SPAN_EDGES = {
+    "middle": "a middle span removed (a gap left)",
+    "tail": "a tail removed",
+    "head": "the head removed",
+    "whole": "a whole sequence removed",
+    "past the end": "a span past the end removed",
+}
+
+
+def span_removed(event: Remove, positions: list[int]) -> str:
+    """Which of ``REMOVALS`` ``event`` is on a sequence holding ``positions`` (``whole``
+    where it holds none: what it leaves is the same)."""
+    if not positions:
+        return "whole"
+    first, last = positions[0], positions[-1]
+    reaches_end = event.end is None or event.end > last
+    if event.start > last:
+        return "past the end"
+    if event.start <= first and reaches_end:
+        return "whole"
+    if reaches_end:
+        return "tail"
+    return "head" if event.start <= first else "middle"
 
 
 def describe(event: object) -> str:
