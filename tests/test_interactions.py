@@ -27,8 +27,20 @@ SUBSETS = [
 ]
 
 
-@pytest.mark.parametrize("page", [16, 3, 2, 128])
-@pytest.mark.parametrize("offered", SUBSETS, ids=lambda s: "+".join(sorted(s)) or "none")
+# Every set of capabilities on pages of 16; on the pages whose states sit closest (2 and 3
+# rows) and a wide one, none, each alone and all of them.
+WALK_CASES = [(offered, 16) for offered in SUBSETS] + [
+    (offered, page)
+    for page in (3, 2, 128)
+    for offered in (set(), *({name} for name in CAPABILITIES), set(CAPABILITIES))
+]
+
+
+@pytest.mark.parametrize(
+    ("offered", "page"),
+    WALK_CASES,
+    ids=[f"{'+'.join(sorted(offered)) or 'none'}-{page}" for offered, page in WALK_CASES],
+)
 def test_the_walks_run_every_offered_pair_and_only_pairs_a_cache_can_run(offered, page):
     most = 2 * page + 5
     walks = interplay.covering_walks(offered, most, page)
