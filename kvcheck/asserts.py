@@ -26,7 +26,7 @@ from kvcheck.failures import (
     WrongResults,
     set_root,
 )
-from kvcheck.strategies import as_values, random_rows
+from kvcheck.tensors import as_values, random_rows
 from kvref.checks import same_device
 from kvref.protocol import rows_needed
 from kvref.quantized import Quantized

@@ -25,7 +25,8 @@ from torch import Tensor
 from kvcheck import contract
 from kvcheck.asserts import dtype_name
 from kvcheck.harness import Recorder, builder, record, recorded
-from kvcheck.strategies import ModelPlan, as_values, build_model, random_rows
+from kvcheck.strategies import ModelPlan
+from kvcheck.tensors import as_values, build_model, random_rows
 from kvref import CacheFactory, CacheRows, CacheSpec, ReferenceTransformer
 
 

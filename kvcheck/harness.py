@@ -30,7 +30,8 @@ from kvcheck.asserts import (
     differing_rows,
     needs_reference,
 )
-from kvcheck.strategies import DTYPES, CachePlan, random_rows, supported_dtypes
+from kvcheck.strategies import DTYPES, CachePlan, supported_dtypes
+from kvcheck.tensors import extremes_allowed, rows_of_kind
 from kvref import (
     CacheContractError,
     CacheFactory,
@@ -490,16 +491,21 @@ def note_spec(spec: CacheSpec) -> None:
 
 
 def warm(factory: CacheFactory, plan: CachePlan) -> Recorder:
-    """A recorded cache from ``factory`` after the plan's appends of random rows, each
-    append's rows checked: a cache that goes wrong while warming up is reported as that,
-    before any call the property is about."""
+    """A recorded cache from ``factory`` after the plan's appends of rows of its kind, each
+    append's rows and the length after it checked: a cache that goes wrong while warming up
+    is reported as that, before any call the property is about."""
 
     cache = recorded(factory, plan.spec)
+    kind = plan.rows
+    if kind == "extremes" and not extremes_allowed(kvassert.coarsest([cache]), cache.sinks):
+        kind = "random"
     where = f"while warming the cache up, before any call under test: {plan.describe()}"
     for step, rows in enumerate(plan.chunks):
-        keys = random_rows(plan.spec, rows, seed=step)
-        cache.append(keys, random_rows(plan.spec, rows, seed=100 + step, values=True))
-        assert_returned_rows(cache, who=f"warm-up append #{step}", where=where)
+        keys = rows_of_kind(kind, plan.spec, rows, seed=step)
+        cache.append(keys, rows_of_kind(kind, plan.spec, rows, seed=100 + step, values=True))
+        who = f"warm-up append #{step}"
+        assert_returned_rows(cache, who=who, where=where)
+        kvassert.assert_length(cache, cache.given_length, who=who, where=where)
     return cache
 
 

@@ -17,7 +17,6 @@ past 1,024 tokens, dozens of resets), aimed at the sizes a cache declares.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,8 +26,8 @@ from hypothesis.errors import InvalidArgument
 
 from kvcheck import devices as kvdevices
 from kvcheck import sizes as kvsizes
+from kvcheck.tensors import POISON_VALUES, ROW_KINDS, TOKEN_KINDS, build_model, tokens_of_kind
 from kvref import CacheSpec, ModelConfig, ReferenceTransformer
-from kvref.model import ZERO_TOKEN
 from kvref.reprs import short_repr
 
 DTYPES = (torch.float64, torch.float32)  # close enough for a tolerance (asserts.TOLERANCES)
@@ -40,7 +39,6 @@ WITH_HALF = (*DTYPES, *DTYPES, *HALF_DTYPES)
 # Sizes are drawn near multiples of a 16-row block (a common page and chunk size, and the
 # built-in chunked cache's): one below, at, and one past the boundary, once and twice.
 EDGE = 16
-POISON_VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "huge": 1e30}
 BOUNDARY_SIZES = (EDGE - 1, EDGE, EDGE + 1, 2 * EDGE - 1, 2 * EDGE, 2 * EDGE + 1)
 LONG_SESSION = 64  # sessions are drawn beyond this too: some bugs only show past it
 MAX_SESSION = 100
@@ -51,14 +49,6 @@ LIVED_SESSIONS = 12
 # rows (up to 4) and slack (up to 7); and a long session's decode steps (up to 3 x 4).
 AFTER_SESSION = 4 + 7
 AFTER_LONG = 3 * 4 + AFTER_SESSION
-
-
-def poison_value(kind: str, dtype: torch.dtype) -> float:
-    """The value rows of ``kind`` are full of: "huge" is 1e30, or the largest finite value
-    of a dtype that cannot hold it (float16)."""
-    return (
-        min(POISON_VALUES[kind], torch.finfo(dtype).max) if kind == "huge" else POISON_VALUES[kind]
-    )
 
 
 chunk_sizes = st.one_of(
@@ -175,52 +165,6 @@ def describe_config(c: ModelConfig) -> str:
         f"{c.num_layers} layers, {c.num_heads} heads over {c.num_kv_heads} kv heads of "
         f"width {c.head_dim}{hidden}{window}{shared}"
     )
-
-
-def random_tokens(config: ModelConfig, batch: int, length: int, seed: int) -> torch.Tensor:
-    """Token ids from a seed of their own, so that no test depends on the global RNG (drawn
-    on the CPU, so that every device gets the same ones), on the kit's device."""
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, config.vocab_size, (batch, length), generator=generator)
-    return tokens.to(kvdevices.current())
-
-
-# What the rows a session writes look like, beside noise: a cache that reads lengths or
-# identity from its rows' contents (counts non-zero rows, keys blocks by their bytes, takes
-# equal rows for one) goes wrong on these. The first layer's keys and values depend on the
-# token alone (values) or the token and its position (keys), and token 0 embeds to zeros
-# (kvref.model.ZERO_TOKEN), so:
-# - "padding": every other token is 0: all-zero key and value rows in the first layer;
-# - "repeated": one token throughout: equal value rows at every position;
-# - "rows alike": every batch row the same tokens: rows equal across the batch.
-TOKEN_KINDS = ("random", "padding", "repeated", "rows alike")
-
-
-def tokens_of_kind(
-    kind: str, config: ModelConfig, batch: int, length: int, seed: int
-) -> torch.Tensor:
-    """``random_tokens`` shaped as ``kind`` (one of ``TOKEN_KINDS``) says."""
-    tokens = random_tokens(config, batch, length, seed)
-    if kind == "padding":
-        tokens[:, ::2] = ZERO_TOKEN
-    elif kind == "repeated":
-        tokens[:] = tokens[:1, :1]
-    elif kind == "rows alike":
-        tokens[:] = tokens[:1]
-    elif kind != "random":
-        raise ValueError(f"tokens must be one of {TOKEN_KINDS}, got {kind!r}")
-    return tokens
-
-
-def build_model(config: ModelConfig, dtype: torch.dtype) -> ReferenceTransformer:
-    """The reference model for ``config`` in ``dtype`` on the kit's device."""
-    return _build_model(config, dtype, kvdevices.current())
-
-
-@functools.lru_cache(maxsize=64)
-def _build_model(config: ModelConfig, dtype: torch.dtype, device) -> ReferenceTransformer:
-    # Models are pure functions of (config, dtype); building one per example would dominate.
-    return ReferenceTransformer(config, dtype=dtype, device=device)
 
 
 # Windows around the chunk sizes drawn (so that lengths cross W - 1, W and W + 1, chunks
@@ -595,41 +539,17 @@ def _chunk_plans(draw, max_total: int, min_chunks: int, max_chunks: int) -> list
     return plan
 
 
-def random_rows(spec: CacheSpec, rows: int, seed: int, *, values: bool = False) -> torch.Tensor:
-    """Keys (or with ``values``, values: ``spec.value_width`` wide) for ``rows`` new tokens:
-    normal noise, so every row is distinct."""
-    generator = torch.Generator().manual_seed(seed)
-    shape = (spec.batch, spec.kv_heads, rows, spec.value_width if values else spec.head_dim)
-    rows = torch.randn(shape, generator=generator, dtype=torch.float64)
-    return rows.to(device=spec.device, dtype=spec.dtype)
-
-
-def as_values(spec: CacheSpec, keys: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
-    """Values for the rows ``keys``: ``factor`` x ``keys``, their channels repeated or cut
-    to ``spec.value_width`` where values are of another width (a latent cache's), so that a
-    row of values stays as distinct from the others as its key."""
-    width = spec.value_width
-    if keys.shape[-1] != width:
-        keys = keys.repeat(1, 1, 1, -(-width // keys.shape[-1]))[..., :width]
-    return keys * factor
-
-
-def poison_rows(spec: CacheSpec, rows: int, kind: str, *, values: bool = False) -> torch.Tensor:
-    """Keys (or values) for ``rows`` tokens, every one ``kind`` (nan, inf, -inf or huge):
-    what a reset must shed."""
-    shape = (spec.batch, spec.kv_heads, rows, spec.value_width if values else spec.head_dim)
-    return torch.full(shape, poison_value(kind, spec.dtype), dtype=spec.dtype, device=spec.device)
-
-
 @short_repr
 @dataclass(frozen=True)
 class CachePlan:
-    """A cache spec, the sizes of the appends that warm it (rows from ``random_rows``), and
-    the size of the next append (the one a property tries)."""
+    """A cache spec, the sizes of the appends that warm it (rows of kind ``rows``, one of
+    ``kvcheck.tensors.ROW_KINDS``), and the size of the next append (the one a property
+    tries)."""
 
     spec: CacheSpec
     chunks: tuple[int, ...]
     new_tokens: int = 1
+    rows: str = "random"
 
     @property
     def warm_length(self) -> int:
@@ -641,7 +561,8 @@ class CachePlan:
             if self.chunks
             else "an empty cache (no appends)"
         )
-        return f"{warmed}; built for {self.spec}"
+        rows = f" of {self.rows} rows" if self.rows != "random" and self.chunks else ""
+        return f"{warmed}{rows}; built for {self.spec}"
 
     def summary(self) -> tuple[str, str, str]:
         appends = "+".join(map(str, self.chunks)) or "none"
@@ -655,7 +576,9 @@ def cache_plans(draw, room: int = 1, min_chunks: int = 0, max_new: int = 3) -> C
     spec = draw(cache_specs(min_length=room + min_chunks), label="spec")
     chunks = draw(chunk_plans(spec.max_length - room, min_chunks=min_chunks), label="warm-up")
     new_tokens = draw(st.integers(1, max_new), label="new tokens")
-    return CachePlan(spec, tuple(chunks), new_tokens)
+    # Random first, so that a plan shrinks to noise unless the kind of rows matters.
+    rows = draw(st.sampled_from(ROW_KINDS), label="rows")
+    return CachePlan(spec, tuple(chunks), new_tokens, rows)
 
 
 @short_repr

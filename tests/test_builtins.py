@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import kvimpl
 from kvcheck import CacheTests, CoreTests, ForkTests, PoolTests, ServingTests, Sizes
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.kit import KitTests
 from kvcheck.properties import core
 from kvimpl import ChunkedCache, quantized_paged, sdpa
@@ -147,7 +148,7 @@ def test_builtin_nbytes_is_exactly_what_it_reserves(name, data):
     plan = data.draw(kvst.chunk_plans(spec.max_length, min_chunks=1), label="plan")
     cache = kvimpl.CACHES[name](spec)
     for step, rows in enumerate(plan):
-        new = kvst.random_rows(spec, rows, seed=step)
+        new = kvtensors.random_rows(spec, rows, seed=step)
         cache.append(new, new)
         # The built-ins keep every row, window or not.
         rows = reserved_rows(name, spec, cache.length)
@@ -188,7 +189,7 @@ def test_the_window_cache_holds_the_window_and_its_largest_append_at_most(data):
     plan = data.draw(kvst.chunk_plans(200, min_chunks=1, max_chunks=20), label="plan")
     cache = kvimpl.CACHES["window"](spec)
     for step, rows in enumerate(plan):
-        new = kvst.random_rows(spec, rows, seed=step)
+        new = kvtensors.random_rows(spec, rows, seed=step)
         cache.append(new, new)
         bound = min_nbytes(
             dataclasses.replace(spec, window=None), window - 1 + max(plan[: step + 1])

@@ -27,6 +27,7 @@ from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
 from kvcheck import failures
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.harness import warm
 from kvcheck.properties import edits, rejection
 from kvimpl.hf import (
@@ -61,7 +62,7 @@ def test_static_layer_counts_the_tokens_of_a_refused_overflow():
     later update fails until reset() (transformers 5.24.0)."""
     spec_plan = plan((3,), max_length=4)
     cache = warm(HFStaticLayer, spec_plan)
-    rows = kvst.random_rows(spec_plan.spec, 2, seed=0)
+    rows = kvtensors.random_rows(spec_plan.spec, 2, seed=0)
     assert kvassert.raised_by(lambda: cache.append(rows, rows)) is not None
     with pytest.raises(
         failures.RefusalChangedState, match=r"length is 5 after a refused call, was 3"
@@ -76,8 +77,8 @@ def test_static_layer_gives_wrong_logits_after_a_refused_call():
     with a real model (docs/found-in-the-wild.md). One layer, so our model's guard
     against layers of different lengths cannot stop it (transformers 5.24.0)."""
     config = ModelConfig(vocab_size=11, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
-    model = kvst.build_model(config, torch.float64)
-    tokens = kvst.random_tokens(config, 1, 5, seed=1)
+    model = kvtensors.build_model(config, torch.float64)
+    tokens = kvtensors.random_tokens(config, 1, 5, seed=1)
     caches = model.new_caches(HFStaticLayer, batch=1, max_length=8)
     model(tokens[:, :4], caches=caches)
     assert kvassert.raised_by(lambda: model(tokens[:, 4:].repeat(2, 1), caches=caches)) is not None

@@ -19,6 +19,7 @@ import torch
 from kvcheck import CacheTests, failures
 from kvcheck import badinput as kvbad
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.properties import edits, rejection
 from kvimpl.mlx import (
     MLX_LM_VERSION,
@@ -123,7 +124,7 @@ def test_a_refused_quantized_update_is_counted():
     kit's read-back cannot run on it, whose rows already leave the declared bound (below)."""
     spec = plan((), head_dim=64, dtype=torch.float32).spec
     cache = MLXQuantizedKVCache(spec)
-    row = kvst.random_rows(spec, 1, seed=0)
+    row = kvtensors.random_rows(spec, 1, seed=0)
     cache.append(row, row)
     with pytest.raises(ValueError, match=r"Cannot broadcast"):
         cache.append(row, row.repeat(2, 1, 1, 1))
@@ -174,7 +175,7 @@ def test_rotating_cache_refuses_a_truncate_to_zero():
     one token refuses to drop it, which no window rule allows (kvref.may_refuse_truncate)."""
     spec = plan((), window=1).spec
     cache = MLXRotatingKVCache(spec)
-    row = kvst.random_rows(spec, 1, seed=0)
+    row = kvtensors.random_rows(spec, 1, seed=0)
     cache.append(row, row)
     assert not may_refuse_truncate([1], held=1, target=0)
     with pytest.raises(ValueError, match=r"mlx-lm trimmed 0 of the 1 tokens"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvcheck import interplay, reach
-from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.properties.interactions import CALLED, run_walk
 from kvcheck.session import Engine
 from kvimpl import ConcatCache
@@ -78,15 +78,15 @@ def test_every_pair_ruled_out_says_why_and_none_is_offered():
 
 def test_the_engine_notes_the_pair_each_event_completes():
     config = ModelConfig(vocab_size=11, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
-    model = kvst.build_model(config, torch.float64)
+    model = kvtensors.build_model(config, torch.float64)
     engine = Engine(ConcatCache, model, max_length=37)
     request = engine.start("r0", 1)
     with reach.collecting() as noted:
-        engine.feed(request, kvst.random_tokens(config, 1, 20, 1))
+        engine.feed(request, kvtensors.random_tokens(config, 1, 20, 1))
         engine.truncate(request, 16)
-        engine.feed(request, kvst.random_tokens(config, 1, 1, 2))
+        engine.feed(request, kvtensors.random_tokens(config, 1, 1, 2))
         engine.reset(request)
-        engine.feed(request, kvst.random_tokens(config, 1, 3, 3))
+        engine.feed(request, kvtensors.random_tokens(config, 1, 3, 3))
     pairs = {
         name.removeprefix(interplay.PREFIX) for name in noted if name.startswith(interplay.PREFIX)
     }
@@ -102,19 +102,19 @@ def test_after_a_shift_every_event_is_followed_and_noted_on_a_correct_cache():
     # The oracle after a shift keeps rows of its own: a truncate, a reorder and a fork of
     # them are judged as the caches should hold them, and the pairs they complete count.
     config = ModelConfig(vocab_size=11, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4)
-    model = kvst.build_model(config, torch.float64)
+    model = kvtensors.build_model(config, torch.float64)
     engine = Engine(PreallocatedCache, model, max_length=37)
     request = engine.start("r0", 2)
     with reach.collecting() as noted:
-        engine.feed(request, kvst.random_tokens(config, 2, 12, 1))
+        engine.feed(request, kvtensors.random_tokens(config, 2, 12, 1))
         engine.shift(request, 3, 2)
         engine.truncate(request, 8)
         engine.shift(request, 0, 1)
         engine.reorder(request, torch.tensor([1, 1]))
         engine.shift(request, 2, 3)
         child = engine.fork(request, "r1")
-        engine.feed(request, kvst.random_tokens(config, 2, 1, 2))
-        engine.feed(child, kvst.random_tokens(config, 2, 2, 3))
+        engine.feed(request, kvtensors.random_tokens(config, 2, 1, 2))
+        engine.feed(child, kvtensors.random_tokens(config, 2, 2, 3))
     assert request.rows is None  # still a batch fed as one
     pairs = {
         name.removeprefix(interplay.PREFIX) for name in noted if name.startswith(interplay.PREFIX)
@@ -177,7 +177,7 @@ class ChunkListCache:
 
 def test_a_bug_where_a_truncate_meets_a_page_boundary_is_caught():
     config = ModelConfig(vocab_size=13, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4)
-    model = kvst.build_model(config, torch.float64)
+    model = kvtensors.build_model(config, torch.float64)
     walks = interplay.covering_walks({"truncate"}, 21, 8)
 
     def run_all(factory) -> None:

@@ -14,6 +14,7 @@ from examples import doubling_cache as examples_doubling
 from kvcheck import asserts as kvassert
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvimpl.latent import LatentCache
 from kvref import CacheContractError, ModelConfig, ReferenceTransformer
 from kvref import attention as kvref_attention
@@ -32,8 +33,8 @@ def test_changing_a_later_token_never_changes_earlier_logits(data):
     batch = data.draw(st.integers(1, 3), label="batch")
     length = data.draw(st.integers(2, 40), label="length")
     changed_from = data.draw(st.integers(1, length - 1), label="changed_from")
-    model = kvst.build_model(config, torch.float64)
-    tokens = kvst.random_tokens(
+    model = kvtensors.build_model(config, torch.float64)
+    tokens = kvtensors.random_tokens(
         config, batch, length, seed=data.draw(st.integers(0, 99), label="seed")
     )
     edited = tokens.clone()
@@ -53,8 +54,8 @@ def test_a_global_position_offset_does_not_change_logits(data):
     dtype = data.draw(st.sampled_from(kvst.DTYPES), label="dtype")
     length = data.draw(st.integers(1, 30), label="length")
     offset = data.draw(st.integers(1, 5000), label="offset")
-    model = kvst.build_model(config, dtype)
-    tokens = kvst.random_tokens(config, 2, length, seed=length)
+    model = kvtensors.build_model(config, dtype)
+    tokens = kvtensors.random_tokens(config, 2, length, seed=length)
     kvassert.assert_close_at(
         model(tokens, start_position=offset),
         model(tokens),
@@ -167,8 +168,8 @@ def test_an_mla_reader_up_projects_its_sources_latent_with_its_own_weights():
         nope_dim=2,
         kv_sources=(None, 0, 0),
     )
-    model = kvst.build_model(config, torch.float64)
-    tokens = kvst.random_tokens(config, 2, 5, seed=3)
+    model = kvtensors.build_model(config, torch.float64)
+    tokens = kvtensors.random_tokens(config, 2, 5, seed=3)
     kvassert.assert_close_at(
         model(tokens),
         naive_logits(model, tokens),
@@ -183,8 +184,8 @@ def test_agrees_with_a_naive_attention(data):
     config = data.draw(any_configs(max_layers=3), label="config")
     batch = data.draw(st.integers(1, 2), label="batch")
     length = data.draw(st.integers(1, 10), label="length")
-    model = kvst.build_model(config, torch.float64)
-    tokens = kvst.random_tokens(config, batch, length, seed=length)
+    model = kvtensors.build_model(config, torch.float64)
+    tokens = kvtensors.random_tokens(config, batch, length, seed=length)
     kvassert.assert_close_at(
         model(tokens),
         naive_logits(model, tokens),
@@ -199,9 +200,9 @@ def test_a_window_as_long_as_the_sequence_changes_nothing(data):
     config = data.draw(kvst.model_configs(max_layers=2), label="config")
     length = data.draw(st.integers(1, 12), label="length")
     window = data.draw(st.integers(length, length + 3), label="window")
-    tokens = kvst.random_tokens(config, 2, length, seed=length)
-    global_logits = kvst.build_model(replace(config, window=None), torch.float64)(tokens)
-    windowed = kvst.build_model(replace(config, window=window), torch.float64)(tokens)
+    tokens = kvtensors.random_tokens(config, 2, length, seed=length)
+    global_logits = kvtensors.build_model(replace(config, window=None), torch.float64)(tokens)
+    windowed = kvtensors.build_model(replace(config, window=window), torch.float64)(tokens)
     assert torch.equal(global_logits, windowed), "a window covering every key changed logits"
 
 
@@ -209,7 +210,7 @@ def test_golden_checksum():
     """Pins the model's function: a refactor of kvref that changes any logit fails here."""
     config = ModelConfig(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, seed=1234)
     model = ReferenceTransformer(config, dtype=torch.float64)
-    logits = model(kvst.random_tokens(config, batch=2, length=12, seed=99))
+    logits = model(kvtensors.random_tokens(config, batch=2, length=12, seed=99))
     observed = [logits.sum().item(), logits.abs().sum().item(), *logits[1, -1, :3].tolist()]
     assert observed == pytest.approx(GOLDEN, rel=1e-9), (
         f"the reference model's logits moved: got {observed}, golden {GOLDEN}. If the change "
@@ -231,9 +232,9 @@ GOLDEN = [
 def warm_caches(factory=kvimpl.ConcatCache, window=None):
     config = ModelConfig(vocab_size=11, num_layers=3, num_heads=2, num_kv_heads=1, head_dim=4)
     config = replace(config, window=window, window_layers="alternate")
-    model = kvst.build_model(config, torch.float64)
+    model = kvtensors.build_model(config, torch.float64)
     caches = model.new_caches(factory, batch=2, max_length=16)
-    model(kvst.random_tokens(config, 2, 6, seed=1), caches=caches)
+    model(kvtensors.random_tokens(config, 2, 6, seed=1), caches=caches)
     return model, caches
 
 
@@ -304,7 +305,7 @@ class AttendingConcat(kvimpl.ConcatCache):
 def test_the_model_uses_attend_when_a_cache_offers_it():
     config = ModelConfig(num_heads=4, num_kv_heads=2, window=5, window_layers="alternate")
     model = ReferenceTransformer(config)
-    tokens = kvst.random_tokens(config, 2, 12, seed=3)
+    tokens = kvtensors.random_tokens(config, 2, 12, seed=3)
     caches = model.new_caches(AttendingConcat, batch=2, max_length=12)
     before = AttendingConcat.calls
     logits = torch.cat(
@@ -333,8 +334,8 @@ def test_cached_calls_on_either_path_equal_the_uncached_model(data):
     # uncached pass: the model's part of what `logits` holds every cache to.
     config = data.draw(any_configs(max_layers=3), label="config")
     chunks = data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=5), label="chunks")
-    model = kvst.build_model(config, torch.float64)
-    tokens = kvst.random_tokens(config, 2, sum(chunks), seed=len(chunks))
+    model = kvtensors.build_model(config, torch.float64)
+    tokens = kvtensors.random_tokens(config, 2, sum(chunks), seed=len(chunks))
     caches = model.new_caches(kvimpl.ConcatCache, batch=2, max_length=sum(chunks))
     start, cached = 0, []
     for size in chunks:
@@ -353,7 +354,7 @@ def test_the_two_latent_paths_agree_to_rounding():
     config = ModelConfig(
         vocab_size=13, num_layers=2, num_heads=4, num_kv_heads=1, head_dim=6, attention="mla"
     )
-    tokens = kvst.random_tokens(config, 2, 9, seed=3)
+    tokens = kvtensors.random_tokens(config, 2, 9, seed=3)
     logits = []
     for path in ("naive", "absorbed"):
         model = ReferenceTransformer(replace(config, mla_path=path))
@@ -446,7 +447,7 @@ SHARED_WINDOWS = ModelConfig(
 def assert_rows_equal_each_row_alone(config: ModelConfig, feeds, seed: int) -> None:
     """``forward_rows`` on a shared model, fed ``feeds`` (counts per row) on paged caches:
     each row's new logits are the uncached model's on that row alone (contract, 10.3)."""
-    model = kvst.build_model(config, torch.float64)
+    model = kvtensors.build_model(config, torch.float64)
     batch = len(feeds[0])
     caches = model.new_caches(kvimpl.CACHES["paged"], batch=batch, max_length=64)
     generator = torch.Generator().manual_seed(seed)
@@ -472,10 +473,10 @@ def assert_tree_equals_each_path(config: ModelConfig, prefix: int, parents, path
     """``forward_tree`` on a shared model after a prefix: each node's logits are the uncached
     model's on the prefix and the node's path; after ``commit_tree(path)`` on the source
     layers, a decode step is the uncached model's on the prefix, the path and the step."""
-    model = kvst.build_model(config, torch.float64)
+    model = kvtensors.build_model(config, torch.float64)
     caches = model.new_caches(kvimpl.CACHES["paged"], batch=2, max_length=64)
-    history = kvst.random_tokens(config, 2, prefix, seed=prefix)
-    nodes = kvst.random_tokens(config, 2, len(parents), seed=len(parents))
+    history = kvtensors.random_tokens(config, 2, prefix, seed=prefix)
+    nodes = kvtensors.random_tokens(config, 2, len(parents), seed=len(parents))
     model(history, caches=caches)
     model_said = kvst.describe_config(config)
     where = f"a tree of parents {list(parents)} after {prefix} tokens, {model_said}"
@@ -488,7 +489,7 @@ def assert_tree_equals_each_path(config: ModelConfig, prefix: int, parents, path
     )
     for layer in config.cache_layers:  # a reader has no cache: it reads the commit
         caches[layer].commit_tree([path, path])
-    step = kvst.random_tokens(config, 2, 1, seed=99)
+    step = kvtensors.random_tokens(config, 2, 1, seed=99)
     kvassert.assert_close_at(
         model(step, caches=caches),
         model(torch.cat((history, nodes[:, list(path)], step), dim=1))[:, -1:],
@@ -618,8 +619,8 @@ MLA = ModelConfig(
 
 
 def test_an_mla_layer_attends_through_attend_latent_and_checks_what_comes_back():
-    model = kvst.build_model(MLA, torch.float64)
-    tokens = kvst.random_tokens(MLA, 2, 12, seed=1)
+    model = kvtensors.build_model(MLA, torch.float64)
+    tokens = kvtensors.random_tokens(MLA, 2, 12, seed=1)
     caches = model.new_caches(_CountsLatentAttends, batch=2, max_length=12)
     cached = torch.cat([model(tokens[:, :7], caches), model(tokens[:, 7:], caches)], dim=1)
     assert _CountsLatentAttends.calls == 2 * MLA.num_layers
@@ -645,10 +646,10 @@ def test_token_zero_writes_all_zero_rows_in_the_first_layer_only():
     assert later_keys[:, :, 1].any()  # later layers mix in the tokens before it
 
 
-@pytest.mark.parametrize("kind", kvst.TOKEN_KINDS)
+@pytest.mark.parametrize("kind", kvtensors.TOKEN_KINDS)
 def test_each_kind_of_tokens_writes_the_rows_it_names(kind):
     config = ModelConfig(vocab_size=11, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
-    tokens = kvst.tokens_of_kind(kind, config, 3, 8, seed=5)
+    tokens = kvtensors.tokens_of_kind(kind, config, 3, 8, seed=5)
     _, ((_, values),) = ReferenceTransformer(config).forward_with_kv(tokens)
     zero_rows = ~values.any(-1).any(1)  # (batch, position)
     assert zero_rows[:, ::2].all() == (kind == "padding")

@@ -15,6 +15,7 @@ from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
 from kvcheck import failures
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.harness import Recorder, warm
 from kvcheck.properties import rejection as kvprop
 from kvimpl.concat import ConcatCache
@@ -117,7 +118,7 @@ def made(case, drawn: kvst.CachePlan) -> tuple[str, tuple]:
         return "truncate", case.make(drawn.warm_length)
     if case in kvbad.BAD_REORDERS:
         return "reorder", case.make(drawn.spec)
-    good = kvst.random_rows(drawn.spec, drawn.new_tokens, seed=7)
+    good = kvtensors.random_rows(drawn.spec, drawn.new_tokens, seed=7)
     return "append", case.make(good, good.clone())
 
 

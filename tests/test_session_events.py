@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvcheck import session
-from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.session.events.base import Event
 from kvimpl import ChunkedCache
 from kvref import ModelConfig
@@ -72,7 +72,7 @@ def test_each_event_a_plan_calls_runs_as_its_own_unit(monkeypatch):
 
     monkeypatch.setattr(session.Engine, "apply", recorded)
     config = ModelConfig(vocab_size=17, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4)
-    model = kvst.build_model(config, torch.float32)
+    model = kvtensors.build_model(config, torch.float32)
     engine = session.Engine(ChunkedCache, model, max_length=16)
     request = engine.start("a", batch=2)
     engine.feed(request, torch.randint(0, 17, (2, 5), device=model.device))

@@ -29,6 +29,7 @@ from kvcheck import failures, reach
 from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.harness import SPEC_EDGES, build, coarser, note_spec
 from kvcheck.kit import KitTests, Property, property_test
 from kvref import CacheFactory, CacheSpec, attention
@@ -168,13 +169,16 @@ def given_rows(plan: AttendPlan | LatentAttendPlan, scale: float = 1.0) -> Itera
     """The rows of each of ``plan.calls`` in turn: normal noise from the plan's seed, the keys
     (or rope keys) times ``scale``, the values (or latents) as drawn."""
     spec = plan.spec
-    keys, values = kvst.random_rows(spec, 0, seed=0), kvst.random_rows(spec, 0, 0, values=True)
+    keys, values = (
+        kvtensors.random_rows(spec, 0, seed=0),
+        kvtensors.random_rows(spec, 0, 0, values=True),
+    )
     for index, (kind, rows) in enumerate(plan.calls):
         seed = plan.seed + 10 * index
-        key = kvst.random_rows(spec, rows, seed=seed)
+        key = kvtensors.random_rows(spec, rows, seed=seed)
         if scale != 1.0:  # x 1.0 is x: left out, for dtypes without a product
             key = key * scale
-        value = kvst.random_rows(spec, rows, seed=seed + 1, values=True)
+        value = kvtensors.random_rows(spec, rows, seed=seed + 1, values=True)
         start = keys.shape[2]
         keys, values = torch.cat((keys, key), dim=2), torch.cat((values, value), dim=2)
         where = (

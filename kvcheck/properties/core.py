@@ -22,6 +22,7 @@ from kvcheck import asserts as kvassert
 from kvcheck import failures, reach
 from kvcheck import scope as kvscope
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.kit import KitTests, Property, edge_test, property_test
 from kvcheck.reach import Edge
 from kvcheck.session import Engine, Request, assert_logits, diagnose
@@ -109,7 +110,9 @@ SCENARIO_EDGES = tuple(
         "every row max_length allows",
     )
 )
-POISONED_EDGES = tuple(Edge(f"a reset after {kind} rows") for kind in sorted(kvst.POISON_VALUES))
+POISONED_EDGES = tuple(
+    Edge(f"a reset after {kind} rows") for kind in sorted(kvtensors.POISON_VALUES)
+)
 # A row in codes judged under section 10.1's newer declarations (noted by
 # kvcheck.asserts.rows_not_held), reachable only on a cache that declares each.
 LOSSY_EDGES = (

@@ -24,6 +24,7 @@ from kvcheck import failures, reach
 from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
@@ -463,7 +464,7 @@ def reorder_edges(indices: tuple[int, ...], windows: set[int], held: int, last: 
 def check_edits(factory: CacheFactory, plan: EditPlan) -> None:
     """After every rollback, rewind, reorder or fork, the caches behave exactly as if they
     had been given only the history that remains: logits, lengths and rows, step after step."""
-    model = kvst.build_model(plan.config, plan.dtype)
+    model = kvtensors.build_model(plan.config, plan.dtype)
     engine = Engine(
         factory,
         model,
@@ -482,7 +483,7 @@ def check_edits(factory: CacheFactory, plan: EditPlan) -> None:
     def feed(size: int, at: str) -> None:
         fed[0] += 1
         seed = plan.token_seed * 1000 + fed[0]
-        engine.feed(request, kvst.random_tokens(plan.config, plan.batch, size, seed), at=at)
+        engine.feed(request, kvtensors.random_tokens(plan.config, plan.batch, size, seed), at=at)
         last[0] = "feed"
 
     def truncate(target: int, at: str) -> None:

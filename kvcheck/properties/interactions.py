@@ -21,6 +21,7 @@ import torch
 from kvcheck import failures, interplay
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.kit import KitTests, Property, offered, property_test
 from kvcheck.session import Engine, Request
 from kvref import CacheFactory, ModelConfig
@@ -65,7 +66,7 @@ def check_every_offered_pair(
     every event of them."""
     walks, most, _ = walks_for(factory)
     config, dtype, batch = model_for_the_walks()
-    model = kvst.build_model(config, dtype)
+    model = kvtensors.build_model(config, dtype)
     for number, walk in enumerate(walks):
         run_walk(factory, model, walk, most, batch, path, f"walk {number + 1} of {len(walks)}")
 
@@ -86,7 +87,7 @@ def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str) 
         done.append(step.describe())
         if step.kind in ("prefill", "decode", "chunk"):
             tokens += 1
-            new = kvst.random_tokens(model.config, batch, step.length - request.held, tokens)
+            new = kvtensors.random_tokens(model.config, batch, step.length - request.held, tokens)
             engine.feed(request, new)
         elif step.kind == "reset":
             engine.reset(request)
@@ -99,7 +100,7 @@ def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str) 
             engine.shift(request, step.length // 2 if index % 2 else 0, count)
         elif step.kind == interplay.TREE:
             tokens += 1
-            new = kvst.random_tokens(model.config, batch, 3, tokens)
+            new = kvtensors.random_tokens(model.config, batch, 3, tokens)
             draft_and_commit(engine, request, new, step.length - request.held)
         elif step.kind == "reorder":
             # Reversed, then every row the last one's: a repeat shares a row two ways.
@@ -114,7 +115,7 @@ def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str) 
     for fork in forks:  # each fork holds its own history still, whatever its parent did
         if 0 < fork.held < most:
             tokens += 1
-            engine.feed(fork, kvst.random_tokens(model.config, batch, 1, tokens), at=" (fork)")
+            engine.feed(fork, kvtensors.random_tokens(model.config, batch, 1, tokens), at=" (fork)")
     engine.finish()
 
 

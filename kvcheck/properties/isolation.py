@@ -15,6 +15,7 @@ from kvcheck import asserts as kvassert
 from kvcheck import failures, reach
 from kvcheck import scope as kvscope
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.harness import (
     SPEC_EDGES,
     assert_served,
@@ -92,8 +93,8 @@ def check_isolation(factory: CacheFactory, plan: IsolationPlan, *, path: str = "
         for which, ((name, cache), sizes) in enumerate(zip(caches.items(), turns, strict=True)):
             if not sizes[step]:
                 continue
-            new = kvst.random_rows(spec, sizes[step], seed=1000 * which + step)
-            give(cache, new, kvst.as_values(spec, new, 3), seed=step)
+            new = kvtensors.random_rows(spec, sizes[step], seed=1000 * which + step)
+            give(cache, new, kvtensors.as_values(spec, new, 3), seed=step)
             where = f"{cache.path} #{step} of cache {name}: {plan.describe()}"
             kvassert.assert_length(cache, cache.given_length, who=f"cache {name}", where=where)
             assert_served(cache, who=f"cache {name}", where=where)

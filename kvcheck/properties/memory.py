@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from kvcheck import failures, reach
 from kvcheck import scope as kvscope
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.harness import SPEC_EDGES, note_spec, recorded
 from kvcheck.kit import KitTests, Property, property_test
 from kvcheck.properties.rejection import every_cache_plan
@@ -33,8 +34,8 @@ def check_nbytes(factory: CacheFactory, plan: kvst.CachePlan) -> None:
             rows = spec.max_length - cache.length if rows == "fill" else rows
             if not rows:
                 continue
-            new = kvst.random_rows(spec, rows, seed=step)
-            cache.append(new, kvst.as_values(spec, new))
+            new = kvtensors.random_rows(spec, rows, seed=step)
+            cache.append(new, kvtensors.as_values(spec, new))
         nbytes = cache.nbytes
         needed = min_nbytes(spec, cache.length, cache.storage, tuple(cache.quantized_below))
         where = f"step {step} of {plan.describe()}"

@@ -28,6 +28,7 @@ from kvcheck import failures, reach, scripts
 from kvcheck import layouts as kvlayouts
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.harness import build, warm
 from kvcheck.kit import KitTests, Property, path_for, property_test
 from kvcheck.properties.rejection import check_refused, every_import
@@ -116,7 +117,7 @@ def resolved(factory: CacheFactory, plan: MovePlan) -> list[tuple[CacheFactory, 
     pool with ``with_block_size``) is the cache itself, the reference where the cache keeps
     keys unrotated (the reference keeps them rotated) is too; a path it lacks is append."""
     pool = isinstance(factory, BlockPool) and callable(getattr(factory, "with_block_size", None))
-    probe = build(factory, kvst.build_model(plan.config, plan.dtype).cache_spec(1, 8))
+    probe = build(factory, kvtensors.build_model(plan.config, plan.dtype).cache_spec(1, 8))
     out = []
     for layout, path in zip(plan.layouts, plan.paths, strict=True):
         if (isinstance(layout, tuple) and not pool) or (
@@ -184,7 +185,7 @@ def move_edges(plan: MovePlan, ends: list, layout: int, held: int, last: str) ->
 def check_moves(factory: CacheFactory, plan: MovePlan) -> None:
     """Every step of the script, on each layout in turn, gives the uncached model's logits;
     each export holds the rows given; the pool a request leaves gets every block back."""
-    model = kvst.build_model(plan.config, plan.dtype)
+    model = kvtensors.build_model(plan.config, plan.dtype)
     ends = resolved(factory, plan)
     first, path = ends[0]
     engine = Engine(first, model, max_length=MOST_TOKENS + 1, path=path, describe=plan.describe)

@@ -27,6 +27,7 @@ from kvcheck import asserts as kvassert
 from kvcheck import failures
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.harness import build, random_query
 from kvcheck.kit import KitTests, Property, offered, property_test
 from kvcheck.properties.requests import (
@@ -89,8 +90,8 @@ class _Given:
 
     def __init__(self, cache, spec: CacheSpec) -> None:
         self.cache = cache
-        self.keys = kvst.random_rows(spec, 0, seed=0)
-        self.values = kvst.random_rows(spec, 0, seed=0, values=True)
+        self.keys = kvtensors.random_rows(spec, 0, seed=0)
+        self.values = kvtensors.random_rows(spec, 0, seed=0, values=True)
         self.storage = storage(cache)  # read back within its bound (contract, 10.1)
 
     @property
@@ -126,8 +127,8 @@ def fill(pool, spec: CacheSpec, left: int, where: str) -> list:
         if not fillers or fillers[-1].length + size > longest:
             fillers.append(build(pool, filler_spec))
         free = pool.blocks_free
-        rows = kvst.random_rows(filler_spec, size, seed=free)
-        value = kvst.as_values(filler_spec, rows)
+        rows = kvtensors.random_rows(filler_spec, size, seed=free)
+        value = kvtensors.as_values(filler_spec, rows)
         error = kvassert.raised_by(lambda: fillers[-1].append(rows, value))  # noqa: B023
         if error is not None:
             raise failures.RefusesValidInput(
@@ -148,8 +149,8 @@ def check_exhausted_pool(factory: CacheFactory, plan: ExhaustionPlan) -> None:
     pool = factory.with_blocks(2 * held + 2 * spec.batch + 1 + plan.left)
     caches = {"A": _Given(build(pool, spec), spec)}
     for step, rows in enumerate(plan.chunks):
-        keys = kvst.random_rows(spec, rows, seed=step)
-        caches["A"].append(keys, kvst.random_rows(spec, rows, seed=50 + step, values=True))
+        keys = kvtensors.random_rows(spec, rows, seed=step)
+        caches["A"].append(keys, kvtensors.random_rows(spec, rows, seed=50 + step, values=True))
     if call == "fork-write":
         fork = _Given(caches["A"].cache.fork(), spec)
         fork.keys, fork.values = caches["A"].keys, caches["A"].values
@@ -162,13 +163,13 @@ def check_exhausted_pool(factory: CacheFactory, plan: ExhaustionPlan) -> None:
     # Past the room in the last block, more blocks than are left: at least left + 1 per
     # batch row.
     rows = (-length) % size + plan.left * size + plan.extra
-    key = kvst.random_rows(spec, rows, seed=99)
+    key = kvtensors.random_rows(spec, rows, seed=99)
     before = _state(pool, caches)
     if call == "attend":
         query = random_query(key, seed=98)
-        attempt = lambda: target.cache.attend(query, key.clone(), kvst.as_values(spec, key, 2))  # noqa: E731
+        attempt = lambda: target.cache.attend(query, key.clone(), kvtensors.as_values(spec, key, 2))  # noqa: E731
     else:
-        attempt = lambda: target.cache.append(key.clone(), kvst.as_values(spec, key, 2))  # noqa: E731
+        attempt = lambda: target.cache.append(key.clone(), kvtensors.as_values(spec, key, 2))  # noqa: E731
     error = kvassert.raised_by(attempt)
     what = f"{call} of {rows} rows on a cache holding {length} in blocks of {size}"
     if error is None:
@@ -204,8 +205,8 @@ def check_exhausted_pool(factory: CacheFactory, plan: ExhaustionPlan) -> None:
             f"dropped cache must give its blocks back\n  at {where}"
         )
     for name, given in caches.items():
-        row = kvst.random_rows(spec, 1, seed=77)
-        returned = given.append(row, kvst.as_values(spec, row, -1))
+        row = kvtensors.random_rows(spec, 1, seed=77)
+        returned = given.append(row, kvtensors.as_values(spec, row, -1))
         for which, (part, got, want) in enumerate(
             zip(("keys", "values"), returned, (given.keys, given.values), strict=True)
         ):

@@ -23,6 +23,7 @@ from kvcheck import failures, reach
 from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.harness import SPEC_EDGES, note_spec, warm
 from kvcheck.kit import KitTests, Property, property_test
 from kvcheck.reach import Edge
@@ -88,8 +89,8 @@ def not_the_refusals_doing(factory: CacheFactory, plan: kvst.CachePlan, error) -
 
 def check_bad_append(factory: CacheFactory, plan: kvst.CachePlan, case: kvbad.BadInput) -> None:
     """``case`` applied to a warm cache is refused as the contract says and changes nothing."""
-    good = kvst.random_rows(plan.spec, plan.new_tokens, seed=7)
-    value = functools.partial(kvst.as_values, plan.spec, good)
+    good = kvtensors.random_rows(plan.spec, plan.new_tokens, seed=7)
+    value = functools.partial(kvtensors.as_values, plan.spec, good)
     check_refused(factory, plan, case, "append", lambda cache: case.make(good, value()))
 
 
@@ -110,8 +111,8 @@ def check_bad_latent_attend(
     says and changes nothing."""
     plan = kvdevices.placed(plan)
     spec = plan.spec
-    key = kvst.random_rows(spec, plan.new_tokens, seed=7)
-    value = kvst.as_values(spec, key)
+    key = kvtensors.random_rows(spec, plan.new_tokens, seed=7)
+    value = kvtensors.as_values(spec, key)
     shape = (spec.batch, 2, plan.new_tokens, spec.value_width + spec.head_dim)
     query = torch.randn(shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
     query = query.to(device=spec.device, dtype=spec.dtype)
@@ -126,9 +127,9 @@ def check_overflow(factory: CacheFactory, plan: kvst.CachePlan) -> None:
     cache = warm(factory, plan)
     note_state(plan)
     rows = plan.spec.max_length - cache.given_length + plan.new_tokens
-    new = kvst.random_rows(plan.spec, rows, seed=rows)
+    new = kvtensors.random_rows(plan.spec, rows, seed=rows)
     where = f"{rows} tokens appended to {plan.describe()}, {plan.new_tokens} past max_length"
-    bad = (new, kvst.as_values(plan.spec, new, 2))
+    bad = (new, kvtensors.as_values(plan.spec, new, 2))
     error = kvassert.raised_by(lambda: cache.append(*bad))
     case = kvbad.overflow(plan.spec.max_length, rows)
     if kvassert.assert_refused(error, case, where=where):

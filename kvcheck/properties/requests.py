@@ -33,6 +33,7 @@ from kvcheck import failures, reach
 from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS, build
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
@@ -140,7 +141,9 @@ class RequestPlan:
     def tokens(self, index: int, batch: int) -> Tensor:
         """The tokens of event ``index`` (a Feed), from a seed of their own."""
         size = self.events[index].size
-        return kvst.random_tokens(self.config, batch, size, seed=self.token_seed * 1000 + index)
+        return kvtensors.random_tokens(
+            self.config, batch, size, seed=self.token_seed * 1000 + index
+        )
 
     def describe(self, done: int | None = None) -> str:
         """The model, then the events (those up to ``done`` when given)."""
@@ -330,7 +333,7 @@ def _finish(draw, state: _Drawing, request: int, poison: bool) -> None:
     how = draw(st.sampled_from(("drop", "reset")), label="finish by")
     kind, rows = None, min(draw(st.integers(1, 3), label="poison rows"), state.room(request))
     if poison and rows and draw(st.booleans(), label="poisoned"):
-        kind = draw(st.sampled_from(sorted(kvst.POISON_VALUES)), label="poison")
+        kind = draw(st.sampled_from(sorted(kvtensors.POISON_VALUES)), label="poison")
     state.events.append(Finish(request, how, kind, rows if kind else 0))
     batch, _ = state.live.pop(request)
     if how == "reset":
@@ -577,7 +580,7 @@ def run_plan(
     ``path``, ``events``, ``margin``, ``blocks_needed(block_size, offered)`` and
     ``describe(done)``."""
     pool = isinstance(factory, BlockPool)
-    model = kvst.build_model(plan.config, plan.dtype)
+    model = kvtensors.build_model(plan.config, plan.dtype)
     blocks = 0
     if pool:
         offered = _offered(factory, model, max_length)

@@ -21,11 +21,13 @@ from kvcheck import failures, reach
 from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.harness import SPEC_EDGES, assert_served, give, note_spec, recorded, spec_on_path
 from kvcheck.kit import KitTests, Property, property_test
 from kvcheck.properties.core import POISONED_EDGES, check_logits_match_uncached
 from kvcheck.properties.rejection import layer_specs, warm_ups
-from kvcheck.strategies import POISON_VALUES, cache_specs, chunk_plans
+from kvcheck.strategies import cache_specs, chunk_plans
+from kvcheck.tensors import POISON_VALUES
 from kvref import CacheFactory, CacheSpec
 from kvref.reprs import short_repr
 
@@ -84,12 +86,12 @@ def check_stale_rows(factory: CacheFactory, plan: StaleRowsPlan, *, path: str = 
         if round_:  # room for the poison: the last round's clean rows go the same way
             cache = clear(factory, cache, plan, spec, path, f"the start of round #{round_}")
         for rows in plan.poisoned:
-            bad = kvst.poison_rows(spec, rows, plan.poison)
-            cache.append(bad, kvst.as_values(spec, bad))
+            bad = kvtensors.poison_rows(spec, rows, plan.poison)
+            cache.append(bad, kvtensors.as_values(spec, bad))
         cache = clear(factory, cache, plan, spec, path, f"round #{round_}")
         for step, rows in enumerate(plan.clean):
-            clean = kvst.random_rows(spec, rows, seed=step + round_)
-            give(cache, clean, kvst.as_values(spec, clean, 2), seed=step)
+            clean = kvtensors.random_rows(spec, rows, seed=step + round_)
+            give(cache, clean, kvtensors.as_values(spec, clean, 2), seed=step)
             where = f"clean {cache.path} #{step} of round #{round_} of {plan.describe()}"
             assert_served(cache, who="the cache", where=where)
 

@@ -29,6 +29,7 @@ from kvcheck import failures, reach
 from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.devices import dtype_name
 from kvcheck.kit import KitTests, Property, property_test
 from kvcheck.session import Engine
@@ -53,7 +54,7 @@ class RowsPlan:
     events: tuple[tuple[str, tuple[int, ...]], ...]
     token_seed: int
     firsts: tuple[int, ...] | None = None  # each row's first position (reset_at), else 0
-    pad: str = "nan"  # what the pad slots' keys and values hold (strategies.POISON_VALUES)
+    pad: str = "nan"  # what the pad slots' keys and values hold (kvtensors.POISON_VALUES)
 
     def describe(self) -> str:
         said = {
@@ -165,14 +166,14 @@ def drawn_rows_plan(
         batch=batch,
         events=tuple(events),
         token_seed=draw(st.integers(0, 2**16), label="token seed"),
-        pad=draw(st.sampled_from(sorted(kvst.POISON_VALUES)), label="pad"),
+        pad=draw(st.sampled_from(sorted(kvtensors.POISON_VALUES)), label="pad"),
     )
 
 
 def rows_engine(factory: CacheFactory, plan: P, max_length: int) -> tuple[Engine, Callable]:
     """An engine over ``plan``'s model, its caches built for ``max_length`` tokens a row, and
     ``tokens(count)``: the next ``count`` tokens of the plan's seed, on the device."""
-    model = kvst.build_model(plan.config, plan.dtype)
+    model = kvtensors.build_model(plan.config, plan.dtype)
     engine = Engine(factory, model, max_length=max_length, describe=plan.describe)
     generator = torch.Generator().manual_seed(plan.token_seed)
     device = kvdevices.current()
@@ -294,7 +295,7 @@ PROMPTS_BY_ONE = "prompts that differ by one token"
 PROMPTS_BY_MANY = "prompts that differ by many tokens"
 EMPTY_SLOT = "an empty slot beside rows fed"
 FULL_ROW_IDLE = "a row full at max_length idle while others decode"
-PADS = {kind: f"pads of {kind}" for kind in sorted(kvst.POISON_VALUES)}
+PADS = {kind: f"pads of {kind}" for kind in sorted(kvtensors.POISON_VALUES)}
 ROLLBACK_OF_NONE = "a rollback of 0 beside a rollback"
 ROLLBACK_OF_ALL = "a rollback of a whole row"
 ROW_LEAVES = "a finished row leaves while others stay"

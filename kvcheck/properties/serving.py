@@ -40,6 +40,7 @@ from hypothesis import strategies as st
 from kvcheck import asserts as kvassert
 from kvcheck import failures, reach
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS, Recorder, build
 from kvcheck.kit import KitTests, Property, property_test
@@ -703,11 +704,11 @@ def restore_without_room(factory: CacheFactory, plan: ServingPlan) -> None:
 
 def _restore_with_free(factory: CacheFactory, plan: ServingPlan, free: int) -> None:
     size = factory.block_size
-    spec = kvst.build_model(plan.config, plan.dtype).cache_spec(1, 2 * size + 2)
+    spec = kvtensors.build_model(plan.config, plan.dtype).cache_spec(1, 2 * size + 2)
     pool = factory.with_blocks(RESTORE_NEEDS + 1)
     cache = build(pool, spec)
-    keys = kvst.random_rows(spec, 2 * size + 1, 1)
-    values = kvst.random_rows(spec, 2 * size + 1, 2, values=True)
+    keys = kvtensors.random_rows(spec, 2 * size + 1, 1)
+    values = kvtensors.random_rows(spec, 2 * size + 1, 2, values=True)
     read = cache.append(keys.clone(), values.clone())
     read = tuple(rows.clone() for rows in read)  # the codes it had, where it holds codes
     cache.offload()

@@ -28,6 +28,7 @@ from kvcheck import failures, rank_processes, reach, scripts
 from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.kit import KitTests, Property, offered, path_for, property_test
 from kvcheck.session import Engine
 from kvcheck.sharded_cache import Ranks, ShardedFactory, SimulatedRanks, plan_for
@@ -211,7 +212,7 @@ def run_sharded(
 
     engine = Engine(
         sharded(plan.world),
-        kvst.build_model(config, plan.dtype),
+        kvtensors.build_model(config, plan.dtype),
         max_length=MOST_TOKENS + 1,
         path="attend",
         describe=lambda: plan.describe(path) + said(),

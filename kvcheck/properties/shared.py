@@ -44,6 +44,7 @@ from kvcheck import failures, reach
 from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.harness import Recorder, builder, record
 from kvcheck.kit import KitTests, Property, property_test
 from kvcheck.properties import rows as kvrows
@@ -159,10 +160,10 @@ def check_shared_layers(factory: CacheFactory, plan: SharedPlan) -> None:
     """Each way of feeding the tokens gives, at every step, the uncached model's logits over
     the same sharing; each source layer's append returns the rows it was given."""
     note_sharing(plan)
-    model = kvst.build_model(plan.config, plan.dtype)
-    tokens = kvst.random_tokens(plan.config, plan.batch, plan.tokens, plan.token_seed)
+    model = kvtensors.build_model(plan.config, plan.dtype)
+    tokens = kvtensors.random_tokens(plan.config, plan.batch, plan.tokens, plan.token_seed)
     expected = model(tokens)
-    truth = functools.cache(lambda: kvst.build_model(plan.config, torch.float64)(tokens))
+    truth = functools.cache(lambda: kvtensors.build_model(plan.config, torch.float64)(tokens))
     owned = plan.config.cache_layers
     caches = None
     for feeding, (name, chunks) in enumerate(plan.feedings):
@@ -366,14 +367,14 @@ class SharedRun:
 
     def __init__(self, factory: CacheFactory, config: ModelConfig, dtype, batch: int, most: int):
         self.config = config
-        self.model = kvst.build_model(config, dtype)
+        self.model = kvtensors.build_model(config, dtype)
         built = self.model.new_caches(builder(factory), batch=batch, max_length=most)
         self.caches = record(built, config)
         self.max_length = most
 
     @functools.cached_property
     def truth(self) -> ReferenceTransformer:
-        return kvst.build_model(self.config, torch.float64)
+        return kvtensors.build_model(self.config, torch.float64)
 
     @property
     def sources(self) -> list[Recorder]:
@@ -402,7 +403,7 @@ def feed_shared_rows(run: SharedRun, rows, firsts, new, pad: str, where: str) ->
     row's new logits against that row alone, uncached, at its positions. Returns the rows."""
     padding = getattr(run.sources[0], "padding", "right")
     laid, counts = rows_laid_out(new, padding, run.model.device)
-    poison = kvst.poison_value(pad, run.model.dtype)
+    poison = kvtensors.poison_value(pad, run.model.dtype)
     lengths = [len(row) for row in rows]
     fits = all(n + c <= run.max_length for n, c in zip(lengths, counts, strict=True))
     try:
@@ -565,7 +566,7 @@ def check_shared_tree(factory: CacheFactory, plan: SharedTreePlan) -> None:
     on the prefix, the accepted path and the steps."""
     most = sum(plan.prefix) + len(plan.parents) + plan.after
     run = SharedRun(factory, plan.config, plan.dtype, plan.batch, most)
-    tokens = kvst.random_tokens(plan.config, plan.batch, most, plan.token_seed)
+    tokens = kvtensors.random_tokens(plan.config, plan.batch, most, plan.token_seed)
     held = sum(plan.prefix)
     history, nodes = tokens[:, :held], tokens[:, held : held + len(plan.parents)]
     start = 0

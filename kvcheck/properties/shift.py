@@ -41,6 +41,7 @@ from kvcheck import failures, reach
 from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
@@ -237,7 +238,7 @@ def far_shift_plans(draw) -> ShiftPlan:
 def check_context_shift(factory: CacheFactory, plan: ShiftPlan) -> None:
     """Every step's logits, before and after each shift, equal the model's over the rows the
     caches should hold, and every append returns them (re-rotated keys within rounding)."""
-    model = kvst.build_model(plan.config, plan.dtype)
+    model = kvtensors.build_model(plan.config, plan.dtype)
     path = path_for(plan.path, factory)
     engine = Engine(factory, model, max_length=plan.max_length, path=path, describe=plan.describe)
     generator = torch.Generator().manual_seed(plan.token_seed)
@@ -482,7 +483,7 @@ class RowShiftPlan:
     events: tuple[tuple[str, tuple], ...]
     token_seed: int
     firsts: tuple[int, ...] | None = None  # each row's first position (reset_at), else 0
-    pad: str = "nan"  # what the pad slots' keys and values hold (strategies.POISON_VALUES)
+    pad: str = "nan"  # what the pad slots' keys and values hold (kvtensors.POISON_VALUES)
 
     def describe(self) -> str:
         said = {"feed": "rows fed {}", "shift": "shift({}, {})"}
@@ -808,7 +809,7 @@ def check_bad_row_shifts(factory: CacheFactory, state: WarmRows) -> None:
     """Each bad shift per row (``kvcheck.badinput.BAD_ROW_SHIFTS``) sent to a warm batch's
     caches is refused with a clear error, and every row then reads back through append_rows
     as it was (one token more per row: the next case is made for the rows as they are)."""
-    model = kvst.build_model(state.config, state.dtype)
+    model = kvtensors.build_model(state.config, state.dtype)
     engine = Engine(factory, model, max_length=ROW_MAX_LENGTH, describe=state.describe)
     generator = torch.Generator().manual_seed(state.token_seed)
 

@@ -30,6 +30,7 @@ from kvcheck import failures
 from kvcheck import profiles as kvprofiles
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.harness import recorded
 from kvcheck.kit import KitTests, Property, offered, property_test
 from kvcheck.session import Engine, Request
@@ -60,7 +61,7 @@ class CachedDecoding(RuleBasedStateMachine):
     )
     def first_cache_set(self, config, batch, dtype):
         """The model every set runs on, and the first set of caches."""
-        model = kvst.build_model(config, dtype)
+        model = kvtensors.build_model(config, dtype)
         self.engine = Engine(self.factory, model, max_length=MAX_TOKENS, path=self.path)
         self.batch = batch
         return self.new_set()
@@ -85,7 +86,7 @@ class CachedDecoding(RuleBasedStateMachine):
         if size == 0 or cache_set.caches is None:
             return  # full: only a reset or a prefill makes room
         self.feeds += 1
-        new = kvst.random_tokens(self.engine.model.config, self.batch, size, seed=self.feeds)
+        new = kvtensors.random_tokens(self.engine.model.config, self.batch, size, seed=self.feeds)
         self.engine.feed(cache_set, new)
 
     @rule(cache_set=cache_sets, size=st.integers(1, 2 * kvst.EDGE + 1))

@@ -50,6 +50,7 @@ from kvcheck import failures, reach
 from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS, Recorder
 from kvcheck.kit import KitTests, Property, path_for, property_test
@@ -64,7 +65,7 @@ MAX_NODES = 10
 MAX_DEPTH = 4  # levels: a root's depth is 0, the deepest node's 3
 MAX_CHILDREN = 3
 MAX_ROOTS = 3
-POISONS = ("nan", "huge")  # strategies.POISON_VALUES
+POISONS = ("nan", "huge")  # kvtensors.POISON_VALUES
 ROUNDS = 2  # a second tree after the first commit
 # The most a plan's caches hold: a prefix of 3 chunks of 17, then per round a tree, the rows
 # fed up to one length and the steps after (TreePlan.max_length); the model's budget.
@@ -354,8 +355,8 @@ class BadCalls:
     def _rows_like(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """Node rows shaped as the tree's will be, for a bad tree drafted before it."""
         spec = self.engine.model.cache_spec(tokens.shape[0], self.engine.max_length)
-        keys = kvst.random_rows(spec, tokens.shape[1], seed=tokens.shape[1])
-        return keys, kvst.as_values(spec, keys)
+        keys = kvtensors.random_rows(spec, tokens.shape[1], seed=tokens.shape[1])
+        return keys, kvtensors.as_values(spec, keys)
 
     def _refused(self, case, call: kvbad.TreeCall, recorder: Recorder, who: str) -> None:
         method, bad = case.make(call)
@@ -431,7 +432,7 @@ def truncate_back(engine: Engine, request: Request, back: int, at: str) -> None:
 def check_tree_drafts(factory: CacheFactory, plan: TreePlan) -> None:
     """Each tree's nodes equal the uncached model on the committed tokens and their path, and
     after each commit every step equals it on the committed and accepted tokens."""
-    model = kvst.build_model(plan.config, plan.dtype)
+    model = kvtensors.build_model(plan.config, plan.dtype)
     path = path_for(plan.path, factory)
     engine = Engine(factory, model, max_length=plan.max_length, path=path, describe=plan.describe)
     generator = torch.Generator().manual_seed(plan.token_seed)
@@ -446,7 +447,7 @@ def check_tree_drafts(factory: CacheFactory, plan: TreePlan) -> None:
         engine.feed(request, tokens(plan.batch, size), at=f" (prefix chunk #{index})")
         engine.check(f"prefix chunk #{index}")
     own_lengths = "append_rows" in request.offered
-    poison = kvst.poison_value(plan.poison_held, model.dtype)
+    poison = kvtensors.poison_value(plan.poison_held, model.dtype)
     for index, tree in enumerate(plan.rounds):
         label = f"tree #{index}"
         if request.rows is not None:  # up to one length: a tree starts after one

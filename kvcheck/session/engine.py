@@ -32,7 +32,7 @@ from torch import Tensor
 from kvcheck import asserts as kvassert
 from kvcheck import devices as kvdevices
 from kvcheck import failures, interplay, pool_books
-from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.harness import assert_views_kept, builder, record
 from kvcheck.prefix_books import PrefixBooks
 from kvcheck.session.checks import check_lengths
@@ -109,7 +109,7 @@ class Engine:
     def truth(self) -> ReferenceTransformer:
         """The float64 model: what a half-precision run, or a full-precision run on the
         attend path, is measured against."""
-        return kvst.build_model(self.model.config, torch.float64)
+        return kvtensors.build_model(self.model.config, torch.float64)
 
     def where(self, text: str) -> str:
         plan = self.describe()

@@ -663,9 +663,31 @@ class LengthFromContents(PreallocatedCache):
         return int(self.key[longest, 0, :written].any(dim=-1).sum())
 
 
+class LengthFromSentinel(PreallocatedCache):
+    """Fills its free slots with the dtype's lowest finite value and counts its tokens as the
+    slots of the longest row's first head whose key does not begin with it.
+
+    Stands for caches that tell written slots from free ones by a sentinel (the lowest value,
+    as an attention mask is filled): right while rows are noise, short by one for each row
+    whose first number is that value, and the next append then writes over the rows past
+    that length.
+    """
+
+    def __init__(self, spec: CacheSpec) -> None:
+        super().__init__(spec)
+        self.key.fill_(torch.finfo(spec.dtype).min)
+
+    @property
+    def length(self) -> int:
+        longest = max(range(self._rows()), key=self._lengths.__getitem__)
+        written = self.key[longest, 0, : self._lengths[longest], 0]
+        return int((written != torch.finfo(self.key.dtype).min).sum())
+
+
 CACHE_MUTANTS = (
     WrongAxis,
     LengthFromContents,
+    LengthFromSentinel,
     Prepends,
     ForgetsPrefix,
     WholeBuffer,

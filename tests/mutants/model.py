@@ -3,7 +3,7 @@ correct cache.
 
 Each is a context manager that patches a function or class attribute of ``kvref.model``, or
 of the module beside it where the model looks the name up (``kvref.rope``, ``kvref.shared``),
-so the models ``kvcheck.strategies.build_model`` keeps are affected too, and undoes the patch
+so the models ``kvcheck.tensors.build_model`` keeps are affected too, and undoes the patch
 on exit. Only cached calls are wrong: with no caches, every patched path computes what the
 unpatched model does, so the uncached oracle stays right.
 """

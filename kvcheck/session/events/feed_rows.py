@@ -3,7 +3,7 @@ new tokens (none allowed), through ``append_rows``, laid out as the caches' ``pa
 
 Each row is its own request: its new logits must equal the uncached model's on that row's
 history alone, at batch 1, from that row's first position, whatever its neighbours hold. A
-pad slot's keys and values are poison (``kvcheck.strategies.POISON_VALUES``), so a cache that
+pad slot's keys and values are poison (``kvcheck.tensors.POISON_VALUES``), so a cache that
 attends to one shows it. Before the logits, what ``append_rows`` marked valid for each row is
 held to the rows given and to the uncached pass's keys and values at that row's positions: a
 first position lost shows in the keys, not in the logits (RoPE is relative). After shifts
@@ -23,7 +23,7 @@ from torch import Tensor
 
 from kvcheck import asserts as kvassert
 from kvcheck import failures
-from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.session.checks import check_row_lengths
 from kvcheck.session.compare import assert_logits, row_said
 from kvcheck.session.events.base import Event, Session
@@ -55,7 +55,7 @@ class FeedRows(Event):
 
     def apply(self, engine: Session) -> None:
         request, model = self.request, engine.model
-        poison = kvst.poison_value(self.pad, model.dtype)
+        poison = kvtensors.poison_value(self.pad, model.dtype)
         try:
             self.logits = model.forward_rows(self.laid, self.counts, request.caches, pad=poison)
         except Exception as error:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 
-from kvcheck import strategies as kvst
+from kvcheck import tensors as kvtensors
 from kvcheck.session.events.base import Event, Session
 from kvcheck.session.request import Request
 
@@ -28,9 +28,9 @@ class Poison(Event):
 
     def apply(self, engine: Session) -> None:
         spec = engine.model.cache_spec(self.request.batch, engine.max_length)
-        bad = kvst.poison_rows(spec, self.rows, self.kind)
+        bad = kvtensors.poison_rows(spec, self.rows, self.kind)
         for cache in self.request.caches:
-            cache.append(bad, kvst.as_values(spec, bad))
+            cache.append(bad, kvtensors.as_values(spec, bad))
 
 
 @dataclass
