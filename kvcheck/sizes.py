@@ -537,11 +537,19 @@ def longest(limit: int) -> int:
 def boundary_lengths(limit: int, low: int = 1) -> st.SearchStrategy[int]:
     """Lengths k x page - 1, k x page and k x page + 1 within [low, limit], for a declared
     page (half the time) or one of the usual page sizes."""
+    if (page_sizes := pages(limit)) is None:
+        return st.integers(low, limit)
+    return _boundary_lengths(page_sizes, low, limit)
+
+
+def pages(limit: int) -> st.SearchStrategy[int] | None:
+    """A page of at most ``limit`` + 1 rows: a declared one half the time, else a usual one;
+    None where none fits."""
     fitting = tuple(p for p in PAGES if p - 1 <= limit)
     declared = tuple(p for p in current().pages() if p - 1 <= limit)
     if not fitting and not declared:
-        return st.integers(low, limit)
-    return _boundary_lengths(declared_first(declared, fitting or declared), low, limit)
+        return None
+    return declared_first(declared, fitting or declared)
 
 
 @st.composite

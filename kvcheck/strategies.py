@@ -526,6 +526,13 @@ def _chunk_plans(draw, max_total: int, min_chunks: int, max_chunks: int) -> list
         if kvsizes.domain().max_length is not None and kvsizes.edge(draw, "filled"):
             drawn = [end for end in drawn if end != max_total] + [max_total]  # to the end
         drawn = sorted(drawn)
+        if drawn[-1] < max_total and draw(st.booleans(), label="straddle a page?"):
+            # Then one chunk on, to one row past the next page boundary: ends drawn at and
+            # around boundaries can all land below one, and a write that splits at page
+            # ends only in its read path goes wrong on a chunk that runs across it.
+            page = draw(kvsizes.pages(max_total), label="page straddled")
+            if (past := (drawn[-1] // page + 1) * page + 1) <= max_total:
+                drawn.append(past)
         return [end - before for before, end in zip([0, *drawn], drawn, strict=False)]
     plan: list[int] = []
     sizes = st.lists(st.integers(1, 2 * EDGE + 1), min_size=min_chunks, max_size=max_chunks)
