@@ -79,6 +79,16 @@ class OutsideDomain(Exception):
         )
 
 
+class NotOffered(OutsideDomain):
+    """An enumerated plan calls what the cache does not offer (a walk of the interactions'
+    exhaustive mode enumerates every event of the grammar): counted apart, as a plan outside
+    the domain is, neither held nor failed."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        Exception.__init__(self, f"the plan calls what the cache does not offer: {what}")
+
+
 def set_root(error: BaseException, row: int) -> None:
     """Say that ``error`` follows from the first row a cache got wrong: the row at index
     ``row`` since its reset. The verdict groups a cache's failures of one root: one bug, seen

@@ -29,6 +29,8 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from kvref.reprs import short_repr
+
 STATES = ("empty", "warm", "page edge", "full")
 # The note a pair is reached by: kvcheck.reach collects it with the edges.
 PREFIX = "pair: "
@@ -85,6 +87,17 @@ class Kind:
         elif self.name not in ("decode",):
             return [held]  # a reorder, a fork, an offload and restore: no length changes
         return sorted({n for n in up if n <= most})
+
+    def every_length(self, held: int, most: int) -> range | list[int]:
+        """Every length it can leave caches holding ``held`` of ``most`` tokens in: the whole
+        domain of which ``lengths`` are the representatives (the exhaustive walks')."""
+        if self.name == "prefill":
+            return range(1, most + 1)
+        if self.name == "chunk":
+            return range(held + 2, most + 1)
+        if self.name in ("truncate", "shift"):
+            return range(held)
+        return self.lengths(held, most, page=most)  # one or two lengths: the same
 
 
 SAME = "same"
@@ -212,6 +225,7 @@ def ruled_out() -> list[tuple[str, str]]:
 # --- the walks that cover every offered pair ---------------------------------------------
 
 
+@short_repr
 @dataclass(frozen=True)
 class Step:
     """One event of a walk: its kind, the length it leaves the request at, and so the state."""
@@ -219,9 +233,21 @@ class Step:
     kind: str
     length: int
     state: str
+    start: int | None = None  # a shift's first position discarded; None: the walk's choice
+    order: tuple[int, ...] | None = None  # a reorder's; None: the walk's choice
 
     def describe(self) -> str:
-        return f"{self.kind} to {self.length}"
+        detail = "" if self.start is None else f" from {self.start}"
+        detail += "" if self.order is None else f" by {list(self.order)}"
+        return f"{self.kind} to {self.length}{detail}"
+
+    def weight(self, held: int) -> int:
+        """What it counts toward an exhaustive walk's tokens: the tokens a feed brings, a
+        tree's three drafted ones, one for every other event (else walks of resets,
+        reorders or forks alone would never end)."""
+        if self.kind in ("prefill", "decode", "chunk"):
+            return self.length - held
+        return 3 if self.kind == TREE else 1
 
 
 def covering_walks(
@@ -292,6 +318,58 @@ def _way_to_a_pair(here, todo: set[str], kinds: list[Kind], most: int, page: int
 def pairs_of(walk: tuple[Step, ...]) -> Iterator[str]:
     for before, after in itertools.pairwise(walk):
         yield pair_name(before.kind, before.state, after.kind)
+
+
+# --- every walk, for the bounded-exhaustive mode -------------------------------------------
+
+
+def every_walk(
+    offered: set[str] | frozenset[str], tokens: int, batch: int
+) -> list[tuple[Step, ...]]:
+    """Every walk from empty caches built for ``tokens`` tokens, of the kinds a cache
+    offering ``offered`` runs, each event with every parameter it takes (every length it can
+    leave, every span a shift discards, every order of ``batch`` rows), whose weights
+    (``Step.weight``) add up to at most ``tokens``; fewest first, in vocabulary order.
+
+    Their count: of the kinds every cache runs (prefill, decode, chunk, reset), P(tokens + 1)
+    - 1, P the Pell numbers (0, 1, 2, 5, 12, 29, ...): a walk is sessions of 2^(w - 1)
+    splits of w tokens each, between resets (tests/test_exhaustive_interactions.py)."""
+    kinds = kinds_offered(offered)
+    walks: list[tuple[Step, ...]] = []
+
+    def extend(walk: tuple[Step, ...], held: int, left: int) -> None:
+        if walk:
+            walks.append(walk)
+        for step in _every_move(held, kinds, tokens, batch):
+            if (cost := step.weight(held)) <= left:
+                extend((*walk, step), step.length, left - cost)
+
+    extend((), 0, tokens)
+    return sorted(walks, key=walk_weight)  # stable: vocabulary order within a weight
+
+
+def walk_weight(walk: tuple[Step, ...]) -> int:
+    held, total = 0, 0
+    for step in walk:
+        total, held = total + step.weight(held), step.length
+    return total
+
+
+def _every_move(held: int, kinds: list[Kind], most: int, batch: int) -> Iterator[Step]:
+    state = state_of(held, most, page=most)  # no page: "page edge" is the full caches' alone
+    for kind in kinds:
+        if state not in kind.runs_in:
+            continue
+        for length in kind.every_length(held, most):
+            after = state_of(length, most, page=most)
+            if kind.name == "shift":  # every start of a span of held - length tokens
+                for start in range(length + 1):
+                    yield Step(kind.name, length, after, start=start)
+            elif kind.name == "reorder":
+                for order in itertools.product(range(batch), repeat=batch):
+                    yield Step(kind.name, length, after, order=order)
+            else:
+                yield Step(kind.name, length, after)
 
 
 # --- the pairs the session engine ran ------------------------------------------------------

@@ -16,15 +16,20 @@ The verdict reports which offered pairs ran in a passing test of any property
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import torch
 
 from kvcheck import failures, interplay
+from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck import tensors as kvtensors
 from kvcheck.kit import KitTests, Property, offered, property_test
 from kvcheck.session import Engine, Request
 from kvref import CacheFactory, ModelConfig
+from kvref.reprs import short_repr
 
 # The capabilities a walk's events call (kvcheck.interplay.KINDS), of those kit.offered names.
 CALLED = frozenset(kind.needs for kind in interplay.KINDS if kind.needs is not None)
@@ -59,16 +64,70 @@ def model_for_the_walks() -> tuple[ModelConfig, torch.dtype, int]:
     return config, kvst.supported_dtypes(kvst.WITH_HALF)[0], batch
 
 
+@short_repr
+@dataclass(frozen=True)
+class Walk:
+    """A walk of the exhaustive mode (``kvcheck.interplay.every_walk``): a model of the
+    scope, its batch, caches built for ``tokens`` tokens, and the events from empty caches."""
+
+    config: ModelConfig
+    batch: int
+    dtype: torch.dtype
+    tokens: int
+    steps: tuple[interplay.Step, ...]
+
+    def describe(self) -> str:
+        events = ", ".join(step.describe() for step in self.steps)
+        return (
+            f"{events} (caches built for {self.tokens} tokens; "
+            f"{kvst.describe_config(self.config)}, batch {self.batch})"
+        )
+
+    def summary(self) -> tuple[str, str, str]:
+        events = ", ".join(step.describe() for step in self.steps)
+        weight = interplay.walk_weight(self.steps)
+        return f"{weight} ({events})", str(self.config.num_layers), str(self.batch)
+
+
+def every_walk_plan(scope: kvscope.Scope) -> Iterator[Walk]:
+    """Every walk of the grammar (``kvcheck.interplay.every_walk``) to ``scope.tokens``, on
+    each model of the scope, fewest tokens first: a cache runs those of the events it offers,
+    and counts the others apart (``NotOffered``). Per model, of the events every cache runs,
+    P(N + 1) - 1 walks (P the Pell numbers); of every event, a count the test of it holds to
+    a recurrence."""
+    plans = [
+        Walk(layout.config(), layout.batch, scope.dtype, scope.tokens, steps)
+        for layout in scope.layouts
+        for steps in interplay.every_walk(CALLED, scope.tokens, layout.batch)
+    ]
+    yield from sorted(plans, key=lambda walk: interplay.walk_weight(walk.steps))
+
+
 def check_every_offered_pair(
-    factory: CacheFactory, *, examples_scale: float = 1.0, path: str = "append"
+    factory: CacheFactory,
+    walk: Walk | None = None,
+    *,
+    examples_scale: float = 1.0,
+    path: str = "append",
 ) -> None:
-    """Run the walks that cover every pair of events the cache offers; the engine judges
-    every event of them."""
+    """Run the walks that cover every pair of events the cache offers (or, in the exhaustive
+    mode, the one ``walk``); the engine judges every event of them."""
+    if walk is not None:
+        run_exhaustive_walk(factory, walk, path)
+        return
     walks, most, _ = walks_for(factory)
     config, dtype, batch = model_for_the_walks()
     model = kvtensors.build_model(config, dtype)
     for number, walk in enumerate(walks):
         run_walk(factory, model, walk, most, batch, path, f"walk {number + 1} of {len(walks)}")
+
+
+def run_exhaustive_walk(factory: CacheFactory, walk: Walk, path: str) -> None:
+    needs = {interplay.BY_NAME[step.kind].needs for step in walk.steps} - {None}
+    if missing := sorted(needs - offered(factory)):
+        raise failures.NotOffered(f"the walk calls {', '.join(missing)}")
+    model = kvtensors.build_model(walk.config, walk.dtype)
+    run_walk(factory, model, walk.steps, walk.tokens, walk.batch, path, "exhaustive walk")
 
 
 def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str) -> None:
@@ -97,7 +156,8 @@ def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str) 
             # The span discarded alternates between the head and the middle: every later key
             # moves (keys kept before it too, in the middle).
             count = request.held - step.length
-            engine.shift(request, step.length // 2 if index % 2 else 0, count)
+            start = step.start if step.start is not None else step.length // 2 * (index % 2)
+            engine.shift(request, start, count)
         elif step.kind == interplay.TREE:
             tokens += 1
             new = kvtensors.random_tokens(model.config, batch, 3, tokens)
@@ -105,6 +165,7 @@ def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str) 
         elif step.kind == "reorder":
             # Reversed, then every row the last one's: a repeat shares a row two ways.
             order = list(range(batch))[::-1] if index % 2 else [batch - 1] * batch
+            order = list(step.order) if step.order is not None else order
             engine.reorder(request, torch.tensor(order, device=request.history.device))
         elif step.kind == "fork":
             forks.append(engine.fork(request, f"r{len(forks) + 1}, a fork at step #{index}"))
@@ -139,6 +200,8 @@ INTERACTIONS = Property(
     "the uncached model does",
     check=check_every_offered_pair,
     strategy=None,  # not drawn: built per cache (kvcheck.interplay.covering_walks)
+    every_plan=every_walk_plan,
+    exhaustive_tokens=4,
     severity=failures.WRONG_RESULTS,
     paths=True,
     since="1.8",
