@@ -57,7 +57,7 @@ def test_a_fork_that_copies_its_parents_blocks_holds_the_prefix_caching_property
         events=(
             serving.Arrive(request=0, batch=1, salt=None, system=0, shared=8, own=0, seed=1),
             serving.Feed(request=0, to=8),
-            serving.Sample(request=1, parent=0),
+            serving.Fork(parent=0, child=1),
             serving.Leave(request=0, how="drop"),
             serving.Feed(request=1, to=9),
             serving.Leave(request=1, how="drop"),
@@ -78,8 +78,8 @@ def test_a_fork_after_a_rollback_into_a_full_block_shares_it_whole(pool):
             serving.Arrive(request=0, batch=1, salt=None, system=0, shared=17, own=0, seed=0),
             serving.Feed(request=0, to=17),
             serving.Feed(request=0, to=20),  # positions 16..19: a block written full
-            serving.Rollback(request=0, back=1),  # holds 3 of its rows, still published
-            serving.Sample(request=1, parent=0),  # shares it
+            serving.Truncate(request=0, back=1),  # holds 3 of its rows, still published
+            serving.Fork(parent=0, child=1),  # shares it
             serving.Feed(request=1, to=20),  # a copy written full: a twin; the probe finds it
             serving.Leave(request=0, how="drop"),
             serving.Leave(request=1, how="drop"),

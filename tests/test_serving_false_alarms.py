@@ -57,7 +57,7 @@ def _rollback_then_arrival(*, shorter_feed: bool) -> serving.ServingPlan:
             serving.Arrive(0, 1, None, 0, 4, 0, 1),
             serving.Feed(0, 4),
             serving.Feed(0, 9),
-            serving.Rollback(0, 4),
+            serving.Truncate(0, 4),
             *to_shorter,
             serving.Arrive(1, 1, None, 1, 4, 0, 2),
             serving.Feed(1, 4),

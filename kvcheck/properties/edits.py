@@ -28,6 +28,7 @@ from kvcheck import tensors as kvtensors
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
+from kvcheck.plan_events import Reorder, Truncate
 from kvcheck.properties.rejection import STATE_EDGES, check_refused, every_refusal
 from kvcheck.session import Engine
 from kvcheck.strategies import (
@@ -59,21 +60,6 @@ class Rollback:
 
 
 @dataclass(frozen=True)
-class Rewind:
-    """Forget the last ``back`` tokens, or all of them when fewer are held (edit and
-    regenerate); a window cache may refuse once it has dropped positions the next query
-    needs."""
-
-    back: int
-
-    def describe(self) -> str:
-        return f"rewind {self.back} tokens"
-
-    def target(self, held: int) -> int:
-        return max(held - self.back, 0)
-
-
-@dataclass(frozen=True)
 class RewindTo:
     """Forget every token at position >= ``position`` (none when fewer are held): back to
     the start of a long history, past what a window cache keeps."""
@@ -85,18 +71,6 @@ class RewindTo:
 
     def target(self, held: int) -> int:
         return min(self.position, held)
-
-
-@dataclass(frozen=True)
-class Reorder:
-    """Batch row b becomes the old row ``indices[b]`` (beam search). A drawn one is never
-    the identity (it would prove little); the exhaustive plans hold it too, as every index
-    tuple of the batch's rows (a cache may take a shortcut on it)."""
-
-    indices: tuple[int, ...]
-
-    def describe(self) -> str:
-        return f"reorder {list(self.indices)}"
 
 
 @dataclass(frozen=True)
@@ -130,7 +104,7 @@ class ForkHere:
         return f"fork (the parent decodes {self.parent_tokens} at the end)"
 
 
-Step = int | Rollback | Rollbacks | Rewind | RewindTo | Reorder | ForkHere
+Step = int | Rollback | Rollbacks | Truncate | RewindTo | Reorder | ForkHere
 
 
 @short_repr
@@ -183,7 +157,7 @@ def reorders(batch: int) -> st.SearchStrategy[Reorder]:
         st.just(identity[::-1]),
         st.integers(0, batch - 1).map(lambda row: (row,) * batch),
     )
-    return indices.filter(lambda drawn: drawn != identity).map(Reorder)
+    return indices.filter(lambda drawn: drawn != identity).map(lambda drawn: Reorder(0, drawn))
 
 
 EDIT_TOKENS = 128  # what an edit plan's model attends over, mostly: its attention budget
@@ -213,7 +187,7 @@ def edit_plans(draw, *, rollbacks: bool = True, reorder: bool = False) -> EditPl
             drafts,
             drafts,
             twice,
-            st.builds(Rewind, backs),
+            st.builds(Truncate, st.just(0), backs),
             st.builds(RewindTo, st.integers(0, 8)),
         ]
     if reorder:
@@ -240,7 +214,7 @@ def edit_plans(draw, *, rollbacks: bool = True, reorder: bool = False) -> EditPl
 # An exhaustive edit plan is chunks (the prompt first), one moment of edits once ``before``
 # tokens are fed, then chunks again: every split of the tokens before and after it, every
 # edit of the moment at every held length. Each truncate is a ``RewindTo`` its target: a
-# ``Rewind``, a ``Rollback`` or ``Rollbacks`` makes the same ``truncate(target)`` calls on the
+# ``Truncate``, a ``Rollback`` or ``Rollbacks`` makes the same ``truncate(target)`` calls on the
 # caches (what they add, a chunk or a second truncate, are steps of their own here), so one
 # step per target is sound. Forks are left out: without a pool they feed a fork's history
 # again as a prompt (``Engine.fork``), and with one they are the fork properties' plans. Plans
@@ -292,7 +266,7 @@ def truncate_moments(held: int, batch: int) -> Iterator[tuple[Step, ...]]:
 
 def reorder_moments(held: int, batch: int) -> Iterator[tuple[Step, ...]]:
     """A reorder by every index tuple of the batch's rows."""
-    return ((Reorder(indices),) for indices in every_indices(batch))
+    return ((Reorder(0, indices),) for indices in every_indices(batch))
 
 
 def mixed_moments(held: int, batch: int) -> Iterator[tuple[Step, ...]]:
@@ -300,10 +274,10 @@ def mixed_moments(held: int, batch: int) -> Iterator[tuple[Step, ...]]:
     to back, the truncate first, then the reorder first."""
     for target in range(held + 1):
         for indices in every_indices(batch):
-            yield RewindTo(target), Reorder(indices)
+            yield RewindTo(target), Reorder(0, indices)
     for indices in every_indices(batch):
         for target in range(held + 1):
-            yield Reorder(indices), RewindTo(target)
+            yield Reorder(0, indices), RewindTo(target)
 
 
 def every_truncate_plan(scope: kvscope.Scope) -> Iterator[EditPlan]:
@@ -353,7 +327,7 @@ PINNED_EDITS = (
         batch=1,
         dtype=torch.float64,
         prompt=1,
-        steps=(1, Rewind(MAX_SESSION)),
+        steps=(1, Truncate(0, MAX_SESSION)),
         token_seed=0,
     ),
     EditPlan(
@@ -361,7 +335,7 @@ PINNED_EDITS = (
         batch=1,
         dtype=torch.float64,
         prompt=9,
-        steps=(ForkHere(1, on_parent=True), Rewind(3), 1),
+        steps=(ForkHere(1, on_parent=True), Truncate(0, 3), 1),
         token_seed=0,
     ),
 )
@@ -375,7 +349,7 @@ PINNED_MIXED_EDITS = (
         batch=2,
         dtype=torch.float64,
         prompt=1,
-        steps=(1, 1, 1, 1, 1, 2, Rollback(1, 0), Reorder((0, 0)), 1),
+        steps=(1, 1, 1, 1, 1, 2, Rollback(1, 0), Reorder(0, (0, 0)), 1),
         token_seed=0,
     ),
     EditPlan(
@@ -383,7 +357,7 @@ PINNED_MIXED_EDITS = (
         batch=3,
         dtype=torch.float64,
         prompt=1,
-        steps=(Reorder((0, 0, 0)), Rewind(0), 1),
+        steps=(Reorder(0, (0, 0, 0)), Truncate(0, 0), 1),
         token_seed=0,
     ),
 )
@@ -395,7 +369,7 @@ PINNED_REORDERS = (
         batch=2,
         dtype=torch.float64,
         prompt=5,
-        steps=(ForkHere(1), Reorder((1, 0)), 1),
+        steps=(ForkHere(1), Reorder(0, (1, 0)), 1),
         token_seed=0,
     ),
 )
@@ -474,7 +448,7 @@ def check_edits(factory: CacheFactory, plan: EditPlan) -> None:
     )
     windows = {model.config.layer_window(layer) for layer in range(plan.config.num_layers)}
     windows.discard(None)
-    request = engine.start("the request", plan.batch)
+    request = engine.start("r0", plan.batch)
     behind = []  # (request, tokens to decode at the end): the other side of each fork
     fed = [0]
     last = ["feed"]  # the event before the one running: edits back to back
@@ -516,7 +490,7 @@ def check_edits(factory: CacheFactory, plan: EditPlan) -> None:
             feed(step.drafted, at)
             truncate(max(request.held - step.first, 0), at)
             truncate(max(request.held - step.second, 0), at)
-        elif isinstance(step, Rewind | RewindTo):
+        elif isinstance(step, Truncate | RewindTo):
             truncate(step.target(request.held), at)
         elif isinstance(step, ForkHere):
             fork = engine.fork(request, f"fork #{len(behind) + 1}", at=at)

@@ -37,6 +37,7 @@ from kvcheck import tensors as kvtensors
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS, build
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
+from kvcheck.plan_events import Fork, Reorder, Truncate
 from kvcheck.reach import Edge
 from kvcheck.session import Engine, Request
 from kvref import BlockPool, CacheContractError, CacheFactory, ModelConfig, capabilities
@@ -68,42 +69,6 @@ class Feed:
 
     def describe(self) -> str:
         return f"r{self.request} is fed {self.size} token{'s' * (self.size > 1)}"
-
-
-@dataclass(frozen=True)
-class Fork:
-    """Request ``child`` is a fork of ``parent`` (its caches' ``fork()``; where fork is not
-    offered, fresh caches fed the parent's history)."""
-
-    parent: int
-    child: int
-
-    def describe(self) -> str:
-        return f"r{self.child} = fork of r{self.parent}"
-
-
-@dataclass(frozen=True)
-class Truncate:
-    """Request ``request`` forgets its last ``back`` tokens, or all when it holds fewer
-    (where truncate is offered)."""
-
-    request: int
-    back: int
-
-    def describe(self) -> str:
-        return f"r{self.request} forgets its last {self.back} tokens"
-
-
-@dataclass(frozen=True)
-class Reorder:
-    """Request ``request``'s batch row b becomes its old row ``indices[b]`` (beam search;
-    where reorder is offered)."""
-
-    request: int
-    indices: tuple[int, ...]
-
-    def describe(self) -> str:
-        return f"r{self.request} reorders its rows as {list(self.indices)}"
 
 
 @dataclass(frozen=True)
@@ -687,7 +652,7 @@ def run_event(engine: Engine, event: Event, index: int, served: Served, plan, at
     elif isinstance(event, Truncate):
         request = live[f"r{event.request}"]
         if "truncate" in request.offered:
-            target = max(request.held - event.back, 0)
+            target = event.target(request.held)
             engine.truncate(request, target, at=at)
             reach.note("a truncate of a live request")
             if target < served.parents.get(request.name, ("", -1))[1]:

@@ -44,6 +44,7 @@ from kvcheck import tensors as kvtensors
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS, Recorder, build
 from kvcheck.kit import KitTests, Property, property_test
+from kvcheck.plan_events import Fork, Reorder, Truncate
 from kvcheck.prefix_books import PrefixBooks
 from kvcheck.properties.pool import fill
 from kvcheck.properties.requests import run_plan
@@ -111,31 +112,6 @@ class Feed:
 
 
 @dataclass(frozen=True)
-class Rollback:
-    """Request ``request`` rejects its last ``back`` decoded tokens (where truncate is
-    offered) and decodes other ones after."""
-
-    request: int
-    back: int
-
-    def describe(self) -> str:
-        return f"r{self.request} rolls its last {self.back} tokens back"
-
-
-@dataclass(frozen=True)
-class Reorder:
-    """Request ``request``'s batch rows become its old rows ``order`` (a beam search's
-    reorder, where reorder is offered): each row's declared tokens go with its rows, and the
-    blocks it publishes after are keyed by the tokens it is fed."""
-
-    request: int
-    order: tuple[int, ...]
-
-    def describe(self) -> str:
-        return f"r{self.request}'s rows are reordered by {list(self.order)}"
-
-
-@dataclass(frozen=True)
 class Swap:
     """Request ``request`` is swapped out (``out``) or back in (where offload is offered)."""
 
@@ -144,18 +120,6 @@ class Swap:
 
     def describe(self) -> str:
         return f"r{self.request} is swapped {'out' if self.out else 'in'}"
-
-
-@dataclass(frozen=True)
-class Sample:
-    """Request ``request`` is a parallel sample of ``parent`` (its caches' ``fork()``, the
-    hit blocks shared with it), decoding tokens of its own."""
-
-    request: int
-    parent: int
-
-    def describe(self) -> str:
-        return f"r{self.request} = a parallel sample of r{self.parent}"
 
 
 @dataclass(frozen=True)
@@ -180,7 +144,7 @@ class Leave:
         return f"r{self.request} leaves ({self.how})"
 
 
-Event = Arrive | Feed | Rollback | Reorder | Swap | Sample | Recompute | Leave
+Event = Arrive | Feed | Truncate | Reorder | Swap | Fork | Recompute | Leave
 
 
 @short_repr
@@ -233,12 +197,12 @@ class ServingPlan:
                 held[event.request] = [event.batch, 0, event.prompt]
             elif isinstance(event, Feed):
                 held[event.request][1] = max(held[event.request][1], event.to)
-            elif isinstance(event, Rollback):
+            elif isinstance(event, Truncate):
                 length = held[event.request][1]
                 target = length - event.back
                 if "truncate" in offered and not may_refuse_truncate(windows, length, target):
                     held[event.request][1] = target
-            elif isinstance(event, Sample):
+            elif isinstance(event, Fork):
                 held[event.request] = list(held[event.parent])
             rows = sum(
                 batch * math.ceil(max(length, prompt) / block_size)
@@ -378,14 +342,14 @@ def serving_plans(draw, *, swaps: int = 1, max_events: int = 14) -> ServingPlan:
             events.append(Recompute(request))
         elif kind == "sample":
             child, next_request = next_request, next_request + 1
-            events.append(Sample(child, request))
+            events.append(Fork(request, child))
             live[child] = histories[child] = _Live(state.prompt, state.length, state.batch)
             feed(child)
             if draw(st.booleans(), label="the parent decodes too"):
                 feed(request)  # both publish blocks after the fork, each of its own tokens
         elif kind == "rollback" and state.decoded:
             back = draw(st.integers(1, state.decoded), label="rejected")
-            events.append(Rollback(request, back))
+            events.append(Truncate(request, back))
             state.before = state.length
             state.length -= back
             state.decoded -= back
@@ -525,7 +489,7 @@ def _step(engine: Engine, event: Event, served: dict, plan: ServingPlan, at: str
         request.salt = event.salt
         _look_up(engine, request, served[event.request].tokens(0, event.prompt), at)
         return
-    if isinstance(event, Sample):
+    if isinstance(event, Fork):
         parent = served[event.parent]
         served[event.request] = parent.sample(event.request)
         engine.fork(engine.live[f"r{event.parent}"], name, at=at)
@@ -541,18 +505,18 @@ def _step(engine: Engine, event: Event, served: dict, plan: ServingPlan, at: str
             tokens.since.add("fork")  # (noted only where it has kin: a fork ran)
             if "reorder" in tokens.since:
                 tokens.since.add("fed after a reorder")
-    elif isinstance(event, Rollback):
+    elif isinstance(event, Truncate):
         if "truncate" in request.offered:
             tokens.before = request.history.cpu()
-            _truncate(engine, request, tokens, request.held - event.back, at)
+            _truncate(engine, request, tokens, event.target(request.held), at)
     elif isinstance(event, Reorder):
         if "reorder" in request.offered:
             # Rows of other tokens, held or declared (a prompt fed up to where they part).
             held = request.history.tolist()
             rows = {(tuple(h), tuple(p)) for h, p in zip(held, tokens.prompts, strict=True)}
-            engine.reorder(request, torch.tensor(event.order), at=at)
-            tokens.prompts = [tokens.prompts[row] for row in event.order]
-            if len(rows) > 1 and list(event.order) != [0, 1]:
+            engine.reorder(request, torch.tensor(event.indices), at=at)
+            tokens.prompts = [tokens.prompts[row] for row in event.indices]
+            if len(rows) > 1 and list(event.indices) != [0, 1]:
                 tokens.since.add("reorder")
     elif isinstance(event, Swap):
         if "offload" in request.offered:
@@ -874,7 +838,7 @@ PINNED = (
             Feed(0, 26),
             Feed(0, 30),
             Feed(0, 34),
-            Rollback(0, 4),
+            Truncate(0, 4),
             Feed(0, 33),
             Arrive(1, 1, None, 0, 34, 2, 2, continues=0, before_rollback=True),
             Feed(1, 36),
@@ -953,7 +917,7 @@ PINNED = (
         (
             Arrive(0, 1, None, 0, 18, 0, FORK_SEED),
             Feed(0, 18),
-            Sample(1, 0),
+            Fork(0, 1),
             Feed(1, 19),
             Feed(0, 20),
             Feed(1, 21),

@@ -1,0 +1,62 @@
+"""The events of a plan of requests: one vocabulary for the areas whose plans interleave
+requests on one factory (``requests`` and ``fork``, serving pools) and for the edits of one
+request (``r0``: truncate, reorder and their mixes), drawn, shrunk and printed as the plan;
+each area's runner turns them into session events (``kvcheck.session.events``), which act on
+the caches and the oracle's books.
+
+A request is named by its number (``r0``, ``r1``, ...), never by an object, so that a plan
+is a value Hypothesis shrinks and a failure prints a constructor (``drawn=``). The events
+each area has alone stay in it: a request's start or arrival (what it is built from), a feed
+(by a count of new tokens, or serving's up to a length, which a prefix hit may already hold),
+a swap, a recompute, a finish; the edits' drafts kept in part, rewinds to a position and
+forks that go on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Truncate:
+    """Request ``request`` forgets its last ``back`` tokens, or all when it holds fewer (a
+    draft rejected, an answer regenerated; where truncate is offered)."""
+
+    request: int
+    back: int
+
+    def describe(self) -> str:
+        return f"r{self.request} forgets its last {self.back} tokens"
+
+    def target(self, held: int) -> int:
+        """The tokens left of ``held``."""
+        return max(held - self.back, 0)
+
+
+@dataclass(frozen=True)
+class Reorder:
+    """Request ``request``'s batch row b becomes its old row ``indices[b]`` (beam search;
+    where reorder is offered)."""
+
+    request: int
+    indices: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"r{self.request} reorders its rows as {list(self.indices)}"
+
+
+@dataclass(frozen=True)
+class Fork:
+    """Request ``child`` is a fork of ``parent``: a parallel sample, a prompt shared (its
+    caches' ``fork()``; where fork is not offered, fresh caches fed the parent's history)."""
+
+    parent: int
+    child: int
+
+    @property
+    def request(self) -> int:
+        """The request the event makes: its child."""
+        return self.child
+
+    def describe(self) -> str:
+        return f"r{self.child} = fork of r{self.parent}"
