@@ -25,6 +25,7 @@ many as the caches were built for).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -323,29 +324,45 @@ def pairs_of(walk: tuple[Step, ...]) -> Iterator[str]:
 # --- every walk, for the bounded-exhaustive mode -------------------------------------------
 
 
+# The kinds that feed tokens: a walk of these alone is a split of its tokens into chunks.
+FEEDS = ("prefill", "decode", "chunk")
+
+
+@functools.cache
 def every_walk(
-    offered: set[str] | frozenset[str], tokens: int, batch: int
-) -> list[tuple[Step, ...]]:
+    offered: frozenset[str], tokens: int, batch: int, kinds: tuple[str, ...] | None = None
+) -> tuple[tuple[Step, ...], ...]:
     """Every walk from empty caches built for ``tokens`` tokens, of the kinds a cache
-    offering ``offered`` runs, each event with every parameter it takes (every length it can
-    leave, every span a shift discards, every order of ``batch`` rows), whose weights
+    offering ``offered`` runs (of those, ``kinds`` alone where given), each event with
+    every parameter it takes (every length it can leave, every span a shift discards, every
+    order of ``batch`` rows), whose weights
     (``Step.weight``) add up to at most ``tokens``; fewest first, in vocabulary order.
 
     Their count: of the kinds every cache runs (prefill, decode, chunk, reset), P(tokens + 1)
     - 1, P the Pell numbers (0, 1, 2, 5, 12, 29, ...): a walk is sessions of 2^(w - 1)
     splits of w tokens each, between resets (tests/test_exhaustive_interactions.py)."""
-    kinds = kinds_offered(offered)
+    moves = [kind for kind in kinds_offered(offered) if kinds is None or kind.name in kinds]
     walks: list[tuple[Step, ...]] = []
 
     def extend(walk: tuple[Step, ...], held: int, left: int) -> None:
         if walk:
             walks.append(walk)
-        for step in _every_move(held, kinds, tokens, batch):
+        for step in _every_move(held, moves, tokens, batch):
             if (cost := step.weight(held)) <= left:
                 extend((*walk, step), step.length, left - cost)
 
     extend((), 0, tokens)
-    return sorted(walks, key=walk_weight)  # stable: vocabulary order within a weight
+    return tuple(sorted(walks, key=walk_weight))  # stable: vocabulary order within a weight
+
+
+def tokens_fed(walk: tuple[Step, ...]) -> tuple[int, ...]:
+    """The tokens each feed of ``walk`` brings, in order."""
+    held, fed = 0, []
+    for step in walk:
+        if step.kind in FEEDS:
+            fed.append(step.length - held)
+        held = step.length
+    return tuple(fed)
 
 
 def walk_weight(walk: tuple[Step, ...]) -> int:

@@ -9,7 +9,9 @@ What "proved" means and does not mean is in docs/exhaustive.md.
 
 The helpers count what they yield in closed form (tests/test_exhaustive.py holds them to it):
 
-- ``compositions(n)``: every split of ``n`` tokens into a prefill and decode chunks, 2^(n-1);
+- ``compositions(n)``: every split of ``n`` tokens into a prefill and decode chunks, 2^(n-1):
+  the walks of the grammar's feeds (``kvcheck.interplay.every_walk``), which every
+  enumeration that feeds tokens splits them by;
 - ``splits(most)``: every composition of 1 to ``most`` tokens, 2^most - 1;
 - ``orders(counts)``: every interleaving of requests' steps, the multinomial coefficient;
 - ``first_use_order(labels)``: the symmetry collapse of labels (requests, sequences) that a
@@ -19,7 +21,6 @@ The helpers count what they yield in closed form (tests/test_exhaustive.py holds
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -144,14 +145,17 @@ def nearest(value: int, supported: tuple[int, ...] | None) -> int:
     return min(above) if above else max(supported)
 
 
-def compositions(n: int) -> Iterator[tuple[int, ...]]:
+def compositions(n: int) -> tuple[tuple[int, ...], ...]:
     """Every way to feed ``n`` tokens in order as chunks (a prefill, then decode chunks):
-    2^(n-1) of them, one per subset of the n-1 places between tokens where a chunk ends;
-    fewest chunks first."""
-    for cuts in range(n):
-        for ends in itertools.combinations(range(1, n), cuts):
-            bounds = (0, *ends, n)
-            yield tuple(b - a for a, b in itertools.pairwise(bounds))
+    the walks of the grammar's feeds (``kvcheck.interplay.FEEDS``: a prefill of any length,
+    then decodes and chunks) of exactly ``n`` tokens, the tokens each brings, fewest chunks
+    first. 2^(n-1) of them, one per subset of the n-1 places between tokens where a chunk
+    ends."""
+    from kvcheck import interplay  # the grammar: above this module's plain helpers
+
+    walks = interplay.every_walk(frozenset(), n, 1, kinds=interplay.FEEDS)
+    fed = [interplay.tokens_fed(walk) for walk in walks]
+    return tuple(sorted((chunks for chunks in fed if sum(chunks) == n), key=len))
 
 
 def splits(most: int, least: int = 1) -> Iterator[tuple[int, ...]]:

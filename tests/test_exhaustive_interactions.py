@@ -29,7 +29,7 @@ def pell(n: int) -> int:
 @pytest.mark.parametrize("batch", [1, 2])
 def test_walks_of_the_events_every_cache_runs_are_pell_numbers(tokens, batch):
     # Sessions of w tokens split 2^(w - 1) ways, between resets of one token each.
-    assert len(interplay.every_walk(set(), tokens, batch)) == pell(tokens + 1) - 1
+    assert len(interplay.every_walk(frozenset(), tokens, batch)) == pell(tokens + 1) - 1
 
 
 def count_by_recurrence(tokens: int, batch: int) -> int:
