@@ -86,7 +86,7 @@ class Kind:
         elif self.name in ("truncate", "shift"):  # a shift discards held - length tokens
             return sorted({0, held - 1, (held - 1) // page * page})
         elif self.name not in ("decode",):
-            return [held]  # a reorder, a fork, an offload and restore: no length changes
+            return [held]  # a reorder, a fork, an offload and restore, a move: no length changes
         return sorted({n for n in up if n <= most})
 
     def every_length(self, held: int, most: int) -> range | list[int]:
@@ -171,6 +171,13 @@ KINDS = (
         ("warm", "page edge", "full"),
         (SAME,),
         why_not="empty caches have no block to offload",
+    ),
+    Kind(
+        "move",  # every layer's rows exported into fresh caches, where the request goes on
+        "move",
+        ("warm", "page edge", "full"),
+        (SAME,),
+        why_not="empty caches have no rows to move",
     ),
 )
 BY_NAME = {kind.name: kind for kind in KINDS}
@@ -397,7 +404,17 @@ def noted(event, engine, result) -> None:
     request, noted (``kvcheck.reach``); an event of no kind here ends the request's run of
     pairs, so that none is named across it."""
     from kvcheck import reach
-    from kvcheck.session.events import feed, fork, offload, reorder, reset, shift, tree, truncate
+    from kvcheck.session.events import (
+        feed,
+        fork,
+        move,
+        offload,
+        reorder,
+        reset,
+        shift,
+        tree,
+        truncate,
+    )
 
     request, kind = getattr(event, "request", None), None
     if isinstance(event, feed.Feed):
@@ -423,6 +440,8 @@ def noted(event, engine, result) -> None:
         return  # its pair is the restore's
     elif isinstance(event, offload.Restore):
         kind = "offload and restore"
+    elif isinstance(event, move.Move):
+        kind = "move"
     if request is not None:
         _note(reach, request, kind, engine)
 

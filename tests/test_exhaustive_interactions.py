@@ -49,7 +49,8 @@ def count_by_recurrence(tokens: int, batch: int) -> int:
             ways += [(n + 1, n, 1) for n in range(held)]  # shift: a span at each of n + 1 starts
             if held + 3 <= tokens:
                 ways += [(1, held + 1, 3), (1, held + 2, 3)]  # a tree, one or two committed
-            ways += [(batch**batch, held, 1), (1, held, 1), (1, held, 1)]  # reorder, fork, offload
+            ways += [(batch**batch, held, 1)]  # a reorder: every order of the rows
+            ways += [(1, held, 1)] * 3  # a fork, an offload and restore, a move
         return 1 + sum(count * walks(n, left - cost) for count, n, cost in ways if cost <= left)
 
     return walks(0, tokens) - 1

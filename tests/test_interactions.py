@@ -12,6 +12,7 @@ import torch
 
 from kvcheck import interplay, reach
 from kvcheck import tensors as kvtensors
+from kvcheck.kit import offered
 from kvcheck.properties.interactions import CALLED, run_walk
 from kvcheck.session import Engine
 from kvimpl import ConcatCache
@@ -63,8 +64,10 @@ def test_a_cache_with_no_capability_offers_the_pairs_of_feeds_and_resets():
     # 130 before shift joined: 17 pairs begin with it (empty: a prefill; warm and page edge:
     # every kind but a prefill) and 20 end with it (every pair before it that leaves tokens).
     # Then a tree: 18 begin with it (warm and page edge: every kind but a prefill) and 16 end
-    # with it (every pair before it that leaves warm or page edge caches).
-    assert len(interplay.offered_pairs(set(CAPABILITIES))) == 201
+    # with it (every pair before it that leaves warm or page edge caches). Then a move: 27
+    # begin with it (warm, page edge, full: every kind that runs there) and 27 end with it,
+    # 3 of them both.
+    assert len(interplay.offered_pairs(set(CAPABILITIES))) == 252
     assert "truncate → [page edge] → decode" in interplay.offered_pairs({"truncate"})
     assert not any("truncate" in pair for pair in interplay.offered_pairs(set()))
 
@@ -197,5 +200,5 @@ def test_the_verdict_counts_the_pairs_that_ran(pytester):
     )
     result = run_in_process(pytester, "test_mine.py")
     assert result.returncode == 0, result.stdout
-    pairs = len(interplay.offered_pairs({"truncate", "reorder"}))
+    pairs = len(interplay.offered_pairs(offered(ConcatCache) & CALLED))
     assert f"interactions {pairs} of {pairs} pairs of events ran" in result.stdout, result.stdout

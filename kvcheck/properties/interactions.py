@@ -172,12 +172,25 @@ def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str) 
         elif step.kind == "offload and restore":
             engine.offload(request)
             engine.restore(request)
+        elif step.kind == "move":
+            tokens = settle(engine, forks, tokens)  # a move takes a request alone (11.2)
+            engine.move(request, factory, path=path)
         engine.check(f"step #{index}, {step.describe()}")
-    for fork in forks:  # each fork holds its own history still, whatever its parent did
-        if 0 < fork.held < most:
-            tokens += 1
-            engine.feed(fork, kvtensors.random_tokens(model.config, batch, 1, tokens), at=" (fork)")
+    settle(engine, forks, tokens)
     engine.finish()
+
+
+def settle(engine: Engine, forks: list[Request], tokens: int) -> int:
+    """Each fork fed a token where it has room (it holds its own history still, whatever
+    its parent did since), then dropped; the seed of the next tokens."""
+    for fork in forks:
+        if 0 < fork.held < engine.max_length:
+            tokens += 1
+            new = kvtensors.random_tokens(engine.model.config, fork.batch, 1, tokens)
+            engine.feed(fork, new, at=" (fork)")
+        engine.drop(fork)
+    forks.clear()
+    return tokens
 
 
 def draft_and_commit(engine: Engine, request: Request, new: torch.Tensor, depth: int) -> None:
@@ -206,7 +219,7 @@ INTERACTIONS = Property(
     paths=True,
     since="1.8",
     holds="Walks that run every offered pair `A → [s] → B` of prefill, decode, chunk, reset "
-    "and the capabilities truncate, shift, tree drafts, reorder, fork and offload (each pair "
+    "and the capabilities truncate, shift, tree drafts, reorder, fork, offload and move (each pair "
     "at least once, state `s` one of empty, warm, page edge, full), on two layers and a "
     "batch of two; the "
     "engine judges every event; docs/interactions.md lists the pairs and those the contract "
