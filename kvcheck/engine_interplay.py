@@ -24,8 +24,10 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvcheck import engine_events as e
 from kvcheck import reach
 from kvcheck.interplay import PREFIX, pair_name
+from kvref.engine import ENGINE_OPERATIONS
 
 # Every pair acts on the last sequence (an id loop off by one misses it), and the first
 # holds tokens beside it in each batch (an engine batches sequences: a call on one must
@@ -73,8 +75,6 @@ def state_of(positions: list[int], shared: bool) -> str:
 def kind_of(event, positions: list[list[int]]) -> list[tuple[int, str]]:
     """The sequences ``event`` acts on, each with the kind of call it is there, read from
     the ``positions`` each sequence holds just before it."""
-    from kvcheck import engines as e
-
     if isinstance(event, e.Decode):
         return [(f.sequence, "decode" if f.count == 1 else "chunk") for f in event.feeds]
     if isinstance(event, e.Remove):
@@ -96,8 +96,6 @@ class PairNotes:
         self.acted: list[tuple[int, str]] = []  # the call's sequences, until ``after``
 
     def before(self, event, positions: list[list[int]]) -> None:
-        from kvcheck import engines as e
-
         self.acted = kind_of(event, positions)
         for sequence, kind in self.acted:
             if (last := self.last[sequence]) is not None:
@@ -119,8 +117,6 @@ class PairNotes:
 
 def _apply(mirror, event) -> None:
     """``mirror`` after ``event``, a decode's tokens too (``run_plan`` adds those itself)."""
-    from kvcheck import engines as e
-
     if isinstance(event, e.Decode):
         for feed in event.feeds:
             mirror.held[feed.sequence].positions.extend(range(feed.first, feed.first + feed.count))
@@ -134,8 +130,6 @@ def _apply(mirror, event) -> None:
 def _call(kind: str, its: int, positions: list[list[int]], room: int) -> list | None:
     """The call of ``kind`` on sequence ``its`` (a list of events: one), or None where it
     cannot run on what the sequences hold."""
-    from kvcheck import engines as e
-
     held = positions[its]
     n = len(held)
     after = held[-1] + 1 if held else 0
@@ -190,8 +184,6 @@ def ruled_out(offered: frozenset[str], sequences: int, max_tokens: int) -> list[
 
 
 def _pairs(offered, sequences: int, max_tokens: int):
-    from kvcheck import engines as e
-
     kinds = [kind for kind in KINDS if kind.needs is None or kind.needs in offered]
     its = sequences - 1
     setup = [e.Feed(its, 0, FIRST_CHUNK)]
@@ -239,8 +231,6 @@ def offered_pairs(offered: frozenset[str], sequences: int, max_tokens: int) -> l
 
 def run_every_pair(run: Callable[[tuple], None], plans: list[PairPlan]) -> None:
     """``run`` each plan's events; a failure names the pair and its plan, in words."""
-    from kvcheck import engines as e
-
     for plan in plans:
         try:
             run(plan.events)
@@ -253,9 +243,7 @@ def run_every_pair(run: Callable[[tuple], None], plans: list[PairPlan]) -> None:
 def table() -> str:
     """The engines' section of docs/interactions.md: their vocabulary and the pairs an engine
     offering every call runs (three sequences of 24 tokens, the kit's default)."""
-    from kvcheck import engines as e
-
-    every = frozenset({*e.ENGINE_OPERATIONS, *(f"remove {span}" for span in e.REMOVALS)})
+    every = frozenset({*ENGINE_OPERATIONS, *(f"remove {span}" for span in e.REMOVALS)})
     offered = offered_pairs(every, 3, 24)
     plain = offered_pairs(frozenset(), 3, 24)
     lines = [

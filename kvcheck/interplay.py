@@ -14,7 +14,7 @@ event ``B`` on it.
 - ``covering_walks(offered, ...)`` builds walks that run every offered pair at least once
   by construction: the ``interactions`` property runs them on every cache
   (``kvcheck.properties.interactions``).
-- The session engine says which pair each event it runs completes (``note_event``), for
+- The session engine says which pair each event it runs completes (``kvcheck.session.pairs``), for
   every property's plans alike: the verdict reports per cache which offered pairs ran in a
   passing test (``interactions: M of N pairs ran``) and ``--kv-require-reach`` holds them.
 
@@ -30,6 +30,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from kvcheck import strategies as kvst
 from kvref.reprs import short_repr
 
 STATES = ("empty", "warm", "page edge", "full")
@@ -40,8 +41,6 @@ PREFIX = "pair: "
 def page_of(declared: int | None) -> int:
     """The page the states are counted in: the one a cache declares, 16 rows otherwise, and
     two for pages of one row (where every length would be an edge)."""
-    from kvcheck import strategies as kvst
-
     return max(2, declared or kvst.EDGE)
 
 
@@ -394,69 +393,6 @@ def _every_move(held: int, kinds: list[Kind], most: int, batch: int) -> Iterator
                     yield Step(kind.name, length, after, order=order)
             else:
                 yield Step(kind.name, length, after)
-
-
-# --- the pairs the session engine ran ------------------------------------------------------
-
-
-def noted(event, engine, result) -> None:
-    """After the engine ran ``event`` (with ``result``): the pair it completes on its
-    request, noted (``kvcheck.reach``); an event of no kind here ends the request's run of
-    pairs, so that none is named across it."""
-    from kvcheck import reach
-    from kvcheck.session.events import (
-        feed,
-        fork,
-        move,
-        offload,
-        reorder,
-        reset,
-        shift,
-        tree,
-        truncate,
-    )
-
-    request, kind = getattr(event, "request", None), None
-    if isinstance(event, feed.Feed):
-        count = event.end - event.start
-        kind = "prefill" if event.start == 0 else "decode" if count == 1 else "chunk"
-    elif isinstance(event, truncate.Truncate) and result is not False:  # False: refused
-        kind = "truncate"
-    elif isinstance(event, shift.Shift) and result is not False:
-        kind = "shift"
-    elif isinstance(event, tree.DraftTree):
-        return  # its pair is the commit's
-    elif isinstance(event, tree.CommitTree):
-        kind = TREE
-    elif isinstance(event, reorder.Reorder):
-        kind = "reorder"
-    elif isinstance(event, reset.Reset):
-        kind = "reset"
-    elif isinstance(event, fork.Fork):
-        request, kind = event.parent, "fork"
-        if result is not None:  # the fork's own next event meets the fork too
-            _note(reach, result, kind, engine)
-    elif isinstance(event, offload.Offload):
-        return  # its pair is the restore's
-    elif isinstance(event, offload.Restore):
-        kind = "offload and restore"
-    elif isinstance(event, move.Move):
-        kind = "move"
-    if request is not None:
-        _note(reach, request, kind, engine)
-
-
-def _note(reach, request, kind: str | None, engine) -> None:
-    from kvcheck import sizes
-
-    if kind is None or request.rows is not None:  # rows of their own: another vocabulary
-        request.last_event = None
-        return
-    page = page_of(sizes.current().page)
-    state = state_of(request.held, engine.max_length, page)
-    if (last := getattr(request, "last_event", None)) is not None:
-        reach.note(PREFIX + pair_name(last[0], last[1], kind))
-    request.last_event = (kind, state)
 
 
 def table() -> str:

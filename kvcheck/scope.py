@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcheck import interplay
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvref import ModelConfig
@@ -151,8 +152,6 @@ def compositions(n: int) -> tuple[tuple[int, ...], ...]:
     then decodes and chunks) of exactly ``n`` tokens, the tokens each brings, fewest chunks
     first. 2^(n-1) of them, one per subset of the n-1 places between tokens where a chunk
     ends."""
-    from kvcheck import interplay  # the grammar: above this module's plain helpers
-
     walks = interplay.every_walk(frozenset(), n, 1, kinds=interplay.FEEDS)
     fed = [interplay.tokens_fed(walk) for walk in walks]
     return tuple(sorted((chunks for chunks in fed if sum(chunks) == n), key=len))

@@ -4,7 +4,8 @@ Layout: ``request`` (a history on a set of caches: the books), ``engine`` (the r
 dispatch of events, what holds after every event), ``events`` (one unit per event or family:
 its calls on the caches, its update of the books, its checks), ``checks`` (the checks several
 events share), ``shifted`` (the oracle after a context shift), ``compare`` (logits against
-the oracle's, and the diagnosis of a difference), ``heap`` (collections kept to a session).
+the oracle's, and the diagnosis of a difference), ``pairs`` (the pair of events each event
+completes, noted for the verdict), ``heap`` (collections kept to a session).
 """
 
 from kvcheck.session.compare import (

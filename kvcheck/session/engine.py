@@ -31,10 +31,11 @@ from torch import Tensor
 
 from kvcheck import asserts as kvassert
 from kvcheck import devices as kvdevices
-from kvcheck import failures, interplay, pool_books
+from kvcheck import failures, pool_books
 from kvcheck import tensors as kvtensors
 from kvcheck.harness import assert_views_kept, builder, record
 from kvcheck.prefix_books import PrefixBooks
+from kvcheck.session import pairs
 from kvcheck.session.checks import check_lengths
 from kvcheck.session.events.base import Event
 from kvcheck.session.events.feed import Feed
@@ -139,9 +140,9 @@ class Engine:
 
     def apply(self, event: Event) -> Any:
         """Run ``event`` on this engine's caches and books (``Event.run``), and note the
-        pair of events it completes on its request (``kvcheck.interplay``)."""
+        pair of events it completes on its request (``kvcheck.session.pairs``)."""
         result = event.run(self)
-        interplay.noted(event, self, result)
+        pairs.noted(event, self, result)
         return result
 
     # Each event by its name, as the plans call them; the event's unit says what it does.
