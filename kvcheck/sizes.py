@@ -577,15 +577,18 @@ def _supported(draw, supported: tuple[int, ...], aimed: tuple[int, ...], room, l
 
 
 @st.composite
-def head_dims(draw, small=(2, 4, 6, 8), *, room: int | None = None) -> int:
-    """A head width: mostly one of ``small``; with a coin, a real one (a declared one
-    first). None wider than ``room`` (but always the narrowest small one). Where the cache
-    declares the widths it supports, one of those."""
+def head_dims(
+    draw, small=(2, 4, 6, 8), *, room: int | None = None, wide_one_in: int | None = None
+) -> int:
+    """A head width: mostly one of ``small``; with a coin (one in ``wide_one_in``, else the
+    profile's share), a real one (a declared one first). None wider than ``room`` (but
+    always the narrowest small one). Where the cache declares the widths it supports, one of
+    those."""
     if (supported := domain().head_dims) is not None:
         return _supported(draw, supported, current().head_dims, room, "head_dim")
     declared = tuple(_within(room, current().head_dims))
     wide = tuple(_within(room, LARGE_HEAD_DIMS))
-    if (wide or declared) and large(draw, "head_dim"):
+    if (wide or declared) and large(draw, "head_dim", wide_one_in):
         return draw(declared_first(declared, wide or declared), label="head_dim")
     return draw(st.sampled_from(_within(room, small) or small[:1]), label="head_dim")
 

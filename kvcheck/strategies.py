@@ -431,12 +431,14 @@ def cache_specs(
     min_length: int = 1,
     judged: tuple[torch.dtype, ...] = WITH_HALF,
     latent: bool = True,
+    wide_one_in: int | None = None,
 ) -> CacheSpec:
     """A spec for cache-level properties (no model, so they can go long cheaply): mostly
     small; a share up to ``kvsizes.LONG`` rows, at and around page boundaries, and a share
     wide, within ``kvsizes.ROWS_BUDGET`` numbers per key tensor; for a cache that declares
     latent layers, half of them a latent layer's (values of their own width), unless not
-    ``latent`` (``attend``, whose output is shaped like the query, has no latent form yet)."""
+    ``latent`` (``attend``, whose output is shaped like the query, has no latent form yet).
+    Heads go wide one time in ``wide_one_in`` (else the profile's share)."""
     low = max(1, min_length)
     largest = kvsizes.domain().max_length
     limit = kvsizes.longest(kvsizes.LONG)
@@ -448,7 +450,7 @@ def cache_specs(
     else:
         max_length = draw(st.integers(low, max(low, 3 * EDGE)), label="max_length")
     room = max(1, kvsizes.ROWS_BUDGET // max_length)  # for batch x kv heads x head_dim
-    head_dim = draw(kvsizes.head_dims(room=room), label="head_dim")
+    head_dim = draw(kvsizes.head_dims(room=room, wide_one_in=wide_one_in), label="head_dim")
     kv_heads = draw(kvsizes.kv_head_counts(room=room // head_dim), label="kv_heads")
     value_dim = None
     if latent and latent_drawable() and draw(st.booleans(), label="latent"):
@@ -577,10 +579,13 @@ class CachePlan:
 
 
 @st.composite
-def cache_plans(draw, room: int = 1, min_chunks: int = 0, max_new: int = 3) -> CachePlan:
+def cache_plans(
+    draw, room: int = 1, min_chunks: int = 0, max_new: int = 3, wide_one_in: int | None = None
+) -> CachePlan:
     """A spec and appends that leave room for ``room`` more rows within its max_length, and
-    the size of the next append, 1 to ``max_new``."""
-    spec = draw(cache_specs(min_length=room + min_chunks), label="spec")
+    the size of the next append, 1 to ``max_new``; heads wide one time in ``wide_one_in``
+    (else the profile's share)."""
+    spec = draw(cache_specs(min_length=room + min_chunks, wide_one_in=wide_one_in), label="spec")
     chunks = draw(chunk_plans(spec.max_length - room, min_chunks=min_chunks), label="warm-up")
     new_tokens = draw(st.integers(1, max_new), label="new tokens")
     # Random first, so that a plan shrinks to noise unless the kind of rows matters.

@@ -98,7 +98,9 @@ MEMORY = Property(
     "memory",
     "nbytes is never below 2 x B x H_kv x L x D x itemsize",
     check_nbytes,
-    kvst.cache_plans(room=0, min_chunks=1),
+    # Half the specs with real heads: under codes, a saving shows only where codes are
+    # narrower than the rows they stand for (on heads of 2, the scales outweigh the codes).
+    kvst.cache_plans(room=0, min_chunks=1, wide_one_in=2),
     failures.WRONG_RESULTS,
     reaches=tuple(reach.Edge(name) for name in SPEC_EDGES),
     every_plan=every_memory_plan,
