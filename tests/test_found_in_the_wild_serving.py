@@ -6,6 +6,9 @@ Skipped where SGLang's source is absent (``pip install --no-deps sglang==0.5.23`
 details in docs/found-in-the-wild.md.
 """
 
+from importlib.metadata import distributions
+from pathlib import Path
+
 import pytest
 
 from kvimpl import sglang_radix
@@ -86,3 +89,25 @@ def test_sglang_points_a_request_at_the_trees_twin_of_its_rows():
 
 def test_the_twin_plan_passes_when_the_request_keeps_its_own_copy():
     serving.check_serving(SGLangRadixPool(adopt_twins=False), _twin_plan())
+
+
+def _sglang_version() -> str | None:
+    """The version of the SGLang the adapter loads, from the dist-info beside its files."""
+    found = [d.version for d in distributions(name="sglang", path=[sglang_radix.sglang_root()])]
+    return found[0] if found else None
+
+
+@pytest.mark.skipif(
+    _sglang_version() != sglang_radix.SGLANG_VERSION,
+    reason="the mutants are of SGLang 0.5.23 (its dist-info not found beside its files, or "
+    "another version)",
+)
+def test_yardstick_mutants_apply_to_the_installed_sglang(monkeypatch):
+    """Every SGLang mutant of the yardstick (tools/yardstick_sglang.py, docs/yardstick.md)
+    finds its original line, once, where it says in the SGLang files the adapter loads, and
+    compiles."""
+    monkeypatch.setenv("KVCHECK_SGLANG_PATH", sglang_radix.sglang_root())
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "tools"))
+    from mutation_yardstick import check_installed
+
+    assert len(check_installed("sglang").mutants) >= 20

@@ -27,6 +27,11 @@ own.
         --engine-source /path/to/transformers/.git --engine-commit c7e57f79... --deps DIR
     python tools/mutation_yardstick.py vllm --python /tmp/vllm/bin/python \\
         --engine-source /path/to/unpacked/vllm-0.32.0
+    KVCHECK_SGLANG_PATH=DIR python tools/mutation_yardstick.py sglang
+
+An engine whose adapter finds it through an environment variable (``Engine.path_env``, e.g.
+SGLang's files under ``pip install --no-deps --target DIR``) is read from the folder that
+variable names, and the test processes get the overlay's folder through it.
 
 ``--only M01,M07`` runs some mutants (the engine's section then holds those alone);
 ``--check`` only checks that every mutant applies to the installed files (what the
@@ -57,7 +62,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "yardstick.md"
-ENGINES = ("transformers", "vllm", "mlx_lm")  # each a module yardstick_<name>.py beside this
+# each a module yardstick_<name>.py beside this
+ENGINES = ("transformers", "vllm", "mlx_lm", "sglang")
 BACKUP_SUFFIX = ".yardstick-orig"
 KIT_TIMEOUT = 900
 ENGINE_TIMEOUT = 900
@@ -100,6 +106,11 @@ class Engine:
     engine_note: Callable[[dict[str, int], float, str], str]
     notes: tuple[str, ...]  # the section's closing notes
     engine_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    # An environment variable naming the folder that holds the package, where the adapter
+    # looks for it instead of importing it (SGLang's: its package would import its server)
+    path_env: str = ""
+    # With no engine_tests: why none run (each row's cell for the engine's tests)
+    no_tests: str = ""
 
 
 def tally(counts: dict[str, int], seconds: float) -> str:
@@ -403,6 +414,10 @@ def engine_tests(engine: Engine, source: Path | None, commit: str | None, work: 
     directory at ``commit``) into ``work/engine-tests`` once, under a pytest.ini of their own
     (so that neither this repository's settings nor the engine's root conftest apply)."""
     directory = work / "engine-tests"
+    if not engine.engine_tests:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "SOURCE").write_text("\n")
+        return directory
     if all((directory / path).exists() for path in engine.engine_tests):
         return directory
     if source is None:
@@ -562,8 +577,19 @@ def check_installed(name: str) -> Engine:
     """``--check`` in this process: every mutant of the engine applies to the files of the
     package this interpreter imports (the repository's tests call it)."""
     engine = load(name)
-    check_all(engine, Path(importlib.import_module(engine.package).__file__).parent)
+    where = path_env_package(engine)
+    check_all(engine, where or Path(importlib.import_module(engine.package).__file__).parent)
     return engine
+
+
+def path_env_package(engine: Engine) -> Path | None:
+    """The package in the folder ``engine.path_env`` names, for an engine found that way."""
+    if not engine.path_env:
+        return None
+    folder = os.environ.get(engine.path_env)
+    if not folder:
+        raise SystemExit(f"{engine.path_env} is not set: the folder holding {engine.package}/")
+    return (Path(folder) / engine.package).resolve()
 
 
 def installed_package(python: str, package: str) -> Path:
@@ -572,7 +598,14 @@ def installed_package(python: str, package: str) -> Path:
     return Path(out.stdout.strip()).resolve()
 
 
-def installed_version(python: str, package: str, env: dict[str, str]) -> str:
+def installed_version(python: str, package: str, env: dict[str, str], folder=None) -> str:
+    if folder is not None:  # found through path_env: its dist-info beside it, not an import
+        from importlib.metadata import distributions
+
+        found = [d.version for d in distributions(name=package, path=[str(folder)])]
+        code = "import torch; print(torch.__version__)"
+        out = subprocess.run([python, "-c", code], check=True, capture_output=True, text=True)
+        return f"{found[0] if found else 'unknown'}, torch {out.stdout.strip()}"
     code = f"import {package}, torch; print({package}.__version__, torch.__version__)"
     out = subprocess.run([python, "-c", code], env=env, check=True, capture_output=True, text=True)
     version, torch_version = out.stdout.split()
@@ -611,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         saved = json.loads((work / "results.json").read_text())
         write_page(args.page, args.engine, section(engine, saved["results"], saved["meta"]))
         return 0
-    package = installed_package(args.python, engine.package)
+    package = path_env_package(engine) or installed_package(args.python, engine.package)
     if args.check:
         check_all(engine, package)
         print(f"all {len(engine.mutants)} mutants apply to {package}")
@@ -623,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
     env.pop("PYTHONPATH", None)
     pythonpath = target.pythonpath + ([str(args.deps)] if args.deps else [])
     env |= {"PYTHONPATH": os.pathsep.join(pythonpath), "PYTHONDONTWRITEBYTECODE": "1"}
+    if engine.path_env:
+        env[engine.path_env] = str(target.base.parent)
     engine_dir = engine_tests(engine, args.engine_source, args.engine_commit, work)
 
     started = time.perf_counter()
@@ -631,7 +666,8 @@ def main(argv: list[str] | None = None) -> int:
         target.prepare()
         try:
             check_all(engine, target.base)
-            version = installed_version(args.python, engine.package, env)
+            folder = package.parent if engine.path_env else None
+            version = installed_version(args.python, engine.package, env, folder)
             kit_env = env | {"CI": "true"}  # the kit's ci profile
             adapters = sorted({a for m in chosen for a in m.adapters})
             kit = {a: Suite(args.python, engine.kit_suites[a], ROOT, kit_env) for a in adapters}
@@ -639,12 +675,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pristine runs: the kit on {', '.join(adapters)}; the engine's tests")
             for suite in kit.values():
                 suite.baseline(KIT_TIMEOUT)
-            tests.baseline(ENGINE_TIMEOUT)
+            if engine.engine_tests:
+                tests.baseline(ENGINE_TIMEOUT)
             for serial, mutant in enumerate(chosen):
                 source = target.pristine(mutant.file).read_text()
                 target.write(mutant.file, mutated(source, mutant), serial)
                 try:
-                    engine_run = tests.run(ENGINE_TIMEOUT)
+                    engine_run = (
+                        tests.run(ENGINE_TIMEOUT)
+                        if engine.engine_tests
+                        else Run("not run", 0.0, engine.no_tests)
+                    )
                     kit_result = kit_run(kit, mutant)
                 finally:
                     target.restore()
@@ -666,7 +707,8 @@ def main(argv: list[str] | None = None) -> int:
             target.finish()
 
     meta = {
-        "command": f"python tools/mutation_yardstick.py {' '.join(argv or sys.argv[1:])}",
+        "command": (f"{engine.path_env}=DIR " if engine.path_env else "")
+        + f"python tools/mutation_yardstick.py {' '.join(argv or sys.argv[1:])}",
         "date": time.strftime("%Y-%m-%d"),
         "version": version,
         "machine": f"CPU only, {os.cpu_count()} cores shared with other work",
