@@ -180,10 +180,10 @@ def run_block(
     The first plan that fails (raises anything) stops the block: ``rerun(plan)`` runs it
     again as the property's pinned Hypothesis example, whose failure is raised with where it
     sits in the enumeration noted on it; a plan that holds when rerun is flaky, and fails
-    the block as such. A plan outside the cache's declared domain is counted apart, neither
-    held nor failed."""
+    the block as such. A plan outside the cache's declared domain, and one that calls what
+    the cache does not offer (``NotOffered``), is counted apart, neither held nor failed."""
     from kvcheck import reach
-    from kvcheck.failures import OutsideDomain
+    from kvcheck.failures import NotOffered, OutsideDomain
 
     tokens = block.scope.tokens
     _record(tokens=tokens, total=block.total, first=block.first, stop=block.stop)
@@ -191,18 +191,28 @@ def run_block(
     store, key = _resume[0], f"kvcheck/exhaustive/{fingerprint(factory, block, test_id)}"
     if store is not None and (earlier := store.get(key, None)):
         reach.note(*earlier["reached"])  # what its plans reached then, as if run again
-        _record(held=earlier["held"], outside=earlier["outside"], resumed=True)
+        _record(
+            held=earlier["held"],
+            outside=earlier["outside"],
+            not_offered=earlier.get("not offered", 0),
+            resumed=True,
+        )
         return
     plans = plans_of(prop, block.scope)[block.first : block.stop]
-    held = outside = 0
+    held = outside = not_offered = 0
     for offset, plan in enumerate(plans):
         try:
             check(plan)
+        except NotOffered:
+            not_offered += 1
+            continue
         except OutsideDomain:
             outside += 1
             continue
         except Exception as error:
-            _record(held=held, outside=outside, failed=block.first + offset + 1)
+            _record(
+                held=held, outside=outside, not_offered=not_offered, failed=block.first + offset + 1
+            )
             where = (
                 f"exhaustive to {tokens} tokens ({block.scope.describe()}): plan "
                 f"#{block.first + offset + 1} of {block.total} fails, the first of its block "
@@ -217,7 +227,8 @@ def run_block(
                 f"{where}; it held when run again as a pinned example: flaky"
             ) from error
         held += 1
-    _record(held=held, outside=outside, resumed=False)
+    _record(held=held, outside=outside, not_offered=not_offered, resumed=False)
     if store is not None:
         reached = sorted(reach._reached[-1]) if reach._reached else []
-        store.set(key, {"held": held, "outside": outside, "reached": reached})
+        counts = {"held": held, "outside": outside, "not offered": not_offered}
+        store.set(key, {**counts, "reached": reached})

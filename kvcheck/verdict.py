@@ -413,7 +413,7 @@ def _add(row: dict, entry: dict) -> None:
         )
         if outcome == PASS:
             group.setdefault("ran", []).append(record["first"])
-            for key in ("held", "outside"):
+            for key in ("held", "outside", "not_offered"):
                 group[key] = group.get(key, 0) + record.get(key, 0)
             if record.get("resumed"):
                 group["resumed"] = group.get("resumed", 0) + record["held"]
@@ -447,6 +447,7 @@ def _exhaustive(groups: dict[str, dict]) -> dict:
         "runs held": sum(group.get("held", 0) for group in groups.values()),
         "resumed": sum(group.get("resumed", 0) for group in groups.values()),
         "outside the domain": sum(group.get("outside", 0) for group in groups.values()),
+        "not offered": sum(group.get("not_offered", 0) for group in groups.values()),
         "blocks run": sum(len(group.get("ran", [])) for group in groups.values()),
         "blocks": sum(group["of"] for group in groups.values()),
         "complete": all(len(set(group.get("ran", []))) == group["of"] for group in groups.values()),
@@ -462,9 +463,10 @@ def _exhaustive_lines(cache: dict, width: int) -> list[str]:
         if row["result"] == PASS and "exhaustive" in row:
             ran = row["exhaustive"]
             resumed = f", {ran['resumed']:,} runs resumed" if ran["resumed"] else ""
-            outside = ran["outside the domain"]
-            outside = f", {outside:,} outside the domain" if outside else ""
-            held.setdefault(ran["tokens"], []).append(f"{name} {ran['plans']:,}{resumed}{outside}")
+            apart = ""
+            for key in ("outside the domain", "not offered"):  # counted apart, not run
+                apart += f", {ran[key]:,} {key}" if ran.get(key) else ""
+            held.setdefault(ran["tokens"], []).append(f"{name} {ran['plans']:,}{resumed}{apart}")
     if not held:
         return []
     scope = cache.get("scope", {})

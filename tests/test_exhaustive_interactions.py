@@ -16,6 +16,7 @@ from kvcheck.scope import LAYOUTS, Scope
 from tests import depth
 from tests import interplay as bugs
 from tests.exhaustive_runs import run_every
+from tests.pytest_run import run_in_process
 
 
 def pell(n: int) -> int:
@@ -83,7 +84,7 @@ def test_every_walk_runs_fewest_tokens_first_once_each_event_where_it_may():
 
 @pytest.mark.parametrize("name", ["paged", "preallocated"])
 def test_every_walk_holds_on_a_correct_cache(name):
-    assert run_every(INTERACTIONS, kvimpl.CACHES[name], depth.pick(3, soak=4)) > 0
+    assert run_every(INTERACTIONS, kvimpl.CACHES[name], depth.pick(2, soak=4)) > 0
 
 
 def test_an_interplay_bug_fails_a_walk_and_its_twin_holds():
@@ -99,3 +100,16 @@ def test_a_walk_that_calls_what_the_cache_lacks_is_counted_apart():
     walk = Walk(layout.config(), layout.batch, Scope(2).dtype, 2, steps)
     with pytest.raises(failures.NotOffered, match="fork"):
         run_exhaustive_walk(kvimpl.PreallocatedCache, walk, "append")
+
+
+def test_the_verdict_counts_the_walks_a_cache_does_not_offer_apart(pytester):
+    (pytester.path / "test_it.py").write_text(
+        "from kvcheck import CacheTests\nfrom kvimpl import PreallocatedCache\n\n\n"
+        "class TestIt(CacheTests):\n    factory = PreallocatedCache\n"
+    )
+    result = run_in_process(pytester, "--kv-property", "interactions", "--kv-exhaustive", "2")
+    assert result.returncode == 0, result.stdout
+    walks = sum(len(interplay.every_walk(CALLED, 2, layout.batch)) for layout in LAYOUTS)
+    assert f"every plan holds: interactions {walks}, " in result.stdout, result.stdout
+    assert " not offered" in result.stdout, result.stdout
+    assert "outside the domain" not in result.stdout, result.stdout
