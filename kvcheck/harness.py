@@ -496,9 +496,7 @@ def warm(factory: CacheFactory, plan: CachePlan) -> Recorder:
     is reported as that, before any call the property is about."""
 
     cache = recorded(factory, plan.spec)
-    kind = plan.rows
-    if kind == "extremes" and not extremes_allowed(kvassert.coarsest([cache]), cache.sinks):
-        kind = "random"
+    kind = rows_written(plan, cache)
     where = f"while warming the cache up, before any call under test: {plan.describe()}"
     for step, rows in enumerate(plan.chunks):
         keys = rows_of_kind(kind, plan.spec, rows, seed=step)
@@ -507,6 +505,14 @@ def warm(factory: CacheFactory, plan: CachePlan) -> Recorder:
         assert_returned_rows(cache, who=who, where=where)
         kvassert.assert_length(cache, cache.given_length, who=who, where=where)
     return cache
+
+
+def rows_written(plan: CachePlan, cache: Recorder) -> str:
+    """The kind of rows ``plan`` writes into ``cache``: its own, but noise in place of
+    extremes where the cache may not be given them (``kvcheck.tensors.extremes_allowed``)."""
+    if plan.rows == "extremes" and not extremes_allowed(kvassert.coarsest([cache]), cache.sinks):
+        return "random"
+    return plan.rows
 
 
 def give(cache: Recorder, key: Tensor, value: Tensor, seed: int) -> None:

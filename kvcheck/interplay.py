@@ -252,7 +252,7 @@ class Step:
         """What it counts toward an exhaustive walk's tokens: the tokens a feed brings, a
         tree's three drafted ones, one for every other event (else walks of resets,
         reorders or forks alone would never end)."""
-        if self.kind in ("prefill", "decode", "chunk"):
+        if self.kind in FEEDS:
             return self.length - held
         return 3 if self.kind == TREE else 1
 

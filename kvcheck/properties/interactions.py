@@ -144,7 +144,7 @@ def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str) 
     tokens = 0  # every feed brings new tokens: the seed of the next ones
     for index, step in enumerate(walk):
         done.append(step.describe())
-        if step.kind in ("prefill", "decode", "chunk"):
+        if step.kind in interplay.FEEDS:
             tokens += 1
             new = kvtensors.random_tokens(model.config, batch, step.length - request.held, tokens)
             engine.feed(request, new)

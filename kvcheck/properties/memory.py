@@ -12,7 +12,7 @@ from kvcheck import failures, reach
 from kvcheck import scope as kvscope
 from kvcheck import strategies as kvst
 from kvcheck import tensors as kvtensors
-from kvcheck.harness import SPEC_EDGES, note_spec, recorded
+from kvcheck.harness import SPEC_EDGES, note_spec, recorded, rows_written
 from kvcheck.kit import KitTests, Property, property_test
 from kvcheck.properties.rejection import every_cache_plan
 from kvref import CacheFactory, min_nbytes
@@ -34,7 +34,7 @@ def check_nbytes(factory: CacheFactory, plan: kvst.CachePlan) -> None:
             rows = spec.max_length - cache.length if rows == "fill" else rows
             if not rows:
                 continue
-            new = kvtensors.random_rows(spec, rows, seed=step)
+            new = kvtensors.rows_of_kind(rows_written(plan, cache), spec, rows, seed=step)
             cache.append(new, kvtensors.as_values(spec, new))
         nbytes = cache.nbytes
         needed = min_nbytes(spec, cache.length, cache.storage, tuple(cache.quantized_below))
