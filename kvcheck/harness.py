@@ -344,13 +344,25 @@ class Recorder:
 
     def join(self, other: Recorder) -> None:
         self.views = self.rows_returned = None
+        like = (self.rows_given or other.rows_given or [None])[0]
+        mine, theirs = self._given_by_row(like), other._given_by_row(like)
+        below = [*self._rows_below_or_none(), *other._rows_below_or_none()]
         self.cache.join(other.cache)
-        self.rows_below = [*self._rows_below_or_none(), *other._rows_below_or_none()]
-        self.rows_given = [*(self.rows_given or []), *(other.rows_given or [])]
+        self.rows_below = below
+        self.rows_given = None if like is None else [*mine, *theirs]
+
+    def _given_by_row(self, like: tuple[Tensor, Tensor] | None) -> list[tuple[Tensor, Tensor]]:
+        """``rows_given``; where nothing was given since the reset, an empty row shaped as
+        ``like`` for each row the cache holds (its ``row_lengths``: rows may have left
+        before any was fed)."""
+        if self.rows_given is not None or like is None:
+            return self.rows_given or []
+        return [(like[0][:, :0], like[1][:, :0])] * len(self.cache.row_lengths)
 
     def _rows_below_or_none(self) -> list[list[int]]:
-        """``rows_below``, or none in codes for each row given."""
-        return self.rows_below or [[0, 0] for _ in self.rows_given or ()]
+        """``rows_below``, or none in codes for each row given (each row held, where none
+        was given)."""
+        return self.rows_below or [[0, 0] for _ in self.rows_given or self.cache.row_lengths]
 
     def reset_at(self, first_position) -> None:
         self.views = None

@@ -21,6 +21,12 @@ event ``B`` on it.
 States name what a next event can tell apart: ``empty`` (no token held), ``warm`` (some,
 none of the others), ``page edge`` (a whole number of pages of ``page`` rows), ``full`` (as
 many as the caches were built for).
+
+A batch whose rows are requests of their own (contract, section 8) has events of its own:
+rows fed a count each, rolled back per row, rows leaving, a request joining, every row
+restarting at a position of its own. Their pairs are with each other, in states of the rows'
+lengths (``ROW_STATES``): ``empty``, ``even`` (every row the same length), ``apart`` (rows of
+different lengths) and ``a row full``. A walk keeps to one of the two vocabularies.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from kvcheck import strategies as kvst
 from kvref.reprs import short_repr
 
 STATES = ("empty", "warm", "page edge", "full")
+ROW_STATES = ("empty", "even", "apart", "a row full")
 # The note a pair is reached by: kvcheck.reach collects it with the edges.
 PREFIX = "pair: "
 
@@ -53,6 +60,15 @@ def state_of(held: int, max_length: int, page: int) -> str:
     return "page edge" if held % page == 0 else "warm"
 
 
+def rows_state(rows: tuple[int, ...], max_length: int) -> str:
+    """The state of a batch whose rows hold ``rows`` tokens each (rows of their own)."""
+    if not any(rows):
+        return "empty"
+    if max(rows) >= max_length:
+        return "a row full"
+    return "even" if len(set(rows)) == 1 else "apart"
+
+
 @dataclass(frozen=True)
 class Kind:
     """A kind of event on one request: what it needs, where it runs, what it can leave.
@@ -65,6 +81,7 @@ class Kind:
     runs_in: tuple[str, ...]
     leaves: tuple[str, ...]
     why_not: str = ""  # what the contract says of it in the states it does not run in
+    rows: bool = False  # an event on rows of their own (section 8): its states, ROW_STATES
 
     def lengths(self, held: int, most: int, page: int) -> list[int]:
         """The lengths it can leave caches holding ``held`` of ``most`` tokens in, one per
@@ -178,12 +195,48 @@ KINDS = (
         (SAME,),
         why_not="empty caches have no rows to move",
     ),
+    # Rows of their own (section 8): each needs append_rows besides its own method.
+    Kind("feed rows", "append_rows", ROW_STATES, ROW_STATES[1:], rows=True),
+    Kind(
+        "truncate rows",
+        "truncate_rows",
+        ROW_STATES[1:],
+        ROW_STATES,
+        why_not="rows that hold nothing keep nothing of nothing",
+        rows=True,
+    ),
+    Kind("select rows", "select_rows", ROW_STATES, ROW_STATES, rows=True),
+    Kind("join", "join", ROW_STATES, ROW_STATES[1:], rows=True),
+    Kind(
+        "reset rows",
+        "reset_at",
+        ROW_STATES[1:],
+        ("empty",),
+        why_not="nothing to reset",
+        rows=True,
+    ),
 )
 BY_NAME = {kind.name: kind for kind in KINDS}
 
 
-def kinds_offered(offered: set[str] | frozenset[str]) -> list[Kind]:
-    return [kind for kind in KINDS if kind.needs is None or kind.needs in offered]
+# The rows a batch with rows of their own starts with, in the walks: three, so that two rows
+# may leave and two requests join in turn.
+ROWS_BUILT = 3
+
+
+def kinds_offered(offered: set[str] | frozenset[str], batch: int = ROWS_BUILT) -> list[Kind]:
+    """The kinds a cache offering ``offered`` runs, its batch with rows of their own built
+    for ``batch`` rows. A join needs a row free, so rows that left first (``select_rows``):
+    a cache may refuse a join past the rows it was built for (8.1)."""
+    rows = "append_rows" in offered  # every event on rows of their own feeds them so
+    joins = batch >= 2 and "select_rows" in offered
+    return [
+        kind
+        for kind in KINDS
+        if (kind.needs is None or kind.needs in offered)
+        and (rows or not kind.rows)
+        and (joins or kind.name != "join")
+    ]
 
 
 def _left(kind: Kind, before: str) -> tuple[str, ...]:
@@ -194,21 +247,45 @@ def pair_name(first: str, state: str, then: str) -> str:
     return f"{first} → [{state}] → {then}"
 
 
-def offered_pairs(offered: set[str] | frozenset[str]) -> list[str]:
-    """Every pair ``A → [s] → B`` a cache offering ``offered`` can run, in vocabulary order."""
-    kinds = kinds_offered(offered)
+def offered_pairs(offered: set[str] | frozenset[str], batch: int = ROWS_BUILT) -> list[str]:
+    """Every pair ``A → [s] → B`` a cache offering ``offered`` can run, in vocabulary order
+    (a batch with rows of their own built for ``batch`` rows: two joins in turn need 3)."""
+    kinds = kinds_offered(offered, batch)
     pairs = []
     for first in kinds:
         left = dict.fromkeys(s for before in first.runs_in for s in _left(first, before))
         for state in left:
-            pairs += [pair_name(first.name, state, then.name) for then in kinds]
-            pairs = [p for p in pairs if not _ruled_out(p)]
-    return pairs
+            pairs += [pair_name(first.name, state, then.name) for then in _alike(first, kinds)]
+    return [pair for pair in pairs if not _ruled_out(pair) and _room_for(pair, batch)]
+
+
+def _room_for(pair: str, batch: int) -> bool:
+    """Whether a batch built for ``batch`` rows has room for ``pair``: rows apart are two
+    or more, a join leaves two or more, a join needs a row free besides those, and a row to feed
+    beside a full one is a second."""
+    first, state, then = split(pair)
+    rows = 2 if state == "apart" or first == "join" else 1
+    if then == "join" or (then == "feed rows" and state == "a row full"):
+        rows += 1
+    return rows <= batch
+
+
+def _alike(first: Kind, kinds) -> list[Kind]:
+    """The kinds that may follow ``first``: those of its vocabulary (the batch's, or rows of
+    their own's)."""
+    return [kind for kind in kinds if kind.rows == first.rows]
+
+
+# Pairs the contract rules out whatever the state, and why.
+NEVER_AFTER = {
+    ("reset rows", "join"): "a reset returns the batch to the rows its caches were built for "
+    "(8.3), and a cache may refuse a join past them (8.1)",
+}
 
 
 def _ruled_out(pair: str) -> bool:
-    _, state, then = split(pair)
-    return state not in BY_NAME[then].runs_in
+    first, state, then = split(pair)
+    return state not in BY_NAME[then].runs_in or (first, then) in NEVER_AFTER
 
 
 def split(pair: str) -> tuple[str, str, str]:
@@ -223,9 +300,11 @@ def ruled_out() -> list[tuple[str, str]]:
     for first in KINDS:
         left = dict.fromkeys(s for before in first.runs_in for s in _left(first, before))
         for state in left:
-            for then in KINDS:
+            for then in _alike(first, KINDS):
                 if state not in then.runs_in:
                     found.append((pair_name(first.name, state, then.name), then.why_not))
+                elif why := NEVER_AFTER.get((first.name, then.name)):
+                    found.append((pair_name(first.name, state, then.name), why))
     return found
 
 
@@ -241,10 +320,14 @@ class Step:
     length: int
     state: str
     start: int | None = None  # a shift's first position discarded; None: the walk's choice
-    order: tuple[int, ...] | None = None  # a reorder's; None: the walk's choice
+    order: tuple[int, ...] | None = None  # a reorder's, a select's rows; None: the walk's choice
+    rows: tuple[int, ...] | None = None  # on rows of their own: each row's length it leaves
 
     def describe(self) -> str:
         detail = "" if self.start is None else f" from {self.start}"
+        if self.rows is not None:
+            order = "" if self.order is None else f" {list(self.order)}"
+            return f"{self.kind}{order}, rows to {list(self.rows)}"
         detail += "" if self.order is None else f" by {list(self.order)}"
         return f"{self.kind} to {self.length}{detail}"
 
@@ -258,21 +341,25 @@ class Step:
 
 
 def covering_walks(
-    offered: set[str] | frozenset[str], most: int, page: int, longest: int = 24
+    offered: set[str] | frozenset[str],
+    most: int,
+    page: int,
+    longest: int = 24,
+    batch: int = ROWS_BUILT,
 ) -> list[tuple[Step, ...]]:
-    """Walks from empty caches (built for ``most`` tokens, pages of ``page`` rows) that
-    between them run every pair of ``offered_pairs``, by construction. From where a walk
-    stands (its last event and the length it left) it takes the fewest steps to a pair not
-    yet run, ending where most pairs remain. A walk ends before it would pass ``longest``
-    events, so that a failure names a short plan (one whose way from empty caches alone is
-    longer is as long as that way), and the next starts afresh; pairs no walk can reach
-    (none, for these kinds) are left out."""
-    todo = set(offered_pairs(offered))
-    kinds = kinds_offered(offered)
+    """Walks from empty caches (built for ``most`` tokens, pages of ``page`` rows; a batch
+    with rows of their own, for ``batch`` rows) that between them run every pair of
+    ``offered_pairs``, by construction. From where a walk stands (its last event and the
+    lengths it left) it takes the fewest steps to a pair not yet run, ending where most pairs
+    remain. A walk ends before it would pass ``longest`` events, so that a failure names a
+    short plan (one whose way from empty caches alone is longer is as long as that way), and
+    the next starts afresh; pairs no walk can reach (none, for these kinds) are left out."""
+    todo = set(offered_pairs(offered, batch))
+    kinds = kinds_offered(offered, batch)
     walks: list[tuple[Step, ...]] = []
     walk: list[Step] = []
     while todo:
-        path = _way_to_a_pair(walk[-1] if walk else None, todo, kinds, most, page)
+        path = _way_to_a_pair(walk[-1] if walk else None, todo, kinds, (most, page, batch))
         if walk and (path is None or len(walk) + len(path) > longest):
             walks.append(tuple(walk))  # the next pair from empty caches, in a walk of its own
             walk = []
@@ -288,19 +375,73 @@ def covering_walks(
     return walks
 
 
-def _moves(here: Step | None, kinds: list[Kind], most: int, page: int) -> Iterator[Step]:
-    """Every step possible after ``here`` (None: empty caches, before any event)."""
-    held = 0 if here is None else here.length
-    state = state_of(held, most, page)
-    for then in kinds:
-        if state in then.runs_in:
-            for length in then.lengths(held, most, page):
-                yield Step(then.name, length, state_of(length, most, page))
+def _moves(here: Step | None, kinds: list[Kind], most: int, page: int, batch: int):
+    """Every step possible after ``here`` (None: empty caches, before any event): of the
+    batch's vocabulary, or of rows of their own (``batch`` of them at first)."""
+    if here is None or here.rows is None:
+        held = 0 if here is None else here.length
+        state = state_of(held, most, page)
+        for then in kinds:
+            if not then.rows and state in then.runs_in:
+                for length in then.lengths(held, most, page):
+                    yield Step(then.name, length, state_of(length, most, page))
+    if here is None or here.rows is not None:
+        rows = (0,) * batch if here is None else here.rows
+        state = rows_state(rows, most)
+        for then in kinds:
+            if then.rows and state in then.runs_in:
+                for after, order in _row_moves(then.name, rows, most, page, batch):
+                    yield Step(then.name, max(after), rows_state(after, most), None, order, after)
 
 
-def _way_to_a_pair(here, todo: set[str], kinds: list[Kind], most: int, page: int):
+def _row_moves(name: str, rows: tuple[int, ...], most: int, page: int, built: int):
+    """The lengths an event on rows of their own can leave rows holding ``rows`` tokens in
+    (with a select's rows kept), one per state it can reach from there, of caches built
+    for ``built`` rows of ``most`` tokens (pages of ``page``): as ``Kind.lengths``."""
+    batch, longest = len(rows), max(rows)
+    if name == "feed rows":  # a token each, the rows evened out, drawn apart, one filled,
+        # and the last row to the next page edge; a full row idle beside the others
+        edge = (rows[-1] // page + 1) * page
+        fed = {
+            tuple(n + 1 for n in rows),
+            (longest + 1,) * batch,
+            (rows[0] + 2, *(n + 1 for n in rows[1:])),
+            (most, *rows[1:]),
+            (*rows[:-1], edge),
+        }
+        for after in sorted(fed):
+            after = tuple(min(most, n) for n in after)
+            if after != rows and all(a >= n for a, n in zip(after, rows, strict=True)):
+                yield after, None
+    elif name == "truncate rows":  # to the shortest, the first row emptied, one back each,
+        # to each row's page edge, every row emptied (none back too: a rollback of nothing)
+        kept = {
+            (min(rows),) * batch,
+            (0, *rows[1:]),
+            tuple(max(0, n - 1) for n in rows),
+            tuple(n // page * page for n in rows),
+            (0,) * batch,
+        }
+        yield from ((after, None) for after in sorted(kept))
+    elif name == "select rows":  # every row in reverse, and the first leaving
+        for order in sorted({tuple(range(batch))[::-1], tuple(range(1, batch)) or (0,)}):
+            yield tuple(rows[b] for b in order), order
+    elif name == "join" and batch < built:  # a request of one row: a token, as long as the
+        # longest row, a page, full
+        for prompt in sorted({1, max(1, longest), page, most}):
+            yield (*rows, prompt), None
+    elif name == "reset rows" and batch == built:  # as the caches were built (8.3)
+        yield (0,) * batch, None
+
+
+def _way_to_a_pair(here, todo: set[str], kinds: list[Kind], sizes: tuple[int, int, int]):
     """The fewest steps from ``here`` whose last runs a pair of ``todo``, ending where most
-    of ``todo`` remain (breadth first over (event, length left))."""
+    of ``todo`` remain (breadth first over (event, lengths left)); ``sizes`` are the most
+    tokens, the page and the rows built, as ``_moves`` takes them. From a step, a walk keeps
+    to its vocabulary and gives up past ``SEARCHED`` steps seen (the rows' lengths are many):
+    the next walk starts from empty caches, where every offered pair is in reach."""
+    if here is not None:
+        todo = {pair for pair in todo if BY_NAME[split(pair)[0]].rows == (here.rows is not None)}
     remaining: dict[tuple[str, str], int] = {}
     for pair in todo:
         first, state, _ = split(pair)
@@ -310,7 +451,7 @@ def _way_to_a_pair(here, todo: set[str], kinds: list[Kind], most: int, page: int
     while frontier:
         found, ahead = [], []
         for node, path in frontier:
-            for step in _moves(node, kinds, most, page):
+            for step in _moves(node, kinds, *sizes):
                 if node is not None and pair_name(node.kind, node.state, step.kind) in todo:
                     found.append([*path, step])
                 if step not in seen:
@@ -318,8 +459,13 @@ def _way_to_a_pair(here, todo: set[str], kinds: list[Kind], most: int, page: int
                     ahead.append((step, [*path, step]))
         if found:
             return max(found, key=lambda path: remaining.get((path[-1].kind, path[-1].state), 0))
+        if here is not None and len(seen) > SEARCHED:
+            return None
         frontier = ahead
     return None
+
+
+SEARCHED = 2000
 
 
 def pairs_of(walk: tuple[Step, ...]) -> Iterator[str]:
@@ -347,7 +493,11 @@ def every_walk(
     Their count: of the kinds every cache runs (prefill, decode, chunk, reset), P(tokens + 1)
     - 1, P the Pell numbers (0, 1, 2, 5, 12, 29, ...): a walk is sessions of 2^(w - 1)
     splits of w tokens each, between resets (tests/test_exhaustive_interactions.py)."""
-    moves = [kind for kind in kinds_offered(offered) if kinds is None or kind.name in kinds]
+    moves = [
+        kind
+        for kind in kinds_offered(offered)
+        if not kind.rows and (kinds is None or kind.name in kinds)
+    ]
     walks: list[tuple[Step, ...]] = []
 
     def extend(walk: tuple[Step, ...], held: int, left: int) -> None:
@@ -407,6 +557,14 @@ def table() -> str:
         "The `interactions` property (contract, section 14) runs every pair a cache offers;",
         "the verdict says how many of them ran in its passing tests",
         "(`interactions: M of N pairs of events ran`), and `--kv-require-reach` holds them.",
+        "",
+        "The events on a batch whose rows are requests of their own (contract, section 8: each",
+        "needs `append_rows` besides its own method) make pairs with each other, in states of",
+        "the rows' lengths: `empty`, `even` (every row the same length), `apart` (rows of",
+        "different lengths), `a row full`. A join needs a row free, so rows that left first:",
+        f"the walks build the batch for {ROWS_BUILT} rows, or fewer where the cache declares",
+        "fewer, and then offer no pair that needs more rows than that (a join after rows apart",
+        "or after a join needs three).",
         "",
         "| event | needs | runs in | can leave |",
         "|---|---|---|---|",

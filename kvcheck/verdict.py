@@ -146,11 +146,11 @@ def _pairs(item: pytest.Item, name: str, factory) -> dict:
     if hasattr(item, "stash") and (pairs := item.stash.get(_engine_pairs(), None)) is not None:
         found["pairs offered"] = pairs  # an engine's (kvcheck.engine_interplay)
     elif name == "interactions" and factory is not None:
-        from kvcheck import kit, sizes
-        from kvcheck.properties.interactions import CALLED
+        from kvcheck import sizes
+        from kvcheck.properties.interactions import pairs_offered
 
         with sizes.aiming_at(sizes.declared_by(factory, getattr(item, "cls", None))):
-            found["pairs offered"] = interplay.offered_pairs(kit.offered(factory) & CALLED)
+            found["pairs offered"] = pairs_offered(factory)
     return found if found["pairs ran"] or "pairs offered" in found else {}
 
 

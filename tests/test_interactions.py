@@ -12,15 +12,16 @@ import torch
 
 from kvcheck import interplay, reach
 from kvcheck import tensors as kvtensors
-from kvcheck.kit import offered
-from kvcheck.properties.interactions import CALLED, run_walk
+from kvcheck.properties.interactions import pairs_offered, run_walk
 from kvcheck.session import Engine
 from kvimpl import ConcatCache
 from kvimpl.preallocated import PreallocatedCache
 from kvref import CacheContractError, ModelConfig, check_append, check_truncate
 from tests.pytest_run import run_in_process
 
-CAPABILITIES = sorted(CALLED)
+# The capabilities the batch's events need, and the methods rows of their own's need.
+CAPABILITIES = sorted(kind.needs for kind in interplay.KINDS if kind.needs and not kind.rows)
+ROW_METHODS = sorted(kind.needs for kind in interplay.KINDS if kind.rows)
 SUBSETS = [
     set(combo)
     for r in range(len(CAPABILITIES) + 1)
@@ -63,6 +64,72 @@ def test_the_walks_run_every_offered_pair_and_only_pairs_a_cache_can_run(offered
             held = step.length
 
 
+ROW_CASES = [
+    ({"append_rows", *combo}, page, batch)
+    for r in range(len(ROW_METHODS))
+    for combo in itertools.combinations(sorted(set(ROW_METHODS) - {"append_rows"}), r)
+    for page, batch in ((16, 3), (2, 3), (128, 2), (16, 1))
+] + [(set(ROW_METHODS), page, batch) for page in (2, 3, 16, 128) for batch in (1, 2, 3)]
+
+
+@pytest.mark.parametrize(
+    ("offered", "page", "batch"),
+    ROW_CASES,
+    ids=[f"{'+'.join(sorted(offered))}-{page}-{batch}" for offered, page, batch in ROW_CASES],
+)
+def test_the_walks_on_rows_of_their_own_run_every_offered_pair_where_they_may(offered, page, batch):
+    most = 2 * page + 5
+    walks = interplay.covering_walks(offered, most, page, batch=batch)
+    ran = {pair for walk in walks for pair in interplay.pairs_of(walk)}
+    assert ran == set(interplay.offered_pairs(offered, batch)), sorted(
+        set(interplay.offered_pairs(offered, batch)) ^ ran
+    )
+    for walk in [walk for walk in walks if walk[0].rows is not None]:
+        assert 1 < len(walk) <= 24, walk
+        rows = (0,) * batch
+        for step in walk:  # each step runs where it may, and leaves the lengths it says
+            kind = interplay.BY_NAME[step.kind]
+            assert kind.rows, (walk, step)
+            assert interplay.rows_state(rows, most) in kind.runs_in, (walk, step)
+            assert step.state == interplay.rows_state(step.rows, most), step
+            assert max(step.rows) <= most, step
+            assert 1 <= len(step.rows) <= batch, step
+            if step.kind == "feed rows":  # every row fed 0 or more, one at least
+                assert all(a >= b for a, b in zip(step.rows, rows, strict=True)), step
+                assert step.rows != rows, step
+            elif step.kind == "truncate rows":
+                assert all(a <= b for a, b in zip(step.rows, rows, strict=True)), step
+            elif step.kind == "select rows":  # the rows kept, each with its length
+                assert step.rows == tuple(rows[b] for b in step.order), step
+                assert len(set(step.order)) == len(step.order), step
+            elif step.kind == "join":  # one row joins, where one left
+                assert step.rows[:-1] == rows, step
+                assert len(rows) < batch, step
+            elif step.kind == "reset rows":  # on the rows the caches were built for (8.3)
+                assert len(rows) == batch, step
+                assert not any(step.rows), step
+            rows = step.rows
+
+
+def test_rows_of_their_own_make_pairs_of_their_own_and_never_with_the_batch_s():
+    every = set(CAPABILITIES) | set(ROW_METHODS)
+    assert [len(interplay.offered_pairs(every, batch)) for batch in (1, 2, 3)] == [279, 313, 320]
+    rows = interplay.offered_pairs(set(ROW_METHODS))
+    assert len(rows) == 90
+    assert "select rows → [apart] → join" in rows
+    assert not any(
+        pair.endswith("→ join") for pair in interplay.offered_pairs({"append_rows", "join"})
+    )
+    assert not any("rows" in pair for pair in interplay.offered_pairs(every - {"append_rows"}))
+    batch_kinds = {kind.name for kind in interplay.KINDS if not kind.rows}
+    for pair in interplay.offered_pairs(every):  # a walk keeps to one vocabulary
+        first, _, then = interplay.split(pair)
+        assert (first in batch_kinds) == (then in batch_kinds), pair
+    assert ("reset rows → [empty] → join", interplay.NEVER_AFTER[("reset rows", "join")]) in (
+        interplay.ruled_out()
+    )
+
+
 def test_a_cache_with_no_capability_offers_the_pairs_of_feeds_and_resets():
     assert len(interplay.offered_pairs(set())) == 22
     # 130 before shift joined: 17 pairs begin with it (empty: a prefill; warm and page edge:
@@ -83,6 +150,12 @@ def test_every_pair_ruled_out_says_why_and_none_is_offered():
         assert pair not in every, pair
 
 
+def pairs_in(noted) -> set[str]:
+    """The pairs of events among the names ``reach`` noted."""
+    prefix = interplay.PREFIX
+    return {name.removeprefix(prefix) for name in noted if name.startswith(prefix)}
+
+
 def test_the_engine_notes_the_pair_each_event_completes():
     config = ModelConfig(vocab_size=11, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
     model = kvtensors.build_model(config, torch.float64)
@@ -94,15 +167,42 @@ def test_the_engine_notes_the_pair_each_event_completes():
         engine.feed(request, kvtensors.random_tokens(config, 1, 1, 2))
         engine.reset(request)
         engine.feed(request, kvtensors.random_tokens(config, 1, 3, 3))
-    pairs = {
-        name.removeprefix(interplay.PREFIX) for name in noted if name.startswith(interplay.PREFIX)
-    }
+    pairs = pairs_in(noted)
     assert pairs == {
         "prefill → [warm] → truncate",
         "truncate → [page edge] → decode",
         "decode → [warm] → reset",
         "reset → [empty] → prefill",
     }, pairs
+
+
+def test_the_engine_notes_the_pairs_of_rows_of_their_own():
+    config = ModelConfig(vocab_size=11, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
+    model = kvtensors.build_model(config, torch.float64)
+    engine = Engine(PreallocatedCache, model, max_length=37)
+    request = engine.start("r0", 3)
+
+    def tokens(*counts: int) -> list[torch.Tensor]:
+        return [kvtensors.random_tokens(config, 1, count, count)[0] for count in counts]
+
+    with reach.collecting() as noted:
+        engine.feed_rows(request, tokens(3, 2, 5))
+        engine.truncate_rows(request, [3, 2, 3])
+        engine.select_rows(request, [2, 0])
+        joining = engine.start("r1", 1)
+        engine.feed_rows(joining, tokens(37))
+        engine.join(request, joining)
+        engine.reset_at(request, [5, 0, 9])
+        engine.feed_rows(request, tokens(2, 2, 2))
+    pairs = pairs_in(noted)
+    assert pairs == {
+        "feed rows → [apart] → truncate rows",
+        "truncate rows → [apart] → select rows",
+        "select rows → [even] → join",
+        "join → [a row full] → reset rows",
+        "reset rows → [empty] → feed rows",
+    }, pairs
+    engine.finish()
 
 
 def test_after_a_shift_every_event_is_followed_and_noted_on_a_correct_cache():
@@ -123,9 +223,7 @@ def test_after_a_shift_every_event_is_followed_and_noted_on_a_correct_cache():
         engine.feed(request, kvtensors.random_tokens(config, 2, 1, 2))
         engine.feed(child, kvtensors.random_tokens(config, 2, 2, 3))
     assert request.rows is None  # still a batch fed as one
-    pairs = {
-        name.removeprefix(interplay.PREFIX) for name in noted if name.startswith(interplay.PREFIX)
-    }
+    pairs = pairs_in(noted)
     assert {
         "shift → [warm] → truncate",
         "shift → [warm] → reorder",
@@ -204,5 +302,5 @@ def test_the_verdict_counts_the_pairs_that_ran(pytester):
     )
     result = run_in_process(pytester, "test_mine.py")
     assert result.returncode == 0, result.stdout
-    pairs = len(interplay.offered_pairs(offered(ConcatCache) & CALLED))
+    pairs = len(pairs_offered(ConcatCache))
     assert f"interactions {pairs} of {pairs} pairs of events ran" in result.stdout, result.stdout

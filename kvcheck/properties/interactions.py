@@ -16,7 +16,7 @@ The verdict reports which offered pairs ran in a passing test of any property
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -26,13 +26,34 @@ from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck import tensors as kvtensors
-from kvcheck.kit import KitTests, Property, offered, property_test
+from kvcheck.kit import KitTests, Property, offered, probe_spec, property_test
 from kvcheck.session import Engine, Request
 from kvref import CacheFactory, ModelConfig
 from kvref.reprs import short_repr
 
-# The capabilities a walk's events call (kvcheck.interplay.KINDS), of those kit.offered names.
+# The capabilities and methods a walk's events call (kvcheck.interplay.KINDS).
 CALLED = frozenset(kind.needs for kind in interplay.KINDS if kind.needs is not None)
+
+
+def events_offered(factory: CacheFactory) -> frozenset[str]:
+    """Of what the walks' events call, what ``factory``'s caches offer: the capabilities
+    ``kit.offered`` names and the methods of rows of their own (``join``, ``reset_at``...),
+    asked of a probe cache itself (an adapter may offer them through ``__getattr__``)."""
+    probe = factory(probe_spec())
+    methods = {name for name in CALLED if callable(getattr(probe, name, None))}
+    return frozenset((offered(factory, probe) | methods) & CALLED)
+
+
+def rows_built() -> int:
+    """The rows a batch with rows of their own starts with in the walks: three, where the
+    declared domain allows (two leave and two requests join in turn), else its largest."""
+    return min(interplay.ROWS_BUILT, kvsizes.domain().max_batch or interplay.ROWS_BUILT)
+
+
+def pairs_offered(factory: CacheFactory) -> list[str]:
+    """Every pair of events ``factory``'s caches offer, in the declared domain (the
+    verdict's N)."""
+    return interplay.offered_pairs(events_offered(factory), rows_built())
 
 
 def walks_for(factory: CacheFactory) -> tuple[list[tuple[interplay.Step, ...]], int, int]:
@@ -41,7 +62,8 @@ def walks_for(factory: CacheFactory) -> tuple[list[tuple[interplay.Step, ...]], 
     tokens more, so that every state is a few tokens from every other."""
     page = interplay.page_of(kvsizes.current().page)
     most = 2 * page + 5
-    return interplay.covering_walks(offered(factory) & CALLED, most, page), most, page
+    events = events_offered(factory)
+    return interplay.covering_walks(events, most, page, batch=rows_built()), most, page
 
 
 def model_for_the_walks() -> tuple[ModelConfig, torch.dtype, int]:
@@ -119,26 +141,32 @@ def check_every_offered_pair(
     config, dtype, batch = model_for_the_walks()
     model = kvtensors.build_model(config, dtype)
     for number, walk in enumerate(walks):
-        run_walk(factory, model, walk, most, batch, path, f"walk {number + 1} of {len(walks)}")
+        name = f"walk {number + 1} of {len(walks)}"
+        if walk[0].rows is not None:
+            run_rows_walk(factory, model, walk, most, rows_built(), path, name)
+        else:
+            run_walk(factory, model, walk, most, batch, path, name)
 
 
 def run_exhaustive_walk(factory: CacheFactory, walk: Walk, path: str) -> None:
     needs = {interplay.BY_NAME[step.kind].needs for step in walk.steps} - {None}
-    if missing := sorted(needs - offered(factory)):
+    if missing := sorted(needs - events_offered(factory)):
         raise failures.NotOffered(f"the walk calls {', '.join(missing)}")
     model = kvtensors.build_model(walk.config, walk.dtype)
     run_walk(factory, model, walk.steps, walk.tokens, walk.batch, path, "exhaustive walk")
 
 
-def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str) -> None:
-    done: list[str] = []
-    engine = Engine(
-        factory,
-        model,
-        max_length=most,
-        path=path,
-        describe=lambda: f"interactions {name}: {', '.join(done) or 'nothing yet'}",
+def walk_engine(factory, model, most: int, path: str, said: Callable[[], str]) -> Engine:
+    """The engine a walk runs on, caches built for ``most`` tokens: a failure says
+    ``said()``, the walk and its events so far."""
+    return Engine(
+        factory, model, max_length=most, path=path, describe=lambda: f"interactions {said()}"
     )
+
+
+def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str) -> None:
+    done: list[str] = []  # the events so far, as a failure names them
+    engine = walk_engine(factory, model, most, path, lambda: f"{name}: {', '.join(done)}")
     request = engine.start("r0", batch)
     forks: list[Request] = []
     tokens = 0  # every feed brings new tokens: the seed of the next ones
@@ -177,6 +205,40 @@ def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str) 
             engine.move(request, factory, path=path)
         engine.check(f"step #{index}, {step.describe()}")
     settle(engine, forks, tokens)
+    engine.finish()
+
+
+def run_rows_walk(factory, model, walk, most: int, batch: int, path: str, name: str) -> None:
+    """A walk of events on rows of their own (contract, section 8): rows fed their counts
+    (pads of each poison in turn), rolled back per row, leaving, a request of one row joining,
+    every row restarting at a position of its own (7 apart, every other time past ``most``)."""
+    done: list[str] = []  # the events so far, as a failure names them
+    engine = walk_engine(factory, model, most, path, lambda: f"{name}: {', '.join(done)}")
+    request = engine.start("r0", batch)
+    pads = sorted(kvtensors.POISON_VALUES)
+    tokens = 0  # every feed brings new tokens: the seed of the next ones
+    for index, step in enumerate(walk):
+        done.append(step.describe())
+        at = f" (step #{index})"
+        if step.kind == "feed rows":
+            counts = [n - held for n, held in zip(step.rows, request.row_lengths(), strict=True)]
+            tokens += 1
+            new = [kvtensors.random_tokens(model.config, 1, count, tokens)[0] for count in counts]
+            engine.feed_rows(request, new, pad=pads[index % len(pads)], at=at)
+        elif step.kind == "truncate rows":
+            engine.truncate_rows(request, list(step.rows), at=at)
+        elif step.kind == "select rows":
+            engine.select_rows(request, list(step.order), at=at)
+        elif step.kind == "join":
+            tokens += 1
+            joining = engine.start(f"r{index}, joining", 1)
+            prompt = kvtensors.random_tokens(model.config, 1, step.rows[-1], tokens)
+            engine.feed_rows(joining, [prompt[0]], at=at)
+            engine.join(request, joining, at=at)
+        elif step.kind == "reset rows":
+            firsts = [most * (index % 2) + 7 * row for row in range(batch)]
+            engine.reset_at(request, firsts, at=at)
+        engine.check(f"step #{index}, {step.describe()}")
     engine.finish()
 
 

@@ -251,7 +251,7 @@ def check_mixed_lengths(factory: CacheFactory, plan: RowsPlan) -> None:
         if kind in NEEDS and not offers(NEEDS[kind]):
             break  # not offered: the rest of the plan was drawn for the rows it would leave
         at = f" (event #{index})"
-        held = held_lengths(batch)
+        held = batch.row_lengths()
         if kind == "feed":
             engine.feed_rows(batch, [tokens(count) for count in arg], pad=plan.pad, at=at)
             note_feed(arg, held, batch.firsts or [0] * len(held), plan.pad)
@@ -281,11 +281,6 @@ def check_mixed_lengths(factory: CacheFactory, plan: RowsPlan) -> None:
         if any(any(map(any, cache.rows_below or ())) for cache in batch.caches):
             reach.note(ROWS_IN_CODES)
     engine.finish()
-
-
-def held_lengths(request) -> list[int]:
-    """Each row's tokens held before the next event (none before the first feed)."""
-    return [len(row) for row in request.rows] if request.rows is not None else [0] * request.batch
 
 
 # The edges of sections 8.1-8.3 the plans must reach (kvcheck.reach), each noted below when

@@ -48,7 +48,6 @@ from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_te
 from kvcheck.properties.rows import (
     FIRST_POSITIONS,
     drawn_rows_plan,
-    held_lengths,
     prompt_counts,
     row_feeds,
     rows_engine,
@@ -600,7 +599,7 @@ def check_row_shifts(factory: CacheFactory, plan: RowShiftPlan) -> None:
         if kind == "feed":
             engine.feed_rows(batch, [tokens(count) for count in arg], pad=plan.pad, at=at)
         else:
-            held = held_lengths(batch)
+            held = batch.row_lengths()
             if not engine.shift_rows(batch, *arg, at=at):
                 break  # a window refused as it may: the rest was drawn for the shifted rows
             shifts += 1
@@ -826,7 +825,7 @@ def check_bad_row_shifts(factory: CacheFactory, state: WarmRows) -> None:
 def check_bad_row_shift(engine: Engine, batch, case: kvbad.BadInput, tokens) -> None:
     """``case``, made for the rows ``batch`` holds, refused by every layer's cache and
     changing nothing: every row reads back as it was."""
-    lengths = tuple(held_lengths(batch))
+    lengths = tuple(batch.row_lengths())
     bad = case.make(lengths)
     where = engine.where(f"shift{bad} sent to every layer's cache, the rows holding {lengths}")
     # Straight to the caches, past the recorders: a refused call must record nothing.

@@ -55,6 +55,12 @@ class Request:
     def batch(self) -> int:
         return self.history.shape[0] if self.rows is None else len(self.rows)
 
+    def row_lengths(self) -> list[int]:
+        """Each row's tokens held: a batch fed as one gives every row its history's."""
+        return (
+            [len(row) for row in self.rows] if self.rows is not None else [self.held] * self.batch
+        )
+
     def own_rows(self) -> list[Tensor]:
         """Each row's history. A batch fed as one so far gives every row that history, and
         from then on the rows are books of their own."""
