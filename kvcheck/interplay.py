@@ -331,12 +331,17 @@ class Step:
         detail += "" if self.order is None else f" by {list(self.order)}"
         return f"{self.kind} to {self.length}{detail}"
 
-    def weight(self, held: int) -> int:
-        """What it counts toward an exhaustive walk's tokens: the tokens a feed brings, a
-        tree's three drafted ones, one for every other event (else walks of resets,
-        reorders or forks alone would never end)."""
+    def weight(self, before: Step | None) -> int:
+        """What it counts toward an exhaustive walk's tokens, after the step ``before`` (None:
+        the first): the tokens a feed brings (to every row), a joining request's prompt, a
+        tree's three drafted ones, one for every other event (else walks of resets, reorders
+        or forks alone would never end)."""
         if self.kind in FEEDS:
-            return self.length - held
+            return self.length - (before.length if before else 0)
+        if self.kind == "feed rows":  # rows fed keep their number: the first from zeros
+            return sum(self.rows) - (sum(before.rows) if before else 0)
+        if self.kind == "join":
+            return self.rows[-1]
         return 3 if self.kind == TREE else 1
 
 
@@ -484,30 +489,28 @@ FEEDS = ("prefill", "decode", "chunk")
 def every_walk(
     offered: frozenset[str], tokens: int, batch: int, kinds: tuple[str, ...] | None = None
 ) -> tuple[tuple[Step, ...], ...]:
-    """Every walk from empty caches built for ``tokens`` tokens, of the kinds a cache
-    offering ``offered`` runs (of those, ``kinds`` alone where given), each event with
-    every parameter it takes (every length it can leave, every span a shift discards, every
-    order of ``batch`` rows), whose weights
+    """Every walk from empty caches built for ``tokens`` tokens and ``batch`` rows, of the
+    kinds a cache offering ``offered`` runs (of those, ``kinds`` alone where given), each
+    event with every parameter it takes (every length it can leave, every span a shift
+    discards, every order of the rows; on rows of their own every row's count, every length
+    each row keeps, every selection of rows, every prompt that joins), whose weights
     (``Step.weight``) add up to at most ``tokens``; fewest first, in vocabulary order.
 
     Their count: of the kinds every cache runs (prefill, decode, chunk, reset), P(tokens + 1)
     - 1, P the Pell numbers (0, 1, 2, 5, 12, 29, ...): a walk is sessions of 2^(w - 1)
     splits of w tokens each, between resets (tests/test_exhaustive_interactions.py)."""
-    moves = [
-        kind
-        for kind in kinds_offered(offered)
-        if not kind.rows and (kinds is None or kind.name in kinds)
-    ]
+    moves = [kind for kind in kinds_offered(offered, batch) if kinds is None or kind.name in kinds]
     walks: list[tuple[Step, ...]] = []
 
-    def extend(walk: tuple[Step, ...], held: int, left: int) -> None:
+    def extend(walk: tuple[Step, ...], left: int) -> None:
         if walk:
             walks.append(walk)
-        for step in _every_move(held, moves, tokens, batch):
-            if (cost := step.weight(held)) <= left:
-                extend((*walk, step), step.length, left - cost)
+        here = walk[-1] if walk else None
+        for step in _every_move(here, moves, tokens, batch):
+            if (cost := step.weight(here)) <= left:
+                extend((*walk, step), left - cost)
 
-    extend((), 0, tokens)
+    extend((), tokens)
     return tuple(sorted(walks, key=walk_weight))  # stable: vocabulary order within a weight
 
 
@@ -522,16 +525,27 @@ def tokens_fed(walk: tuple[Step, ...]) -> tuple[int, ...]:
 
 
 def walk_weight(walk: tuple[Step, ...]) -> int:
-    held, total = 0, 0
-    for step in walk:
-        total, held = total + step.weight(held), step.length
-    return total
+    return sum(step.weight(before) for before, step in zip((None, *walk), walk, strict=False))
 
 
-def _every_move(held: int, kinds: list[Kind], most: int, batch: int) -> Iterator[Step]:
+def _every_move(here: Step | None, kinds: list[Kind], most: int, batch: int) -> Iterator[Step]:
+    """Every step after ``here`` (None: empty caches) with every parameter it takes: of the
+    batch's vocabulary, or of rows of their own (``batch`` of them at first)."""
+    if here is None or here.rows is None:
+        yield from _every_batch_move(0 if here is None else here.length, kinds, most, batch)
+    if here is None or here.rows is not None:
+        rows = (0,) * batch if here is None else here.rows
+        state = rows_state(rows, most)
+        for kind in kinds:
+            if kind.rows and state in kind.runs_in:
+                for after, order in _every_row_move(kind.name, rows, most, batch):
+                    yield Step(kind.name, max(after), rows_state(after, most), None, order, after)
+
+
+def _every_batch_move(held: int, kinds: list[Kind], most: int, batch: int) -> Iterator[Step]:
     state = state_of(held, most, page=most)  # no page: "page edge" is the full caches' alone
     for kind in kinds:
-        if state not in kind.runs_in:
+        if kind.rows or state not in kind.runs_in:
             continue
         for length in kind.every_length(held, most):
             after = state_of(length, most, page=most)
@@ -543,6 +557,25 @@ def _every_move(held: int, kinds: list[Kind], most: int, batch: int) -> Iterator
                     yield Step(kind.name, length, after, order=order)
             else:
                 yield Step(kind.name, length, after)
+
+
+def _every_row_move(name: str, rows: tuple[int, ...], most: int, built: int):
+    """Every lengths an event on rows of their own can leave ``rows`` at (with a select's
+    rows kept): the whole domain of which ``_row_moves`` are the representatives."""
+    if name == "feed rows":  # every row's count, one token at least in all
+        for after in itertools.product(*(range(n, most + 1) for n in rows)):
+            if after != rows:
+                yield after, None
+    elif name == "truncate rows":  # every length each row keeps
+        yield from ((after, None) for after in itertools.product(*(range(n + 1) for n in rows)))
+    elif name == "select rows":  # every order of every rows kept
+        for kept in range(1, len(rows) + 1):
+            for order in itertools.permutations(range(len(rows)), kept):
+                yield tuple(rows[b] for b in order), order
+    elif name == "join" and len(rows) < built:  # a request of one row, every prompt
+        yield from (((*rows, prompt), None) for prompt in range(1, most + 1))
+    elif name == "reset rows" and len(rows) == built:
+        yield (0,) * len(rows), None
 
 
 def table() -> str:

@@ -6,6 +6,7 @@ first; holding on correct caches; failing an interplay bug at a few tokens."""
 from __future__ import annotations
 
 import functools
+import itertools
 
 import pytest
 
@@ -57,10 +58,34 @@ def count_by_recurrence(tokens: int, batch: int) -> int:
     return walks(0, tokens) - 1
 
 
+def count_rows_by_recurrence(tokens: int, batch: int) -> int:
+    """Walks of the events on rows of their own, from each row's length and the tokens
+    left to spend: the lengths each way leaves, what it costs, plus stopping there."""
+
+    @functools.cache
+    def walks(rows: tuple[int, ...], left: int) -> int:
+        ways = []  # (each row's length it leaves, what it costs)
+        for fed in itertools.product(*(range(n, tokens + 1) for n in rows)):
+            ways += [(fed, sum(fed) - sum(rows))] if fed != rows else []  # rows fed
+        if any(rows):
+            ways += [(kept, 1) for kept in itertools.product(*(range(n + 1) for n in rows))]
+            ways += [((0,) * batch, 1)] if len(rows) == batch else []  # every row reset
+        for count in range(1, len(rows) + 1):  # rows kept, in every order
+            orders = itertools.permutations(rows, count)
+            ways += [(kept, 1) for kept in orders]
+        if len(rows) < batch:  # a request of one row joins, with every prompt
+            ways += [((*rows, prompt), prompt) for prompt in range(1, tokens + 1)]
+        return 1 + sum(walks(after, left - cost) for after, cost in ways if cost <= left)
+
+    return walks((0,) * batch, tokens) - 1
+
+
 @pytest.mark.parametrize("tokens", range(1, 6))
 @pytest.mark.parametrize("batch", [1, 2])
 def test_walks_of_every_event_count_as_their_parameters_say(tokens, batch):
-    assert len(interplay.every_walk(CALLED, tokens, batch)) == count_by_recurrence(tokens, batch)
+    # The batch's walks and those of rows of their own: from empty caches, one or the other.
+    count = count_by_recurrence(tokens, batch) + count_rows_by_recurrence(tokens, batch)
+    assert len(interplay.every_walk(CALLED, tokens, batch)) == count
 
 
 def test_every_walk_runs_fewest_tokens_first_once_each_event_where_it_may():
@@ -71,11 +96,15 @@ def test_every_walk_runs_fewest_tokens_first_once_each_event_where_it_may():
     assert max(weights) == tokens
     assert len(set(walks)) == len(walks)
     for walk in walks:
-        held = 0
+        held, rows = 0, (0, 0)
         for step in walk:
             kind = interplay.BY_NAME[step.kind]
-            assert interplay.state_of(held, tokens, tokens) in kind.runs_in, walk
-            held = step.length
+            if kind.rows:
+                assert interplay.rows_state(rows, tokens) in kind.runs_in, walk
+                rows = step.rows
+            else:
+                assert interplay.state_of(held, tokens, tokens) in kind.runs_in, walk
+                held = step.length
     plans = list(INTERACTIONS.every_plan(Scope(tokens)))
     assert len(plans) == sum(
         len(interplay.every_walk(CALLED, tokens, lay.batch)) for lay in LAYOUTS
@@ -87,11 +116,19 @@ def test_every_walk_holds_on_a_correct_cache(name):
     assert run_every(INTERACTIONS, kvimpl.CACHES[name], depth.pick(2, soak=4)) > 0
 
 
-def test_an_interplay_bug_fails_a_walk_and_its_twin_holds():
-    # A reset of a slab a fork shares scrubs the fork's rows: reset right after a fork.
+@pytest.mark.parametrize(
+    ("bug", "tokens"),
+    [
+        # A reset of a slab a fork shares scrubs the fork's rows: reset right after a fork.
+        ("ResetScrubsSharedSlab", 3),
+        # A joining row takes a live row's slot after a row left: a select, then a join.
+        ("JoinReusesLiveSlot", 2),
+    ],
+)
+def test_an_interplay_bug_fails_a_walk_and_its_twin_holds(bug, tokens):
     with pytest.raises(AssertionError):
-        run_every(INTERACTIONS, bugs.INTERPLAY_BUGS["ResetScrubsSharedSlab"], 3)
-    assert run_every(INTERACTIONS, bugs.TWINS["ResetScrubsSharedSlab"], 3) > 0
+        run_every(INTERACTIONS, bugs.INTERPLAY_BUGS[bug], tokens)
+    assert run_every(INTERACTIONS, bugs.TWINS[bug], tokens) > 0
 
 
 def test_a_walk_that_calls_what_the_cache_lacks_is_counted_apart():

@@ -142,7 +142,7 @@ def check_every_offered_pair(
     model = kvtensors.build_model(config, dtype)
     for number, walk in enumerate(walks):
         name = f"walk {number + 1} of {len(walks)}"
-        if walk[0].rows is not None:
+        if walk[0].rows is not None:  # rows of their own, on a batch of their own
             run_rows_walk(factory, model, walk, most, rows_built(), path, name)
         else:
             run_walk(factory, model, walk, most, batch, path, name)
@@ -150,10 +150,14 @@ def check_every_offered_pair(
 
 def run_exhaustive_walk(factory: CacheFactory, walk: Walk, path: str) -> None:
     needs = {interplay.BY_NAME[step.kind].needs for step in walk.steps} - {None}
+    by_row = walk.steps[0].rows is not None
+    if by_row:  # every event on rows of their own feeds them so
+        needs.add("append_rows")
     if missing := sorted(needs - events_offered(factory)):
         raise failures.NotOffered(f"the walk calls {', '.join(missing)}")
     model = kvtensors.build_model(walk.config, walk.dtype)
-    run_walk(factory, model, walk.steps, walk.tokens, walk.batch, path, "exhaustive walk")
+    run = run_rows_walk if by_row else run_walk
+    run(factory, model, walk.steps, walk.tokens, walk.batch, path, "exhaustive walk")
 
 
 def walk_engine(factory, model, most: int, path: str, said: Callable[[], str]) -> Engine:
