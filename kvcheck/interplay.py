@@ -208,6 +208,14 @@ KINDS = (
     Kind("select rows", "select_rows", ROW_STATES, ROW_STATES, rows=True),
     Kind("join", "join", ROW_STATES, ROW_STATES[1:], rows=True),
     Kind(
+        "shift rows",
+        "shift per row",
+        ROW_STATES[1:],
+        ROW_STATES,
+        why_not="rows that hold nothing have no span to discard",
+        rows=True,
+    ),
+    Kind(
         "reset rows",
         "reset_at",
         ROW_STATES[1:],
@@ -261,10 +269,11 @@ def offered_pairs(offered: set[str] | frozenset[str], batch: int = ROWS_BUILT) -
 
 def _room_for(pair: str, batch: int) -> bool:
     """Whether a batch built for ``batch`` rows has room for ``pair``: rows apart are two
-    or more, a join leaves two or more, a join needs a row free besides those, and a row to feed
-    beside a full one is a second."""
+    or more, so are those a join leaves and a full row a shift left (another row shifted);
+    a join needs a row free besides those, and a row to feed beside a full one is one more."""
     first, state, then = split(pair)
-    rows = 2 if state == "apart" or first == "join" else 1
+    shifted_full = first == "shift rows" and state == "a row full"  # another row shifted
+    rows = 2 if state == "apart" or first == "join" or shifted_full else 1
     if then == "join" or (then == "feed rows" and state == "a row full"):
         rows += 1
     return rows <= batch
@@ -322,12 +331,14 @@ class Step:
     start: int | None = None  # a shift's first position discarded; None: the walk's choice
     order: tuple[int, ...] | None = None  # a reorder's, a select's rows; None: the walk's choice
     rows: tuple[int, ...] | None = None  # on rows of their own: each row's length it leaves
+    starts: tuple[int, ...] | None = None  # a shift per row's first position of each span
 
     def describe(self) -> str:
         detail = "" if self.start is None else f" from {self.start}"
         if self.rows is not None:
             order = "" if self.order is None else f" {list(self.order)}"
-            return f"{self.kind}{order}, rows to {list(self.rows)}"
+            starts = "" if self.starts is None else f" from {list(self.starts)}"
+            return f"{self.kind}{order}{starts}, rows to {list(self.rows)}"
         detail += "" if self.order is None else f" by {list(self.order)}"
         return f"{self.kind} to {self.length}{detail}"
 
@@ -395,8 +406,8 @@ def _moves(here: Step | None, kinds: list[Kind], most: int, page: int, batch: in
         state = rows_state(rows, most)
         for then in kinds:
             if then.rows and state in then.runs_in:
-                for after, order in _row_moves(then.name, rows, most, page, batch):
-                    yield Step(then.name, max(after), rows_state(after, most), None, order, after)
+                for after, given in _row_moves(then.name, rows, most, page, batch):
+                    yield Step(then.name, max(after), rows_state(after, most), rows=after, **given)
 
 
 def _row_moves(name: str, rows: tuple[int, ...], most: int, page: int, built: int):
@@ -417,7 +428,7 @@ def _row_moves(name: str, rows: tuple[int, ...], most: int, page: int, built: in
         for after in sorted(fed):
             after = tuple(min(most, n) for n in after)
             if after != rows and all(a >= n for a, n in zip(after, rows, strict=True)):
-                yield after, None
+                yield after, {}
     elif name == "truncate rows":  # to the shortest, the first row emptied, one back each,
         # to each row's page edge, every row emptied (none back too: a rollback of nothing)
         kept = {
@@ -427,24 +438,47 @@ def _row_moves(name: str, rows: tuple[int, ...], most: int, page: int, built: in
             tuple(n // page * page for n in rows),
             (0,) * batch,
         }
-        yield from ((after, None) for after in sorted(kept))
+        yield from ((after, {}) for after in sorted(kept))
     elif name == "select rows":  # every row in reverse, and the first leaving
         for order in sorted({tuple(range(batch))[::-1], tuple(range(1, batch)) or (0,)}):
-            yield tuple(rows[b] for b in order), order
+            yield tuple(rows[b] for b in order), {"order": order}
+    elif name == "shift rows":  # each row's head, middle or tail span, or the first row's
+        # whole history beside the others' first token (every later key moves)
+        yield from _row_shifts(rows, page)
     elif name == "join" and batch < built:  # a request of one row: a token, as long as the
         # longest row, a page, full
         for prompt in sorted({1, max(1, longest), page, most}):
-            yield (*rows, prompt), None
+            yield (*rows, prompt), {}
     elif name == "reset rows" and batch == built:  # as the caches were built (8.3)
-        yield (0,) * batch, None
+        yield (0,) * batch, {}
+
+
+def _row_shifts(rows: tuple[int, ...], page: int):
+    """Spans per row a shift discards (row b's from ``starts[b]``), as (lengths left,
+    starts): each row one token from its head, two from its middle, a page from its tail,
+    the first row's whole history beside every other row's first token, and the last row's
+    first token alone (a full row beside it stays full); a row too short discards what it
+    has."""
+    spans = [
+        [(0, min(1, n)) for n in rows],
+        [*((0, 0) for _ in rows[:-1]), (0, min(1, rows[-1]))],
+        [(n // 2, min(2, n - n // 2)) for n in rows],
+        [(max(0, n - page), min(page, n)) for n in rows],
+        [(0, rows[0]), *((0, min(1, n)) for n in rows[1:])],
+    ]
+    for span in dict.fromkeys(tuple(span) for span in spans):
+        if any(count for _, count in span):
+            left = tuple(n - count for n, (_, count) in zip(rows, span, strict=True))
+            yield left, {"starts": tuple(start for start, _ in span)}
 
 
 def _way_to_a_pair(here, todo: set[str], kinds: list[Kind], sizes: tuple[int, int, int]):
     """The fewest steps from ``here`` whose last runs a pair of ``todo``, ending where most
     of ``todo`` remain (breadth first over (event, lengths left)); ``sizes`` are the most
     tokens, the page and the rows built, as ``_moves`` takes them. From a step, a walk keeps
-    to its vocabulary and gives up past ``SEARCHED`` steps seen (the rows' lengths are many):
-    the next walk starts from empty caches, where every offered pair is in reach."""
+    to its vocabulary. The search gives up past ``SEARCHED`` steps seen (the rows' lengths
+    are many): the next walk starts from empty caches, where every offered pair is in reach
+    (tests/test_interactions.py holds every offered pair run)."""
     if here is not None:
         todo = {pair for pair in todo if BY_NAME[split(pair)[0]].rows == (here.rows is not None)}
     remaining: dict[tuple[str, str], int] = {}
@@ -464,13 +498,13 @@ def _way_to_a_pair(here, todo: set[str], kinds: list[Kind], sizes: tuple[int, in
                     ahead.append((step, [*path, step]))
         if found:
             return max(found, key=lambda path: remaining.get((path[-1].kind, path[-1].state), 0))
-        if here is not None and len(seen) > SEARCHED:
+        if len(seen) > SEARCHED:
             return None
         frontier = ahead
     return None
 
 
-SEARCHED = 2000
+SEARCHED = 5000
 
 
 def pairs_of(walk: tuple[Step, ...]) -> Iterator[str]:
@@ -538,8 +572,8 @@ def _every_move(here: Step | None, kinds: list[Kind], most: int, batch: int) -> 
         state = rows_state(rows, most)
         for kind in kinds:
             if kind.rows and state in kind.runs_in:
-                for after, order in _every_row_move(kind.name, rows, most, batch):
-                    yield Step(kind.name, max(after), rows_state(after, most), None, order, after)
+                for after, given in _every_row_move(kind.name, rows, most, batch):
+                    yield Step(kind.name, max(after), rows_state(after, most), rows=after, **given)
 
 
 def _every_batch_move(held: int, kinds: list[Kind], most: int, batch: int) -> Iterator[Step]:
@@ -565,17 +599,29 @@ def _every_row_move(name: str, rows: tuple[int, ...], most: int, built: int):
     if name == "feed rows":  # every row's count, one token at least in all
         for after in itertools.product(*(range(n, most + 1) for n in rows)):
             if after != rows:
-                yield after, None
+                yield after, {}
     elif name == "truncate rows":  # every length each row keeps
-        yield from ((after, None) for after in itertools.product(*(range(n + 1) for n in rows)))
+        yield from ((after, {}) for after in itertools.product(*(range(n + 1) for n in rows)))
     elif name == "select rows":  # every order of every rows kept
         for kept in range(1, len(rows) + 1):
             for order in itertools.permutations(range(len(rows)), kept):
-                yield tuple(rows[b] for b in order), order
+                yield tuple(rows[b] for b in order), {"order": order}
+    elif name == "shift rows":  # every span of each row, one token discarded at least
+        spans = [  # a row that discards nothing is one span, whatever its start
+            [
+                (0, 0),
+                *((start, count) for count in range(1, n + 1) for start in range(n - count + 1)),
+            ]
+            for n in rows
+        ]
+        for span in itertools.product(*spans):
+            if any(count for _, count in span):
+                left = tuple(n - count for n, (_, count) in zip(rows, span, strict=True))
+                yield left, {"starts": tuple(start for start, _ in span)}
     elif name == "join" and len(rows) < built:  # a request of one row, every prompt
-        yield from (((*rows, prompt), None) for prompt in range(1, most + 1))
+        yield from (((*rows, prompt), {}) for prompt in range(1, most + 1))
     elif name == "reset rows" and len(rows) == built:
-        yield (0,) * len(rows), None
+        yield (0,) * len(rows), {}
 
 
 def table() -> str:

@@ -35,6 +35,7 @@ from tests.independent.kivi_group_cache import KiviGroupCache
 from tests.independent.left_padded_batch_cache import LeftPaddedBatchCache
 from tests.independent.left_padded_shifting_cache import LeftPaddedShiftingCache
 from tests.independent.list_cache import ListCache
+from tests.independent.packed_varlen_cache import PackedVarlenCache
 from tests.independent.paged_cache import PagedCache
 from tests.independent.paged_latent_cache import PagedLatentCache
 from tests.independent.pooled_ring_cache import RingCache
@@ -164,6 +165,16 @@ class TestLeftPaddedBatchCache(*depth.written_for(CoreTests, RowsTests)):
     them (contract, section 8.1), written from the contract alone."""
 
     factory = LeftPaddedBatchCache
+    examples_scale = EXAMPLES_SCALE
+
+
+class TestPackedVarlenCache(*depth.written_for(CoreTests, RowsTests)):
+    """Rows of their own packed back to back in one (total_tokens, H_kv, D) tensor pair with
+    cumulative offsets, as flash-attn's varlen kernels take them (cu_seqlens), fed
+    left-padded and returned left-aligned (contract, section 8.1), written from the contract
+    alone."""
+
+    factory = PackedVarlenCache
     examples_scale = EXAMPLES_SCALE
 
 

@@ -215,7 +215,8 @@ def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str) 
 def run_rows_walk(factory, model, walk, most: int, batch: int, path: str, name: str) -> None:
     """A walk of events on rows of their own (contract, section 8): rows fed their counts
     (pads of each poison in turn), rolled back per row, leaving, a request of one row joining,
-    every row restarting at a position of its own (7 apart, every other time past ``most``)."""
+    a span of each row shifted out, every row restarting at a position of its own (7 apart,
+    every other time past ``most``)."""
     done: list[str] = []  # the events so far, as a failure names them
     engine = walk_engine(factory, model, most, path, lambda: f"{name}: {', '.join(done)}")
     request = engine.start("r0", batch)
@@ -233,6 +234,9 @@ def run_rows_walk(factory, model, walk, most: int, batch: int, path: str, name: 
             engine.truncate_rows(request, list(step.rows), at=at)
         elif step.kind == "select rows":
             engine.select_rows(request, list(step.order), at=at)
+        elif step.kind == "shift rows":
+            counts = [held - n for n, held in zip(step.rows, request.row_lengths(), strict=True)]
+            engine.shift_rows(request, list(step.starts), counts, at=at)
         elif step.kind == "join":
             tokens += 1
             joining = engine.start(f"r{index}, joining", 1)

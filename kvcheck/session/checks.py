@@ -100,7 +100,8 @@ def refusal_allowed(
 
 # --- the plans the oracle follows ---------------------------------------------------------
 def not_row_shifted(request: Request, call: str) -> None:
-    # Each row's oracle after a shift per row follows feeds by row and further shifts per
-    # row only (no plan does more).
+    # Each row's oracle after a shift per row follows the events on rows of their own only
+    # (feeds, truncates, selections and joins by row, further shifts per row): a batch
+    # event on rows of their own is no plan's.
     if request.row_shifted is not None:
         raise TypeError(f"{call} of {request.name} after a shift per row: no plan does so")

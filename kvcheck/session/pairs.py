@@ -29,6 +29,7 @@ ROW_EVENTS = {
     rows.TruncateRows: "truncate rows",
     rows.SelectRows: "select rows",
     rows.Join: "join",
+    shift.ShiftRows: "shift rows",
 }
 
 
@@ -37,7 +38,7 @@ def noted(event, engine, result) -> None:
     request, noted (``kvcheck.reach``); an event of no kind here ends the request's run of
     pairs, so that none is named across it."""
     request, kind = getattr(event, "request", None), ROW_EVENTS.get(type(event))
-    if kind == "truncate rows" and result is False:  # refused: nothing changed
+    if kind in ("truncate rows", "shift rows") and result is False:  # refused: no change
         kind = None
     elif isinstance(event, rows.ResetAt) and event.by_row:
         kind = "reset rows"

@@ -21,12 +21,12 @@ from kvcheck.session.checks import (
     check_firsts,
     check_lengths,
     check_row_lengths,
-    not_row_shifted,
     refused_by_a_cache,
     windows,
 )
 from kvcheck.session.events.base import Event, Session
 from kvcheck.session.request import Request
+from kvcheck.session.shifted import row_rows
 from kvref import may_refuse_truncate
 
 
@@ -42,7 +42,6 @@ class TruncateRows(Event):
     at: str = ""
 
     def before(self, engine: Session) -> None:
-        not_row_shifted(self.request, "truncate_rows")
         self.rows = self.request.own_rows()
         self.what = f"truncate_rows to {self.keep}{self.at}"
 
@@ -73,6 +72,12 @@ class TruncateRows(Event):
 
     def update(self, engine: Session) -> None:
         self.request.rows = [row[:n] for row, n in zip(self.rows, self.keep, strict=True)]
+        if (shifted := self.request.row_shifted) is not None:  # each row keeps its head
+            for b, n in enumerate(self.keep):
+                shifted[b] = tuple(
+                    [(keys[:, :, :n], values[:, :, :n]) for keys, values in rows]
+                    for rows in shifted[b]
+                )
 
     def verify(self, engine: Session) -> None:
         check_row_lengths(engine, self.request, self.what)
@@ -90,7 +95,6 @@ class SelectRows(Event):
     at: str = ""
 
     def before(self, engine: Session) -> None:
-        not_row_shifted(self.request, "select_rows")
         self.rows = self.request.own_rows()
 
     def apply(self, engine: Session) -> None:
@@ -103,6 +107,8 @@ class SelectRows(Event):
         firsts = request.row_firsts()
         request.rows = [self.rows[b] for b in indices]
         request.firsts = [firsts[b] for b in indices]
+        if request.row_shifted is not None:
+            request.row_shifted = [request.row_shifted[b] for b in indices]
 
     def verify(self, engine: Session) -> None:
         check_row_lengths(engine, self.request, f"select_rows {self.indices}{self.at}")
@@ -118,10 +124,12 @@ class Join(Event):
     at: str = ""
 
     def before(self, engine: Session) -> None:
-        not_row_shifted(self.request, "join")
-        not_row_shifted(self.other, "join")
         self.rows, self.theirs = self.request.own_rows(), self.other.own_rows()
         self.firsts = [*self.request.row_firsts(), *self.other.row_firsts()]
+        # Where either side was shifted per row, the rows its oracle keeps for every row.
+        self.shifted = None
+        if self.request.row_shifted is not None or self.other.row_shifted is not None:
+            self.shifted = [*held_by_row(engine, self.request), *held_by_row(engine, self.other)]
 
     def apply(self, engine: Session) -> None:
         for cache, joining in zip(self.request.caches, self.other.caches, strict=True):
@@ -131,6 +139,7 @@ class Join(Event):
         engine.live.pop(self.other.name, None)
         self.other.caches = None
         self.request.rows, self.request.firsts = [*self.rows, *self.theirs], self.firsts
+        self.request.row_shifted = self.shifted
 
     def verify(self, engine: Session) -> None:
         check_row_lengths(engine, self.request, f"{self.other.name} joins{self.at}")
@@ -166,3 +175,11 @@ class ResetAt(Event):
         else:
             check_lengths(engine, self.request, f"reset_at {self.firsts[0]}{self.at}")
         check_firsts(engine, self.request, f"reset_at {self.firsts}{self.at}")
+
+
+def held_by_row(engine: Session, request: Request) -> list:
+    """What ``request``'s oracle holds for each row, alone at batch 1: the rows a shift per
+    row left (``Request.row_shifted``), else the uncached pass over each row's history."""
+    if request.row_shifted is not None:
+        return list(request.row_shifted)
+    return [row_rows(engine, request, b) for b in range(request.batch)]
