@@ -362,7 +362,17 @@ def covering_walks(
     page: int,
     longest: int = 24,
     batch: int = ROWS_BUILT,
-) -> list[tuple[Step, ...]]:
+) -> tuple[tuple[Step, ...], ...]:
+    """``_covering_walks``, built once per worker for each set of events and sizes (a
+    search over rows' lengths takes most of a second, and every test of ``interactions``
+    asks for the walks of its cache)."""
+    return _covering_walks(frozenset(offered), most, page, longest, batch)
+
+
+@functools.cache
+def _covering_walks(
+    offered: frozenset[str], most: int, page: int, longest: int, batch: int
+) -> tuple[tuple[Step, ...], ...]:
     """Walks from empty caches (built for ``most`` tokens, pages of ``page`` rows; a batch
     with rows of their own, for ``batch`` rows) that between them run every pair of
     ``offered_pairs``, by construction. From where a walk stands (its last event and the
@@ -388,7 +398,7 @@ def covering_walks(
             walk.append(step)
     if walk:
         walks.append(tuple(walk))
-    return walks
+    return tuple(walks)
 
 
 def _moves(here: Step | None, kinds: list[Kind], most: int, page: int, batch: int):
@@ -486,15 +496,16 @@ def _way_to_a_pair(here, todo: set[str], kinds: list[Kind], sizes: tuple[int, in
         first, state, _ = split(pair)
         remaining[(first, state)] = remaining.get((first, state), 0) + 1
     frontier: list[tuple[Step | None, list[Step]]] = [(here, [])]
-    seen = {here}
+    seen: set[tuple] = set()
     while frontier:
         found, ahead = [], []
         for node, path in frontier:
             for step in _moves(node, kinds, *sizes):
                 if node is not None and pair_name(node.kind, node.state, step.kind) in todo:
                     found.append([*path, step])
-                if step not in seen:
-                    seen.add(step)
+                # Steps that leave the same lengths by another order or span go on alike.
+                if (where := (step.kind, step.length, step.rows)) not in seen:
+                    seen.add(where)
                     ahead.append((step, [*path, step]))
         if found:
             return max(found, key=lambda path: remaining.get((path[-1].kind, path[-1].state), 0))

@@ -56,7 +56,7 @@ def pairs_offered(factory: CacheFactory) -> list[str]:
     return interplay.offered_pairs(events_offered(factory), rows_built())
 
 
-def walks_for(factory: CacheFactory) -> tuple[list[tuple[interplay.Step, ...]], int, int]:
+def walks_for(factory: CacheFactory) -> tuple[tuple[tuple[interplay.Step, ...], ...], int, int]:
     """The covering walks for ``factory``'s caches, the tokens they are built for and their
     page: pages of the page the cache declares (16 rows otherwise), two of them and five
     tokens more, so that every state is a few tokens from every other."""
