@@ -27,6 +27,7 @@ from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck import tensors as kvtensors
 from kvcheck.kit import KitTests, Property, offered, probe_spec, property_test
+from kvcheck.properties.rows import RowsRun
 from kvcheck.session import Engine, Request
 from kvref import CacheFactory, ModelConfig
 from kvref.reprs import short_repr
@@ -213,41 +214,43 @@ def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str) 
 
 
 def run_rows_walk(factory, model, walk, most: int, batch: int, path: str, name: str) -> None:
-    """A walk of events on rows of their own (contract, section 8): rows fed their counts
-    (pads of each poison in turn), rolled back per row, leaving, a request of one row joining,
-    a span of each row shifted out, every row restarting at a position of its own (7 apart,
-    every other time past ``most``)."""
+    """A walk of events on rows of their own (contract, section 8), run as every plan of rows
+    of their own is (``kvcheck.properties.rows.RowsRun``): pads of each poison in turn, a
+    request of one row joining at a position of its own, every row restarting at positions
+    of their own (7 apart, every other time past ``most``)."""
     done: list[str] = []  # the events so far, as a failure names them
     engine = walk_engine(factory, model, most, path, lambda: f"{name}: {', '.join(done)}")
-    request = engine.start("r0", batch)
+    generator = torch.Generator().manual_seed(0)  # every feed brings new tokens
+
+    def tokens(count: int) -> torch.Tensor:
+        drawn = torch.randint(0, model.config.vocab_size, (count,), generator=generator)
+        return drawn.to(model.device)
+
     pads = sorted(kvtensors.POISON_VALUES)
-    tokens = 0  # every feed brings new tokens: the seed of the next ones
+    run = RowsRun(engine, engine.start("r0", batch), tokens, pads[0])
     for index, step in enumerate(walk):
         done.append(step.describe())
-        at = f" (step #{index})"
-        if step.kind == "feed rows":
-            counts = [n - held for n, held in zip(step.rows, request.row_lengths(), strict=True)]
-            tokens += 1
-            new = [kvtensors.random_tokens(model.config, 1, count, tokens)[0] for count in counts]
-            engine.feed_rows(request, new, pad=pads[index % len(pads)], at=at)
-        elif step.kind == "truncate rows":
-            engine.truncate_rows(request, list(step.rows), at=at)
-        elif step.kind == "select rows":
-            engine.select_rows(request, list(step.order), at=at)
-        elif step.kind == "shift rows":
-            counts = [held - n for n, held in zip(step.rows, request.row_lengths(), strict=True)]
-            engine.shift_rows(request, list(step.starts), counts, at=at)
-        elif step.kind == "join":
-            tokens += 1
-            joining = engine.start(f"r{index}, joining", 1)
-            prompt = kvtensors.random_tokens(model.config, 1, step.rows[-1], tokens)
-            engine.feed_rows(joining, [prompt[0]], at=at)
-            engine.join(request, joining, at=at)
-        elif step.kind == "reset rows":
-            firsts = [most * (index % 2) + 7 * row for row in range(batch)]
-            engine.reset_at(request, firsts, at=at)
+        run.pad = pads[index % len(pads)]
+        run.event(*row_event(step, run.batch.row_lengths(), index, most), f" (step #{index})")
         engine.check(f"step #{index}, {step.describe()}")
     engine.finish()
+
+
+def row_event(step: interplay.Step, held: list[int], index: int, most: int) -> tuple:
+    """``step`` of a walk on rows of their own as the event ``(kind, arg)`` of
+    ``RowsRun``, the rows holding ``held`` tokens each before it."""
+    left = step.rows
+    if step.kind == "feed rows":
+        return "feed", tuple(n - h for n, h in zip(left, held, strict=True))
+    if step.kind == "truncate rows":
+        return "truncate", left
+    if step.kind == "select rows":
+        return "select", step.order
+    if step.kind == "shift rows":
+        return "shift", (step.starts, tuple(h - n for n, h in zip(left, held, strict=True)))
+    if step.kind == "join":
+        return "join", ((left[-1], 3 * index),)
+    return "restart", tuple(most * (index % 2) + 7 * row for row in range(len(left)))
 
 
 def settle(engine: Engine, forks: list[Request], tokens: int) -> int:

@@ -231,56 +231,84 @@ def joining_requests(draw, room: int) -> tuple[tuple[int, int], ...]:
 def check_mixed_lengths(factory: CacheFactory, plan: RowsPlan) -> None:
     """Every row's new logits, at every event, equal the uncached model on that row alone."""
     engine, tokens = rows_engine(factory, plan, MAX_LENGTH)
-    batch = engine.start("the batch", plan.batch)
-    # The names, not the cache (a pool must have every block back at the end), asked of the
-    # cache itself (an adapter may offer them through __getattr__).
-    offered = {
-        name
-        for name in (*NEEDS.values(), "reset_at")
-        if callable(getattr(batch.caches[0].cache, name, None))
-    }
-
-    def offers(name: str) -> bool:
-        return name in offered
-
-    if plan.firsts is not None and offers("reset_at"):
-        engine.reset_at(batch, list(plan.firsts))
-        note_first_positions(plan.firsts)
-    moved = False  # rows left, were reordered or joined since the batch's last reset
+    run = RowsRun(engine, engine.start("the batch", plan.batch), tokens, plan.pad)
+    if plan.firsts is not None and run.offers("reset_at"):
+        run.event("restart", plan.firsts, "")
     for index, (kind, arg) in enumerate(plan.events):
-        if kind in NEEDS and not offers(NEEDS[kind]):
+        if kind in NEEDS and not run.offers(NEEDS[kind]):
             break  # not offered: the rest of the plan was drawn for the rows it would leave
-        at = f" (event #{index})"
+        run.event(kind, arg, f" (event #{index})")
+        engine.check(f"event #{index}")
+        if any(any(map(any, cache.rows_below or ())) for cache in run.batch.caches):
+            reach.note(ROWS_IN_CODES)
+    engine.finish()
+
+
+class RowsRun:
+    """A batch whose rows are requests of their own, on an engine, and the one way its events
+    run (``mixed lengths``, the shifts per row, the walks of ``interactions``): each event
+    ``(kind, arg)`` of the vocabulary below, on the session engine, noting the edges it
+    reaches (``kvcheck.reach``).
+
+    - ``("feed", counts)``: row b fed ``counts[b]`` new tokens (0: an empty slot), pads of
+      ``pad``;
+    - ``("truncate", keep)``: row b keeps its first ``keep[b]`` tokens;
+    - ``("select", kept)``: the batch becomes rows ``kept``, in that order;
+    - ``("join", ((prompt, first), ...))``: a request of those rows, prefilled alone (at
+      those first positions where ``reset_at`` is offered), joins after the last row;
+    - ``("restart", firsts)``: every row empty, row b's next token at ``firsts[b]``;
+    - ``("shift", (starts, counts))``: row b discards ``counts[b]`` tokens from
+      ``starts[b]`` (section 8.4)."""
+
+    def __init__(self, engine: Engine, batch, tokens: Callable, pad: str) -> None:
+        self.engine, self.batch, self.tokens, self.pad = engine, batch, tokens, pad
+        # The names, not the cache (a pool must have every block back at the end), asked of
+        # the cache itself (an adapter may offer them through __getattr__).
+        cache = batch.caches[0].cache
+        self.offered = {
+            name for name in (*NEEDS.values(), "reset_at") if callable(getattr(cache, name, None))
+        }
+        self.moved = False  # rows left, were reordered or joined since the batch's last reset
+
+    def offers(self, name: str) -> bool:
+        return name in self.offered
+
+    def event(self, kind: str, arg, at: str) -> bool:
+        """Run ``(kind, arg)``; False where a window refused it as it may (a truncate or a
+        shift: the books stay)."""
+        engine, batch = self.engine, self.batch
         held = batch.row_lengths()
         if kind == "feed":
-            engine.feed_rows(batch, [tokens(count) for count in arg], pad=plan.pad, at=at)
-            note_feed(arg, held, batch.firsts or [0] * len(held), plan.pad)
+            new = [self.tokens(count) for count in arg]
+            engine.feed_rows(batch, new, pad=self.pad, at=at)
+            note_feed(arg, held, batch.row_firsts(), self.pad, engine.max_length)
             note_attention_path(batch.caches[0].rows_returned)
         elif kind == "truncate":
-            if engine.truncate_rows(batch, list(arg), at=at):
-                note_rollback(arg, held)
+            if not engine.truncate_rows(batch, list(arg), at=at):
+                return False
+            note_rollback(arg, held)
         elif kind == "select":
             engine.select_rows(batch, list(arg), at=at)
             note_selection(arg, len(held))
-            moved = True
+            self.moved = True
         elif kind == "restart":
             engine.reset_at(batch, list(arg), at=at)
             note_first_positions(arg)
-            if moved:
+            if self.moved:
                 reach.note(RESTART_AFTER_MOVES)
-            moved = False
-        else:
-            joining = engine.start(f"joining #{index}", len(arg))
-            if offers("reset_at"):
+            self.moved = False
+        elif kind == "join":
+            joining = engine.start("a request prefilled alone", len(arg))
+            if self.offers("reset_at"):
                 engine.reset_at(joining, [first for _, first in arg], at=at)
-            engine.feed_rows(joining, [tokens(prompt) for prompt, _ in arg], pad=plan.pad, at=at)
+            prompts = [self.tokens(prompt) for prompt, _ in arg]
+            engine.feed_rows(joining, prompts, pad=self.pad, at=at)
             engine.join(batch, joining, at=at)
-            note_join(arg, with_firsts=offers("reset_at"))
-            moved = True
-        engine.check(f"event #{index}")
-        if any(any(map(any, cache.rows_below or ())) for cache in batch.caches):
-            reach.note(ROWS_IN_CODES)
-    engine.finish()
+            note_join(arg, with_firsts=self.offers("reset_at"))
+            self.moved = True
+        else:
+            return engine.shift_rows(batch, *map(list, arg), at=at)
+        return True
 
 
 # The edges of sections 8.1-8.3 the plans must reach (kvcheck.reach), each noted below when
@@ -338,8 +366,9 @@ def note_attention_path(returned) -> None:
         reach.note(ONE_CALL if bool(returned[2].all()) else VARLEN)
 
 
-def note_feed(counts, held: list[int], firsts: list[int], pad: str) -> None:
-    """The edges a feed of ``counts`` ran, the rows holding ``held`` before it."""
+def note_feed(counts, held: list[int], firsts: list[int], pad: str, most: int) -> None:
+    """The edges a feed of ``counts`` ran, the rows holding ``held`` before it (of caches
+    built for ``most`` tokens a row)."""
     fed = [count for count in counts if count]
     if not any(held):  # prompts into empty rows
         spread = max(counts) - min(counts)
@@ -350,7 +379,7 @@ def note_feed(counts, held: list[int], firsts: list[int], pad: str) -> None:
         reach.note(PADS[pad])
     if fed and 0 in counts:
         reach.note(EMPTY_SLOT)
-    if fed and any(n == MAX_LENGTH and not c for n, c in zip(held, counts, strict=True)):
+    if fed and any(n == most and not c for n, c in zip(held, counts, strict=True)):
         reach.note(FULL_ROW_IDLE)
     spans = zip(firsts, held, counts, strict=True)
     if any(first + n < ROPE_TABLE_POSITIONS <= first + n + c - 1 for first, n, c in spans):

@@ -47,6 +47,7 @@ from kvcheck.harness import PATHS
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
 from kvcheck.properties.rows import (
     FIRST_POSITIONS,
+    RowsRun,
     drawn_rows_plan,
     prompt_counts,
     row_feeds,
@@ -588,21 +589,17 @@ def check_row_shifts(factory: CacheFactory, plan: RowShiftPlan) -> None:
     that row's rows alone, at batch 1, as its own shifts left them; and every append_rows
     returns them (re-rotated keys within rounding)."""
     engine, tokens = rows_engine(factory, plan, ROW_MAX_LENGTH)
-    batch = engine.start("the batch", plan.batch)
-    firsts = [0] * plan.batch
-    if plan.firsts is not None and callable(getattr(batch.caches[0].cache, "reset_at", None)):
-        engine.reset_at(batch, list(plan.firsts))
-        firsts = list(plan.firsts)
+    run = RowsRun(engine, engine.start("the batch", plan.batch), tokens, plan.pad)
+    if plan.firsts is not None and run.offers("reset_at"):
+        run.event("restart", plan.firsts, "")
     shifts = 0
     for index, (kind, arg) in enumerate(plan.events):
-        at = f" (event #{index})"
-        if kind == "feed":
-            engine.feed_rows(batch, [tokens(count) for count in arg], pad=plan.pad, at=at)
-        else:
-            held = batch.row_lengths()
-            if not engine.shift_rows(batch, *arg, at=at):
-                break  # a window refused as it may: the rest was drawn for the shifted rows
+        held = run.batch.row_lengths()
+        if not run.event(kind, arg, f" (event #{index})"):
+            break  # a window refused as it may: the rest was drawn for the shifted rows
+        if kind == "shift":
             shifts += 1
+            firsts = run.batch.row_firsts()
             reach.note(*row_shift_edges(held, firsts, *arg, repeated=shifts > 1))
         engine.check(f"event #{index}")
     engine.finish()
