@@ -518,6 +518,16 @@ def _way_to_a_pair(here, todo: set[str], kinds: list[Kind], sizes: tuple[int, in
 SEARCHED = 5000
 
 
+def fewest_steps_to(
+    pair: str, offered: frozenset[str], most: int, page: int, batch: int = ROWS_BUILT
+) -> tuple[Step, ...] | None:
+    """The walk of fewest events from empty caches that ends by running ``pair`` (sizes as
+    ``covering_walks`` takes them), or None where none does within the search."""
+    kinds = kinds_offered(offered, batch)
+    path = _way_to_a_pair(None, {pair}, kinds, (most, page, batch))
+    return tuple(path) if path else None
+
+
 def pairs_of(walk: tuple[Step, ...]) -> Iterator[str]:
     for before, after in itertools.pairwise(walk):
         yield pair_name(before.kind, before.state, after.kind)

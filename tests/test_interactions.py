@@ -10,14 +10,15 @@ import itertools
 import pytest
 import torch
 
-from kvcheck import interplay, reach
+from kvcheck import failures, interplay, reach
 from kvcheck import tensors as kvtensors
-from kvcheck.properties.interactions import pairs_offered, run_walk
+from kvcheck.properties.interactions import check_every_offered_pair, pairs_offered, run_walk
 from kvcheck.session import Engine
 from kvimpl import ConcatCache
 from kvimpl.preallocated import PreallocatedCache
 from kvref import CacheContractError, ModelConfig, check_append, check_truncate
 from tests import depth
+from tests import interplay as bugs
 from tests.pytest_run import run_in_process
 
 # The capabilities the batch's events need, and the methods rows of their own's need.
@@ -309,6 +310,18 @@ def test_a_bug_where_a_truncate_meets_a_page_boundary_is_caught():
     run_all(ChunkListCache)  # the correct twin holds every walk
     with pytest.raises((AssertionError, CacheContractError)):
         run_all(lambda spec: ChunkListCache(spec, stale_edge=True))
+
+
+def test_a_failing_walk_is_told_on_the_fewest_events_to_its_pair():
+    # The slot bug fails the first covering walk at its 17th step (a select, then a join);
+    # three events from empty caches reach the same pair and fail too: those are told, the
+    # covering walk's failure is what they were raised from.
+    with pytest.raises(failures.DataLoss) as caught:
+        check_every_offered_pair(bugs.INTERPLAY_BUGS["JoinReusesLiveSlot"])
+    told, found = caught.value, caught.value.__cause__
+    assert isinstance(found, failures.DataLoss)
+    assert "(step #2)" in str(told), failures.whole_message(told)
+    assert "(step #16)" in str(found), failures.whole_message(found)
 
 
 def test_the_verdict_counts_the_pairs_that_ran(pytester):

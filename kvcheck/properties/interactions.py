@@ -138,15 +138,42 @@ def check_every_offered_pair(
     if walk is not None:
         run_exhaustive_walk(factory, walk, path)
         return
-    walks, most, _ = walks_for(factory)
+    walks, most, page = walks_for(factory)
     config, dtype, batch = model_for_the_walks()
     model = kvtensors.build_model(config, dtype)
-    for number, walk in enumerate(walks):
-        name = f"walk {number + 1} of {len(walks)}"
+
+    def run(walk, name: str, done: list[str]) -> None:
         if walk[0].rows is not None:  # rows of their own, on a batch of their own
-            run_rows_walk(factory, model, walk, most, rows_built(), path, name)
+            run_rows_walk(factory, model, walk, most, rows_built(), path, name, done)
         else:
-            run_walk(factory, model, walk, most, batch, path, name)
+            run_walk(factory, model, walk, most, batch, path, name, done)
+
+    for number, walk in enumerate(walks):
+        name, done = f"walk {number + 1} of {len(walks)}", []
+        try:
+            run(walk, name, done)
+        except failures.OutsideDomain:
+            raise
+        except Exception as error:
+            # A covering walk is long: the failure is told on the fewest events from empty
+            # caches to the pair it failed at, where those fail too.
+            pairs = list(interplay.pairs_of(walk[: len(done)]))
+            events = events_offered(factory)
+            smaller = pairs and interplay.fewest_steps_to(
+                pairs[-1], events, most, page, rows_built()
+            )
+            if not smaller or len(smaller) >= len(done):
+                raise
+            try:
+                run(smaller, "the fewest events to the same pair", [])
+            except Exception as again:
+                again.add_note(
+                    f"  found by interactions {name} at its step #{len(done) - 1} "
+                    f"(pair {pairs[-1]}); these are the fewest events from empty caches to "
+                    "that pair, and they fail too"
+                )
+                raise again from error
+            raise
 
 
 def run_exhaustive_walk(factory: CacheFactory, walk: Walk, path: str) -> None:
@@ -169,8 +196,10 @@ def walk_engine(factory, model, most: int, path: str, said: Callable[[], str]) -
     )
 
 
-def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str) -> None:
-    done: list[str] = []  # the events so far, as a failure names them
+def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str, done=None) -> None:
+    """A walk of events on a batch fed as one; ``done`` (a list) gets the events as they
+    start, which a failure names."""
+    done = [] if done is None else done
     engine = walk_engine(factory, model, most, path, lambda: f"{name}: {', '.join(done)}")
     request = engine.start("r0", batch)
     forks: list[Request] = []
@@ -213,12 +242,14 @@ def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str) 
     engine.finish()
 
 
-def run_rows_walk(factory, model, walk, most: int, batch: int, path: str, name: str) -> None:
+def run_rows_walk(
+    factory, model, walk, most: int, batch: int, path: str, name: str, done=None
+) -> None:
     """A walk of events on rows of their own (contract, section 8), run as every plan of rows
     of their own is (``kvcheck.properties.rows.RowsRun``): pads of each poison in turn, a
     request of one row joining at a position of its own, every row restarting at positions
-    of their own (7 apart, every other time past ``most``)."""
-    done: list[str] = []  # the events so far, as a failure names them
+    of their own (7 apart, every other time past ``most``); ``done`` as ``run_walk``'s."""
+    done = [] if done is None else done
     engine = walk_engine(factory, model, most, path, lambda: f"{name}: {', '.join(done)}")
     generator = torch.Generator().manual_seed(0)  # every feed brings new tokens
 
