@@ -333,6 +333,11 @@ class Recorder:
                 [min(part, n) for part in below]
                 for below, n in zip(self.rows_below, lengths, strict=True)
             ]
+        if self.rows_rerotated is not None:  # each row keeps the moves of the rows it keeps
+            self.rows_rerotated = [
+                {i: moved for i, moved in row.items() if i < n}
+                for row, n in zip(self.rows_rerotated, lengths, strict=True)
+            ]
 
     def select_rows(self, indices: Tensor) -> None:
         self.views = self.rows_returned = None
@@ -341,14 +346,20 @@ class Recorder:
             self.rows_given = [self.rows_given[b] for b in indices.tolist()]
         if self.rows_below is not None:
             self.rows_below = [self.rows_below[b] for b in indices.tolist()]
+        if self.rows_rerotated is not None:
+            self.rows_rerotated = [self.rows_rerotated[b] for b in indices.tolist()]
 
     def join(self, other: Recorder) -> None:
         self.views = self.rows_returned = None
         like = (self.rows_given or other.rows_given or [None])[0]
         mine, theirs = self._given_by_row(like), other._given_by_row(like)
         below = [*self._rows_below_or_none(), *other._rows_below_or_none()]
+        moved = None  # each row's keys a shift per row re-rotated, where either side has some
+        if self.rows_rerotated is not None or other.rows_rerotated is not None:
+            moved = [*(self.rows_rerotated or [{}] * len(mine))]
+            moved += other.rows_rerotated or [{}] * len(theirs)
         self.cache.join(other.cache)
-        self.rows_below = below
+        self.rows_below, self.rows_rerotated = below, moved
         self.rows_given = None if like is None else [*mine, *theirs]
 
     def _given_by_row(self, like: tuple[Tensor, Tensor] | None) -> list[tuple[Tensor, Tensor]]:

@@ -401,7 +401,12 @@ def _covering_walks(
     return tuple(walks)
 
 
-def _moves(here: Step | None, kinds: list[Kind], most: int, page: int, batch: int):
+@functools.lru_cache(maxsize=20_000)  # the searches of one set of walks ask again and again
+def _moves(here: Step | None, kinds: tuple[Kind, ...], most: int, page: int, batch: int):
+    return tuple(_each_move(here, kinds, most, page, batch))
+
+
+def _each_move(here: Step | None, kinds: tuple[Kind, ...], most: int, page: int, batch: int):
     """Every step possible after ``here`` (None: empty caches, before any event): of the
     batch's vocabulary, or of rows of their own (``batch`` of them at first)."""
     if here is None or here.rows is None:
@@ -489,6 +494,7 @@ def _way_to_a_pair(here, todo: set[str], kinds: list[Kind], sizes: tuple[int, in
     to its vocabulary. The search gives up past ``SEARCHED`` steps seen (the rows' lengths
     are many): the next walk starts from empty caches, where every offered pair is in reach
     (tests/test_interactions.py holds every offered pair run)."""
+    kinds = tuple(kinds)  # for _moves' cache
     if here is not None:
         todo = {pair for pair in todo if BY_NAME[split(pair)[0]].rows == (here.rows is not None)}
     remaining: dict[tuple[str, str], int] = {}

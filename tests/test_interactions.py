@@ -223,6 +223,32 @@ def test_the_engine_notes_the_pairs_of_rows_of_their_own():
     engine.finish()
 
 
+def test_rows_shifted_then_selected_joined_truncated_and_shifted_again_hold_on_a_correct_cache():
+    # The books of keys a shift per row re-rotated follow each row through a selection, a
+    # join and a rollback: a walk of caches built for 21 tokens shifted a row that had joined
+    # after a shift, and the recorder's books had no entry for it (an IndexError in the kit).
+    config = ModelConfig(vocab_size=11, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4)
+    model = kvtensors.build_model(config, torch.float64)
+    engine = Engine(PreallocatedCache, model, max_length=21)
+    request = engine.start("r0", 3)
+
+    def tokens(*counts: int) -> list[torch.Tensor]:
+        return [kvtensors.random_tokens(config, 1, count, count)[0] for count in counts]
+
+    engine.feed_rows(request, tokens(6, 4, 9))
+    engine.select_rows(request, [2])
+    engine.shift_rows(request, [2], [3])  # one row, shifted
+    for name in ("r1", "r2"):  # two requests join it
+        joining = engine.start(name, 1)
+        engine.feed_rows(joining, tokens(5))
+        engine.join(request, joining)
+    engine.truncate_rows(request, [5, 4, 5])
+    engine.shift_rows(request, [0, 1, 2], [1, 1, 1])  # the joined rows shifted too
+    engine.select_rows(request, [2, 0, 1])
+    engine.feed_rows(request, tokens(1, 1, 1))
+    engine.finish()
+
+
 def test_after_a_shift_every_event_is_followed_and_noted_on_a_correct_cache():
     # The oracle after a shift keeps rows of its own: a truncate, a reorder and a fork of
     # them are judged as the caches should hold them, and the pairs they complete count.
