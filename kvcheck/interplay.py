@@ -270,12 +270,14 @@ def offered_pairs(offered: set[str] | frozenset[str], batch: int = ROWS_BUILT) -
 def _room_for(pair: str, batch: int) -> bool:
     """Whether a batch built for ``batch`` rows has room for ``pair``: rows apart are two
     or more, so are those a join leaves and a full row a shift left (another row shifted);
-    a join needs a row free besides those, and a row to feed beside a full one is one more."""
+    a join needs a row free besides those, and a feed beside a full row a second row."""
     first, state, then = split(pair)
     shifted_full = first == "shift rows" and state == "a row full"  # another row shifted
     rows = 2 if state == "apart" or first == "join" or shifted_full else 1
-    if then == "join" or (then == "feed rows" and state == "a row full"):
+    if then == "join":
         rows += 1
+    elif then == "feed rows" and state == "a row full":  # a row with room beside the full
+        rows = max(rows, 2)
     return rows <= batch
 
 
@@ -330,7 +332,8 @@ class Step:
     state: str
     start: int | None = None  # a shift's first position discarded; None: the walk's choice
     order: tuple[int, ...] | None = None  # a reorder's, a select's rows; None: the walk's choice
-    rows: tuple[int, ...] | None = None  # on rows of their own: each row's length it leaves
+    # On rows of their own: each row's length it leaves (``length`` is the longest's).
+    rows: tuple[int, ...] | None = None
     starts: tuple[int, ...] | None = None  # a shift per row's first position of each span
 
     def describe(self) -> str:

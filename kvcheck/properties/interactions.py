@@ -41,7 +41,8 @@ def events_offered(factory: CacheFactory) -> frozenset[str]:
     ``kit.offered`` names and the methods of rows of their own (``join``, ``reset_at``...),
     asked of a probe cache itself (an adapter may offer them through ``__getattr__``)."""
     probe = factory(probe_spec())
-    methods = {name for name in CALLED if callable(getattr(probe, name, None))}
+    # append_rows is a capability (it needs row_lengths too), the others methods alone.
+    methods = {name for name in CALLED - {"append_rows"} if callable(getattr(probe, name, None))}
     return frozenset((offered(factory, probe) | methods) & CALLED)
 
 
@@ -213,13 +214,15 @@ def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str, 
         elif step.kind == "reset":
             engine.reset(request)
         elif step.kind == "truncate":
-            engine.truncate(request, step.length)
+            if not engine.truncate(request, step.length):
+                break  # a window refused as it may: the rest was planned for what it would leave
         elif step.kind == "shift":
             # The span discarded alternates between the head and the middle: every later key
             # moves (keys kept before it too, in the middle).
             count = request.held - step.length
             start = step.start if step.start is not None else step.length // 2 * (index % 2)
-            engine.shift(request, start, count)
+            if not engine.shift(request, start, count):
+                break  # as a truncate's refusal
         elif step.kind == interplay.TREE:
             tokens += 1
             new = kvtensors.random_tokens(model.config, batch, 3, tokens)
@@ -238,7 +241,10 @@ def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str, 
             tokens = settle(engine, forks, tokens)  # a move takes a request alone (11.2)
             engine.move(request, factory, path=path)
         engine.check(f"step #{index}, {step.describe()}")
-    settle(engine, forks, tokens)
+    tokens = settle(engine, forks, tokens)
+    if 0 < request.held < most:  # what the last event left is read back
+        new = kvtensors.random_tokens(model.config, batch, 1, tokens + 1)
+        engine.feed(request, new, at=" (the walk's last feed)")
     engine.finish()
 
 
@@ -262,8 +268,14 @@ def run_rows_walk(
     for index, step in enumerate(walk):
         done.append(step.describe())
         run.pad = pads[index % len(pads)]
-        run.event(*row_event(step, run.batch.row_lengths(), index, most), f" (step #{index})")
+        event = row_event(step, run.batch.row_lengths(), index, most)
+        if not run.event(*event, f" (step #{index})"):
+            break  # a window refused as it may: the rest was planned for the rows it would leave
         engine.check(f"step #{index}, {step.describe()}")
+    # What the last event left is read back: a token for every row with room.
+    if any(held < most for held in run.batch.row_lengths()):
+        counts = tuple(int(held < most) for held in run.batch.row_lengths())
+        run.event("feed", counts, " (the walk's last feed)")
     engine.finish()
 
 
@@ -281,7 +293,9 @@ def row_event(step: interplay.Step, held: list[int], index: int, most: int) -> t
         return "shift", (step.starts, tuple(h - n for n, h in zip(left, held, strict=True)))
     if step.kind == "join":
         return "join", ((left[-1], 3 * index),)
-    return "restart", tuple(most * (index % 2) + 7 * row for row in range(len(left)))
+    if step.kind == "reset rows":
+        return "restart", tuple(most * (index % 2) + 7 * row for row in range(len(left)))
+    raise ValueError(f"{step.kind!r} is no event on rows of their own")
 
 
 def settle(engine: Engine, forks: list[Request], tokens: int) -> int:
