@@ -168,6 +168,19 @@ def test_every_pair_ruled_out_says_why_and_none_is_offered():
         assert pair not in every, pair
 
 
+def small_engine(factory, max_length: int, layers: int) -> tuple[Engine, ModelConfig]:
+    """An engine over a float64 model of ``layers`` layers of one kv head of width 4, and its
+    config."""
+    config = ModelConfig(vocab_size=11, num_layers=layers, num_heads=2, num_kv_heads=1, head_dim=4)
+    model = kvtensors.build_model(config, torch.float64)
+    return Engine(factory, model, max_length=max_length), config
+
+
+def row_tokens(config: ModelConfig, *counts: int) -> list[torch.Tensor]:
+    """A row's tokens for each of ``counts``, each row's its own (its count the seed)."""
+    return [kvtensors.random_tokens(config, 1, count, count)[0] for count in counts]
+
+
 def pairs_in(noted) -> set[str]:
     """The pairs of events among the names ``reach`` noted."""
     prefix = interplay.PREFIX
@@ -175,9 +188,7 @@ def pairs_in(noted) -> set[str]:
 
 
 def test_the_engine_notes_the_pair_each_event_completes():
-    config = ModelConfig(vocab_size=11, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
-    model = kvtensors.build_model(config, torch.float64)
-    engine = Engine(ConcatCache, model, max_length=37)
+    engine, config = small_engine(ConcatCache, max_length=37, layers=1)
     request = engine.start("r0", 1)
     with reach.collecting() as noted:
         engine.feed(request, kvtensors.random_tokens(config, 1, 20, 1))
@@ -195,24 +206,19 @@ def test_the_engine_notes_the_pair_each_event_completes():
 
 
 def test_the_engine_notes_the_pairs_of_rows_of_their_own():
-    config = ModelConfig(vocab_size=11, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
-    model = kvtensors.build_model(config, torch.float64)
-    engine = Engine(PreallocatedCache, model, max_length=37)
+    engine, config = small_engine(PreallocatedCache, max_length=37, layers=1)
     request = engine.start("r0", 3)
 
-    def tokens(*counts: int) -> list[torch.Tensor]:
-        return [kvtensors.random_tokens(config, 1, count, count)[0] for count in counts]
-
     with reach.collecting() as noted:
-        engine.feed_rows(request, tokens(3, 2, 5))
+        engine.feed_rows(request, row_tokens(config, 3, 2, 5))
         engine.truncate_rows(request, [3, 2, 3])
         engine.select_rows(request, [2, 0])
         joining = engine.start("r1", 1)
-        engine.feed_rows(joining, tokens(37))
+        engine.feed_rows(joining, row_tokens(config, 37))
         engine.join(request, joining)
         engine.shift_rows(request, [1, 0, 0], [1, 0, 0])
         engine.reset_at(request, [5, 0, 9])
-        engine.feed_rows(request, tokens(2, 2, 2))
+        engine.feed_rows(request, row_tokens(config, 2, 2, 2))
     pairs = pairs_in(noted)
     assert pairs == {
         "feed rows → [apart] → truncate rows",
@@ -229,34 +235,27 @@ def test_rows_shifted_then_selected_joined_truncated_and_shifted_again_hold_on_a
     # The books of keys a shift per row re-rotated follow each row through a selection, a
     # join and a rollback: a walk of caches built for 21 tokens shifted a row that had joined
     # after a shift, and the recorder's books had no entry for it (an IndexError in the kit).
-    config = ModelConfig(vocab_size=11, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4)
-    model = kvtensors.build_model(config, torch.float64)
-    engine = Engine(PreallocatedCache, model, max_length=21)
+    engine, config = small_engine(PreallocatedCache, max_length=21, layers=2)
     request = engine.start("r0", 3)
 
-    def tokens(*counts: int) -> list[torch.Tensor]:
-        return [kvtensors.random_tokens(config, 1, count, count)[0] for count in counts]
-
-    engine.feed_rows(request, tokens(6, 4, 9))
+    engine.feed_rows(request, row_tokens(config, 6, 4, 9))
     engine.select_rows(request, [2])
     engine.shift_rows(request, [2], [3])  # one row, shifted
     for name in ("r1", "r2"):  # two requests join it
         joining = engine.start(name, 1)
-        engine.feed_rows(joining, tokens(5))
+        engine.feed_rows(joining, row_tokens(config, 5))
         engine.join(request, joining)
     engine.truncate_rows(request, [5, 4, 5])
     engine.shift_rows(request, [0, 1, 2], [1, 1, 1])  # the joined rows shifted too
     engine.select_rows(request, [2, 0, 1])
-    engine.feed_rows(request, tokens(1, 1, 1))
+    engine.feed_rows(request, row_tokens(config, 1, 1, 1))
     engine.finish()
 
 
 def test_after_a_shift_every_event_is_followed_and_noted_on_a_correct_cache():
     # The oracle after a shift keeps rows of its own: a truncate, a reorder and a fork of
     # them are judged as the caches should hold them, and the pairs they complete count.
-    config = ModelConfig(vocab_size=11, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4)
-    model = kvtensors.build_model(config, torch.float64)
-    engine = Engine(PreallocatedCache, model, max_length=37)
+    engine, config = small_engine(PreallocatedCache, max_length=37, layers=2)
     request = engine.start("r0", 2)
     with reach.collecting() as noted:
         engine.feed(request, kvtensors.random_tokens(config, 2, 12, 1))

@@ -27,7 +27,7 @@ from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck import tensors as kvtensors
 from kvcheck.kit import KitTests, Property, offered, probe_spec, property_test
-from kvcheck.properties.rows import RowsRun
+from kvcheck.properties.rows import RowsRun, token_source
 from kvcheck.session import Engine, Request
 from kvref import CacheFactory, ModelConfig
 from kvref.reprs import short_repr
@@ -257,14 +257,8 @@ def run_rows_walk(
     of their own (7 apart, every other time past ``most``); ``done`` as ``run_walk``'s."""
     done = [] if done is None else done
     engine = walk_engine(factory, model, most, path, lambda: f"{name}: {', '.join(done)}")
-    generator = torch.Generator().manual_seed(0)  # every feed brings new tokens
-
-    def tokens(count: int) -> torch.Tensor:
-        drawn = torch.randint(0, model.config.vocab_size, (count,), generator=generator)
-        return drawn.to(model.device)
-
     pads = sorted(kvtensors.POISON_VALUES)
-    run = RowsRun(engine, engine.start("r0", batch), tokens, pads[0])
+    run = RowsRun(engine, engine.start("r0", batch), token_source(model.config, 0), pads[0])
     for index, step in enumerate(walk):
         done.append(step.describe())
         run.pad = pads[index % len(pads)]

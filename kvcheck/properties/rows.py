@@ -175,14 +175,20 @@ def rows_engine(factory: CacheFactory, plan: P, max_length: int) -> tuple[Engine
     ``tokens(count)``: the next ``count`` tokens of the plan's seed, on the device."""
     model = kvtensors.build_model(plan.config, plan.dtype)
     engine = Engine(factory, model, max_length=max_length, describe=plan.describe)
-    generator = torch.Generator().manual_seed(plan.token_seed)
+    return engine, token_source(plan.config, plan.token_seed)
+
+
+def token_source(config: ModelConfig, seed: int) -> Callable[[int], torch.Tensor]:
+    """``tokens(count)``: the next ``count`` tokens of ``seed``, on the device (every call
+    new ones, so that rows a rollback dropped differ from those replacing them)."""
+    generator = torch.Generator().manual_seed(seed)
     device = kvdevices.current()
 
     def tokens(count: int) -> torch.Tensor:
-        drawn = torch.randint(0, plan.config.vocab_size, (count,), generator=generator)
+        drawn = torch.randint(0, config.vocab_size, (count,), generator=generator)
         return drawn.to(device)
 
-    return engine, tokens
+    return tokens
 
 
 @st.composite

@@ -36,18 +36,17 @@ ROW_EVENTS = {
 def noted(event, engine, result) -> None:
     """After the engine ran ``event`` (with ``result``): the pair it completes on its
     request, noted (``kvcheck.reach``); an event of no kind here ends the request's run of
-    pairs, so that none is named across it."""
+    pairs, so that none is named across it, as does a refusal (a truncate or a shift that a
+    window refused as it may returns False: nothing changed)."""
     request, kind = getattr(event, "request", None), ROW_EVENTS.get(type(event))
-    if kind in ("truncate rows", "shift rows") and result is False:  # refused: no change
-        kind = None
-    elif isinstance(event, rows.ResetAt) and event.by_row:
+    if isinstance(event, rows.ResetAt) and event.by_row:
         kind = "reset rows"
     elif isinstance(event, feed.Feed):
         count = event.end - event.start
         kind = "prefill" if event.start == 0 else "decode" if count == 1 else "chunk"
-    elif isinstance(event, truncate.Truncate) and result is not False:  # False: refused
+    elif isinstance(event, truncate.Truncate):
         kind = "truncate"
-    elif isinstance(event, shift.Shift) and result is not False:
+    elif isinstance(event, shift.Shift):
         kind = "shift"
     elif isinstance(event, tree.DraftTree):
         return  # its pair is the commit's
@@ -68,7 +67,7 @@ def noted(event, engine, result) -> None:
     elif isinstance(event, move.Move):
         kind = "move"
     if request is not None:
-        _note(request, kind, engine)
+        _note(request, None if result is False else kind, engine)
 
 
 def _note(request, kind: str | None, engine) -> None:
