@@ -2,19 +2,32 @@
 requests on one factory (``requests`` and ``fork``, serving pools) and for the edits of one
 request (``r0``: truncate, reorder and their mixes), drawn, shrunk and printed as the plan;
 each area's runner turns them into session events (``kvcheck.session.events``), which act on
-the caches and the oracle's books.
+the caches and the oracle's books. A feed is a count of new tokens everywhere; a truncate
+counts back from the end (``Truncate``) or names the position it keeps up to
+(``TruncateTo``).
 
 A request is named by its number (``r0``, ``r1``, ...), never by an object, so that a plan
 is a value Hypothesis shrinks and a failure prints a constructor (``drawn=``). The events
-each area has alone stay in it: a request's start or arrival (what it is built from), a feed
-(by a count of new tokens, or serving's up to a length, which a prefix hit may already hold),
-a swap, a recompute, a finish; the edits' drafts kept in part, rewinds to a position and
-forks that go on.
+each area has alone stay in it: a request's start or arrival (what it is built from), a swap,
+a recompute, a finish, and the edits' forks that go on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Feed:
+    """Request ``request`` is fed its next ``size`` tokens: its prompt, a chunk of it, a
+    draft, or a decode step. Where a prefix hit already holds some of them (serving pools),
+    only the rest are fed."""
+
+    request: int
+    size: int
+
+    def describe(self) -> str:
+        return f"r{self.request} is fed {self.size} token{'s' * (self.size != 1)}"
 
 
 @dataclass(frozen=True)
@@ -31,6 +44,22 @@ class Truncate:
     def target(self, held: int) -> int:
         """The tokens left of ``held``."""
         return max(held - self.back, 0)
+
+
+@dataclass(frozen=True)
+class TruncateTo:
+    """Request ``request`` forgets every token at position ``position`` or later (none where
+    it holds fewer): back to the start of a long history, past what a window keeps."""
+
+    request: int
+    position: int
+
+    def describe(self) -> str:
+        return f"r{self.request} forgets every token from position {self.position}"
+
+    def target(self, held: int) -> int:
+        """The tokens left of ``held``."""
+        return min(self.position, held)
 
 
 @dataclass(frozen=True)

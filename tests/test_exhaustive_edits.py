@@ -13,6 +13,7 @@ import pytest
 
 import kvimpl
 from kvcheck import sizes as kvsizes
+from kvcheck.plan_events import Feed, TruncateTo
 from kvcheck.properties import edits, rows, shift, sinks
 from kvcheck.scope import LAYOUTS, Scope, compositions
 from tests import depth
@@ -83,18 +84,18 @@ def test_mixed_edit_plans_count(tokens):
 def test_edit_plans_have_one_moment_of_edits_within_the_history():
     for prop in (edits.TRUNCATE, edits.REORDER, edits.EDITS):
         for plan in plans_of(prop, 4):
-            held, moments, last_int = plan.prompt, 0, True
+            held, moments, after_feed = plan.prompt, 0, True
             for step in plan.steps:
-                if isinstance(step, int):
-                    held += step
+                if isinstance(step, Feed):
+                    held += step.size
                 else:
-                    moments += last_int
-                    if isinstance(step, edits.RewindTo):
+                    moments += after_feed
+                    if isinstance(step, TruncateTo):
                         assert 0 <= step.position <= held
                         held = step.position
                     else:
                         assert len(step.indices) == plan.batch
-                last_int = isinstance(step, int)
+                after_feed = isinstance(step, Feed)
             assert moments == 1, plan
     # Every index tuple of a batch of 2 at one point, the identity and repeats too.
     reorders = {

@@ -29,6 +29,7 @@ from kvcheck import failures
 from kvcheck import strategies as kvst
 from kvcheck import tensors as kvtensors
 from kvcheck.harness import warm
+from kvcheck.plan_events import Feed, Truncate
 from kvcheck.properties import edits, rejection
 from kvimpl.hf import (
     TESTED_WITH,
@@ -170,7 +171,7 @@ def test_recording_sliding_layer_loses_a_row_on_a_second_crop():
         batch=1,
         dtype=torch.float64,
         prompt=7,
-        steps=(edits.Rollbacks(drafted=1, first=1, second=1), 1),
+        steps=(Feed(0, 1), Truncate(0, 1), Truncate(0, 1), Feed(0, 1)),
         token_seed=0,
     )
     message = r"must return 4 to 7 rows.*returned keys \(1, 1, 3,"

@@ -63,10 +63,10 @@ def _twin_plan(dtype=torch.float64) -> serving.ServingPlan:
         systems=(system,),
         events=(
             serving.Arrive(request=0, batch=1, salt=None, system=0, shared=32, own=0, seed=1),
-            serving.Feed(request=0, to=31),
+            serving.Feed(request=0, size=31),
             serving.Arrive(request=1, batch=1, salt=None, system=0, shared=32, own=1, seed=2),
-            serving.Feed(request=0, to=32),
-            serving.Feed(request=1, to=33),
+            serving.Feed(request=0, size=1),
+            serving.Feed(request=1, size=33),
             serving.Leave(request=0, how="drop"),
             serving.Leave(request=1, how="drop"),
         ),

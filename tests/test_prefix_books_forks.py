@@ -56,17 +56,25 @@ def test_a_fork_that_copies_its_parents_blocks_holds_the_prefix_caching_property
         systems=((0, 1) * 8,),
         events=(
             serving.Arrive(request=0, batch=1, salt=None, system=0, shared=8, own=0, seed=1),
-            serving.Feed(request=0, to=8),
+            serving.Feed(request=0, size=8),
             serving.Fork(parent=0, child=1),
             serving.Leave(request=0, how="drop"),
-            serving.Feed(request=1, to=9),
+            serving.Feed(request=1, size=1),
             serving.Leave(request=1, how="drop"),
         ),
     )
     serving.check_serving(_CopyingForkPool(), plan)
 
 
-@pytest.mark.parametrize("pool", [RadixPrefixPool, CodedRadixPool, PagedPool])
+# The independent pools run in the soak tier: each costs the default run a second.
+@pytest.mark.parametrize(
+    "pool",
+    [
+        pytest.param(RadixPrefixPool, marks=pytest.mark.soak),
+        pytest.param(CodedRadixPool, marks=pytest.mark.soak),
+        PagedPool,
+    ],
+)
 def test_a_fork_after_a_rollback_into_a_full_block_shares_it_whole(pool):
     config = ModelConfig(vocab_size=5, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2)
     plan = serving.ServingPlan(
@@ -76,11 +84,11 @@ def test_a_fork_after_a_rollback_into_a_full_block_shares_it_whole(pool):
         systems=((0,) * 17,),
         events=(
             serving.Arrive(request=0, batch=1, salt=None, system=0, shared=17, own=0, seed=0),
-            serving.Feed(request=0, to=17),
-            serving.Feed(request=0, to=20),  # positions 16..19: a block written full
+            serving.Feed(request=0, size=17),
+            serving.Feed(request=0, size=3),  # positions 16..19: a block written full
             serving.Truncate(request=0, back=1),  # holds 3 of its rows, still published
             serving.Fork(parent=0, child=1),  # shares it
-            serving.Feed(request=1, to=20),  # a copy written full: a twin; the probe finds it
+            serving.Feed(request=1, size=1),  # a copy written full: a twin; the probe finds it
             serving.Leave(request=0, how="drop"),
             serving.Leave(request=1, how="drop"),
         ),

@@ -47,7 +47,7 @@ def _rollback_then_arrival(*, shorter_feed: bool) -> serving.ServingPlan:
     """r0 decodes to 9 tokens (3 blocks of 4) and rolls 4 back, to 5 (2 blocks), then (with
     ``shorter_feed``) is fed up to 8; then r1 arrives with a prompt no block of r0 holds. A
     pool without truncate still holds r0's 3 blocks when r1 takes its own."""
-    to_shorter = (serving.Feed(0, 8),) if shorter_feed else ()
+    to_shorter = (serving.Feed(0, 3),) if shorter_feed else ()
     return serving.ServingPlan(
         _one_layer,
         torch.float64,
@@ -56,7 +56,7 @@ def _rollback_then_arrival(*, shorter_feed: bool) -> serving.ServingPlan:
         (
             serving.Arrive(0, 1, None, 0, 4, 0, 1),
             serving.Feed(0, 4),
-            serving.Feed(0, 9),
+            serving.Feed(0, 5),
             serving.Truncate(0, 4),
             *to_shorter,
             serving.Arrive(1, 1, None, 1, 4, 0, 2),

@@ -28,7 +28,7 @@ from kvcheck import tensors as kvtensors
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
-from kvcheck.plan_events import Reorder, Truncate
+from kvcheck.plan_events import Feed, Reorder, Truncate, TruncateTo
 from kvcheck.properties.rejection import STATE_EDGES, check_refused, every_refusal
 from kvcheck.session import Engine
 from kvcheck.strategies import (
@@ -45,45 +45,6 @@ from kvcheck.strategies import (
 )
 from kvref import CacheFactory, ModelConfig, may_refuse_truncate
 from kvref.reprs import short_repr
-
-
-@dataclass(frozen=True)
-class Rollback:
-    """Draft ``drafted`` tokens, then keep the first ``kept`` of them and forget the rest
-    (speculative decoding: the target model accepted ``kept``)."""
-
-    drafted: int
-    kept: int
-
-    def describe(self) -> str:
-        return f"draft {self.drafted}, keep {self.kept}"
-
-
-@dataclass(frozen=True)
-class RewindTo:
-    """Forget every token at position >= ``position`` (none when fewer are held): back to
-    the start of a long history, past what a window cache keeps."""
-
-    position: int
-
-    def describe(self) -> str:
-        return f"rewind to {self.position}"
-
-    def target(self, held: int) -> int:
-        return min(self.position, held)
-
-
-@dataclass(frozen=True)
-class Rollbacks:
-    """Draft ``drafted`` tokens, then forget ``first`` of them and, with no append between,
-    ``second`` more (a draft rejected in two verdicts): rollbacks back to back."""
-
-    drafted: int
-    first: int
-    second: int
-
-    def describe(self) -> str:
-        return f"draft {self.drafted}, forget {self.first} then {self.second} more"
 
 
 @dataclass(frozen=True)
@@ -104,7 +65,7 @@ class ForkHere:
         return f"fork (the parent decodes {self.parent_tokens} at the end)"
 
 
-Step = int | Rollback | Rollbacks | Truncate | RewindTo | Reorder | ForkHere
+Step = Feed | Truncate | TruncateTo | Reorder | ForkHere
 
 
 @short_repr
@@ -118,32 +79,26 @@ class EditPlan:
     batch: int
     dtype: torch.dtype
     prompt: int
-    steps: tuple[Step, ...]  # an int is a chunk of new tokens
+    steps: tuple[Step, ...]
     token_seed: int
     path: str = "append"  # the model's path through a cache that offers attend
 
     @property
     def max_length(self) -> int:
-        total = self.prompt
-        for step in self.steps:
-            total += step if isinstance(step, int) else getattr(step, "drafted", 0)
-        return total + sum(getattr(step, "parent_tokens", 0) for step in self.steps)
+        fed = sum(step.size for step in self.steps if isinstance(step, Feed))
+        return self.prompt + fed + sum(getattr(step, "parent_tokens", 0) for step in self.steps)
 
     def describe(self) -> str:
-        steps = [describe_step(step) for step in self.steps]
+        steps = [step.describe() for step in self.steps]
         return (
             f"prompt {self.prompt}, then {steps}\n  model: {describe_config(self.config)}, "
             f"batch {self.batch}, {dtype_name(self.dtype)}"
         )
 
     def summary(self) -> tuple[str, str, str]:
-        steps = ", ".join(describe_step(step) for step in self.steps)
+        steps = ", ".join(step.describe() for step in self.steps)
         plan = f"{self.max_length} (prompt {self.prompt}; {steps})"
         return plan, str(self.config.num_layers), str(self.batch)
-
-
-def describe_step(step: Step) -> str:
-    return f"chunk of {step}" if isinstance(step, int) else step.describe()
 
 
 def reorders(batch: int) -> st.SearchStrategy[Reorder]:
@@ -173,27 +128,34 @@ def edit_plans(draw, *, rollbacks: bool = True, reorder: bool = False) -> EditPl
     config = dataclasses.replace(config, window=window)
     room = attention_room(config, EDIT_TOKENS)
     batch = draw(kvsizes.batches(low=2 if reorder else 1, room=room), label="batch")
-    kinds = [chunk_sizes, st.integers(1, 4)]  # mostly decode-sized chunks: windows fill up
+    # Each kind draws a run of events: a chunk, a draft and its verdict, a reorder, a fork.
+    chunks = st.one_of(chunk_sizes, st.integers(1, 4))  # mostly decode-sized: windows fill up
+    kinds = [chunks.map(lambda size: (Feed(0, size),))] * 2
     if rollbacks:
+        # Speculative decoding: draft k tokens, then the target model keeps some of them (a
+        # truncate of the rest), or rejects them in two verdicts (truncates back to back).
         drafts = st.integers(1, 8).flatmap(
-            lambda k: st.builds(Rollback, st.just(k), st.integers(0, k))
+            lambda k: st.integers(0, k).map(lambda kept: (Feed(0, k), Truncate(0, k - kept)))
+        )
+        twice = st.integers(2, 8).flatmap(
+            lambda k: st.tuples(
+                st.just(Feed(0, k)), *[st.builds(Truncate, st.just(0), st.integers(0, k))] * 2
+            )
         )
         # Rewinds of nothing, of a few tokens, across a window's edge, and of everything.
         backs = st.one_of(st.integers(0, 4), st.integers(5, 2 * EDGE + 1), st.just(MAX_SESSION))
-        twice = st.integers(2, 8).flatmap(
-            lambda k: st.builds(Rollbacks, st.just(k), st.integers(0, k), st.integers(0, k))
-        )
         kinds += [
             drafts,
             drafts,
             twice,
-            st.builds(Truncate, st.just(0), backs),
-            st.builds(RewindTo, st.integers(0, 8)),
+            backs.map(lambda back: (Truncate(0, back),)),
+            st.integers(0, 8).map(lambda position: (TruncateTo(0, position),)),
         ]
     if reorder:
-        kinds += [reorders(batch), reorders(batch)]
-    kinds.append(st.builds(ForkHere, st.integers(1, 3), st.booleans()))
-    steps = draw(st.lists(st.one_of(kinds), min_size=2, max_size=10), label="steps")
+        kinds += [reorders(batch).map(lambda event: (event,))] * 2
+    kinds.append(st.builds(ForkHere, st.integers(1, 3), st.booleans()).map(lambda f: (f,)))
+    runs = draw(st.lists(st.one_of(kinds), min_size=2, max_size=10), label="steps")
+    steps = [event for run in runs for event in run]
     plan = EditPlan(
         config=config,
         batch=batch,
@@ -213,10 +175,9 @@ def edit_plans(draw, *, rollbacks: bool = True, reorder: bool = False) -> EditPl
 #
 # An exhaustive edit plan is chunks (the prompt first), one moment of edits once ``before``
 # tokens are fed, then chunks again: every split of the tokens before and after it, every
-# edit of the moment at every held length. Each truncate is a ``RewindTo`` its target: a
-# ``Truncate``, a ``Rollback`` or ``Rollbacks`` makes the same ``truncate(target)`` calls on the
-# caches (what they add, a chunk or a second truncate, are steps of their own here), so one
-# step per target is sound. Forks are left out: without a pool they feed a fork's history
+# edit of the moment at every held length. Each truncate is a ``TruncateTo`` its target: a
+# ``Truncate`` makes the same ``truncate(target)`` call on the caches, so one step per target
+# is sound. Forks are left out: without a pool they feed a fork's history
 # again as a prompt (``Engine.fork``), and with one they are the fork properties' plans. Plans
 # without an edit are left out too: they are the core properties' sessions. The path is
 # append (the attend path over an edited history is the random search's). At most one moment
@@ -244,7 +205,7 @@ def every_edit_plan(
                                 batch=batch,
                                 dtype=scope.dtype,
                                 prompt=head[0],
-                                steps=(*head[1:], *moment, *tail),
+                                steps=(*feeds(head[1:]), *moment, *feeds(tail)),
                                 token_seed=0,
                             )
 
@@ -254,6 +215,11 @@ def chunks_of(tokens: int) -> Iterator[tuple[int, ...]]:
     return kvscope.compositions(tokens) if tokens else iter(((),))
 
 
+def feeds(chunks: tuple[int, ...]) -> tuple[Feed, ...]:
+    """``chunks`` fed one after another."""
+    return tuple(Feed(0, size) for size in chunks)
+
+
 def every_indices(batch: int) -> Iterator[tuple[int, ...]]:
     """Every index tuple of ``batch`` rows, repeats and the identity too: batch^batch."""
     return itertools.product(range(batch), repeat=batch)
@@ -261,7 +227,7 @@ def every_indices(batch: int) -> Iterator[tuple[int, ...]]:
 
 def truncate_moments(held: int, batch: int) -> Iterator[tuple[Step, ...]]:
     """A truncate to every length of 0 to ``held``."""
-    return ((RewindTo(target),) for target in range(held + 1))
+    return ((TruncateTo(0, target),) for target in range(held + 1))
 
 
 def reorder_moments(held: int, batch: int) -> Iterator[tuple[Step, ...]]:
@@ -274,10 +240,10 @@ def mixed_moments(held: int, batch: int) -> Iterator[tuple[Step, ...]]:
     to back, the truncate first, then the reorder first."""
     for target in range(held + 1):
         for indices in every_indices(batch):
-            yield RewindTo(target), Reorder(0, indices)
+            yield TruncateTo(0, target), Reorder(0, indices)
     for indices in every_indices(batch):
         for target in range(held + 1):
-            yield Reorder(0, indices), RewindTo(target)
+            yield Reorder(0, indices), TruncateTo(0, target)
 
 
 def every_truncate_plan(scope: kvscope.Scope) -> Iterator[EditPlan]:
@@ -319,7 +285,7 @@ PINNED_EDITS = (
         batch=1,
         dtype=torch.float64,
         prompt=1,
-        steps=(1, 1, RewindTo(1), 1),
+        steps=(Feed(0, 1), Feed(0, 1), TruncateTo(0, 1), Feed(0, 1)),
         token_seed=1,
     ),
     EditPlan(
@@ -327,7 +293,7 @@ PINNED_EDITS = (
         batch=1,
         dtype=torch.float64,
         prompt=1,
-        steps=(1, Truncate(0, MAX_SESSION)),
+        steps=(Feed(0, 1), Truncate(0, MAX_SESSION)),
         token_seed=0,
     ),
     EditPlan(
@@ -335,7 +301,7 @@ PINNED_EDITS = (
         batch=1,
         dtype=torch.float64,
         prompt=9,
-        steps=(ForkHere(1, on_parent=True), Truncate(0, 3), 1),
+        steps=(ForkHere(1, on_parent=True), Truncate(0, 3), Feed(0, 1)),
         token_seed=0,
     ),
 )
@@ -349,7 +315,12 @@ PINNED_MIXED_EDITS = (
         batch=2,
         dtype=torch.float64,
         prompt=1,
-        steps=(1, 1, 1, 1, 1, 2, Rollback(1, 0), Reorder(0, (0, 0)), 1),
+        steps=(
+            *feeds((1, 1, 1, 1, 1, 2, 1)),
+            Truncate(0, 1),  # the draft of 1 rejected
+            Reorder(0, (0, 0)),
+            Feed(0, 1),
+        ),
         token_seed=0,
     ),
     EditPlan(
@@ -357,7 +328,7 @@ PINNED_MIXED_EDITS = (
         batch=3,
         dtype=torch.float64,
         prompt=1,
-        steps=(Reorder(0, (0, 0, 0)), Truncate(0, 0), 1),
+        steps=(Reorder(0, (0, 0, 0)), Truncate(0, 0), Feed(0, 1)),
         token_seed=0,
     ),
 )
@@ -369,7 +340,7 @@ PINNED_REORDERS = (
         batch=2,
         dtype=torch.float64,
         prompt=5,
-        steps=(ForkHere(1), Reorder(0, (1, 0)), 1),
+        steps=(ForkHere(1), Reorder(0, (1, 0)), Feed(0, 1)),
         token_seed=0,
     ),
 )
@@ -480,17 +451,10 @@ def check_edits(factory: CacheFactory, plan: EditPlan) -> None:
     feed(plan.prompt, " (the prompt)")
     engine.check("the prompt")
     for index, step in enumerate(plan.steps):
-        at = f", step #{index} ({describe_step(step)})"
-        if isinstance(step, int):
-            feed(step, at)
-        elif isinstance(step, Rollback):
-            feed(step.drafted, at)
-            truncate(request.held - step.drafted + step.kept, at)
-        elif isinstance(step, Rollbacks):
-            feed(step.drafted, at)
-            truncate(max(request.held - step.first, 0), at)
-            truncate(max(request.held - step.second, 0), at)
-        elif isinstance(step, Truncate | RewindTo):
+        at = f", step #{index} ({step.describe()})"
+        if isinstance(step, Feed):
+            feed(step.size, at)
+        elif isinstance(step, Truncate | TruncateTo):
             truncate(step.target(request.held), at)
         elif isinstance(step, ForkHere):
             fork = engine.fork(request, f"fork #{len(behind) + 1}", at=at)

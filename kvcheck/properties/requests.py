@@ -37,7 +37,7 @@ from kvcheck import tensors as kvtensors
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS, build
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
-from kvcheck.plan_events import Fork, Reorder, Truncate
+from kvcheck.plan_events import Feed, Fork, Reorder, Truncate
 from kvcheck.reach import Edge
 from kvcheck.session import Engine, Request
 from kvref import BlockPool, CacheContractError, CacheFactory, ModelConfig, capabilities
@@ -58,17 +58,6 @@ class Start:
     def describe(self) -> str:
         caches = "fresh caches" if self.reuse is None else f"the reset caches of r{self.reuse}"
         return f"r{self.request} starts (batch {self.batch}, {caches})"
-
-
-@dataclass(frozen=True)
-class Feed:
-    """``size`` new tokens of request ``request``: its prompt, a chunk of it, or decoding."""
-
-    request: int
-    size: int
-
-    def describe(self) -> str:
-        return f"r{self.request} is fed {self.size} token{'s' * (self.size > 1)}"
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from kvcheck import tensors as kvtensors
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS, Recorder, build
 from kvcheck.kit import KitTests, Property, property_test
-from kvcheck.plan_events import Fork, Reorder, Truncate
+from kvcheck.plan_events import Feed, Fork, Reorder, Truncate
 from kvcheck.prefix_books import PrefixBooks
 from kvcheck.properties.pool import fill
 from kvcheck.properties.requests import run_plan
@@ -97,18 +97,6 @@ class Arrive:
             f"r{self.request} arrives (batch {self.batch}{tenant}): a prompt of {self.prompt} "
             f"tokens, the first {self.shared} of {source}"
         )
-
-
-@dataclass(frozen=True)
-class Feed:
-    """Request ``request`` is fed up to ``to`` tokens: its prompt (or a chunk of it), then
-    decode steps (declared first). A hit may already hold them."""
-
-    request: int
-    to: int
-
-    def describe(self) -> str:
-        return f"r{self.request} is fed up to {self.to} tokens"
 
 
 @dataclass(frozen=True)
@@ -191,12 +179,13 @@ class ServingPlan:
         feed never shortens it (the run feeds only past what the caches hold)."""
         windows = [self.config.layer_window(layer) for layer in range(self.config.num_layers)]
         held: dict[int, list[int]] = {}  # request -> [batch, length, prompt]
+        planned = planned_lengths(self.events)
         busiest = 0
-        for event in self.events:
+        for index, event in enumerate(self.events):
             if isinstance(event, Arrive):
                 held[event.request] = [event.batch, 0, event.prompt]
             elif isinstance(event, Feed):
-                held[event.request][1] = max(held[event.request][1], event.to)
+                held[event.request][1] = max(held[event.request][1], planned[index])
             elif isinstance(event, Truncate):
                 length = held[event.request][1]
                 target = length - event.back
@@ -212,6 +201,26 @@ class ServingPlan:
             if isinstance(event, Leave):
                 del held[event.request]
         return busiest
+
+
+def planned_lengths(events: tuple[Event, ...]) -> list[int]:
+    """The length the plan means each event to leave its request at (a feed's end, what a
+    rollback keeps), whatever the caches did: a feed goes up to its request's planned length
+    plus its size, and feeds only past what the caches already hold (a prefix hit, or rows a
+    pool without truncate kept through a rollback)."""
+    length: dict[int, int] = {}
+    after = []
+    for event in events:
+        if isinstance(event, Arrive):
+            length[event.request] = 0
+        elif isinstance(event, Feed):
+            length[event.request] += event.size
+        elif isinstance(event, Truncate):
+            length[event.request] = event.target(length[event.request])
+        elif isinstance(event, Fork):
+            length[event.child] = length[event.parent]
+        after.append(length.get(event.request, 0))
+    return after
 
 
 @dataclass
@@ -311,7 +320,7 @@ def serving_plans(draw, *, swaps: int = 1, max_events: int = 14) -> ServingPlan:
         else:
             to = min(MAX_LENGTH, state.length + draw(st.integers(1, 4), label="decode"))
         if to > state.length:
-            events.append(Feed(request, to))
+            events.append(Feed(request, to - state.length))
             state.decoded += max(0, to - max(state.length, state.prompt))
             state.length = to
 
@@ -434,16 +443,19 @@ def serve(factory: CacheFactory, plan: ServingPlan) -> None:
     caches prefixes): every step of every request is the uncached model's."""
     block_hash = HASHES[plan.block_hash] if isinstance(factory, PrefixCaching) else None
     served: dict[int, _Served] = {}
+    planned = planned_lengths(plan.events)
 
     def step(engine: Engine, index: int, at: str) -> None:
-        _run(engine, plan.events[index], served, plan, at)
+        _run(engine, plan.events[index], planned[index], served, plan, at)
 
     run_plan(factory, plan, step, max_length=MAX_LENGTH, block_hash=block_hash)
 
 
-def _run(engine: Engine, event: Event, served: dict, plan: ServingPlan, at: str) -> None:
+def _run(
+    engine: Engine, event: Event, planned: int, served: dict, plan: ServingPlan, at: str
+) -> None:
     in_use = engine.pool.blocks_in_use if engine.pool is not None else 0
-    _step(engine, event, served, plan, at)
+    _step(engine, event, planned, served, plan, at)
     if engine.pool is not None:  # what the others did to the pool while one was out
         moved = engine.pool.blocks_in_use - in_use
         for index, tokens in served.items():
@@ -481,7 +493,10 @@ def _probe(engine: Engine, request: Request, tokens: _Served, served: dict, at: 
         reach.note("blocks published by a sample and its parent after the fork, probed")
 
 
-def _step(engine: Engine, event: Event, served: dict, plan: ServingPlan, at: str) -> None:
+def _step(
+    engine: Engine, event: Event, planned: int, served: dict, plan: ServingPlan, at: str
+) -> None:
+    """Run ``event``, ``planned`` the length the plan means it to leave its request at."""
     name = f"r{event.request}"
     if isinstance(event, Arrive):
         served[event.request] = _Served(plan, event, engine.model.device, served)
@@ -500,8 +515,8 @@ def _step(engine: Engine, event: Event, served: dict, plan: ServingPlan, at: str
         return
     request, tokens = engine.live[name], served[event.request]
     if isinstance(event, Feed):
-        if event.to > request.held:
-            _feed(engine, request, tokens, event.to, at)
+        if planned > request.held:
+            _feed(engine, request, tokens, planned, at)
             tokens.since.add("fork")  # (noted only where it has kin: a fork ran)
             if "reorder" in tokens.since:
                 tokens.since.add("fed after a reorder")
@@ -770,11 +785,11 @@ PINNED = (
             Feed(0, 20),
             Arrive(1, 1, None, 0, 40, 2, 2),
             Feed(1, 42),
-            Feed(0, 40),
+            Feed(0, 20),
             Arrive(2, 1, None, 0, 40, 1, 3),
             Leave(0, "drop"),
             Feed(2, 41),
-            Feed(2, 43),
+            Feed(2, 2),
             Leave(1, "drop"),
             Leave(2, "drop"),
         ),
@@ -797,9 +812,9 @@ PINNED = (
             Arrive(3, 1, None, 0, 20, 4, 5),
             Feed(3, 24),
             Swap(1, out=False),
-            Feed(1, 39),
+            Feed(1, 2),
             Recompute(2),
-            Feed(2, 38),
+            Feed(2, 2),
             Leave(1, "drop"),
             Leave(2, "drop"),
             Leave(3, "drop"),
@@ -836,10 +851,10 @@ PINNED = (
         (
             Arrive(0, 1, None, 0, 16, 10, 1),
             Feed(0, 26),
-            Feed(0, 30),
-            Feed(0, 34),
+            Feed(0, 4),
+            Feed(0, 4),
             Truncate(0, 4),
-            Feed(0, 33),
+            Feed(0, 3),
             Arrive(1, 1, None, 0, 34, 2, 2, continues=0, before_rollback=True),
             Feed(1, 36),
             Leave(0, "drop"),
@@ -878,7 +893,7 @@ PINNED = (
             Arrive(0, 1, None, 0, 32, 0, 1),
             Feed(0, 31),
             Arrive(1, 1, None, 0, 32, 1, 2),
-            Feed(0, 32),
+            Feed(0, 1),
             Feed(1, 33),
             Arrive(2, 1, None, 0, 31, 0, 3),
             Feed(2, 32),
@@ -899,8 +914,8 @@ PINNED = (
             Arrive(0, 2, None, 0, 16, 16, 1),
             Feed(0, 16),
             Reorder(0, (1, 0)),
-            Feed(0, 32),
-            Feed(0, 34),
+            Feed(0, 16),
+            Feed(0, 2),
             Arrive(1, 2, None, 0, 34, 2, 2, continues=0),
             Feed(1, 36),
             Leave(0, "drop"),
@@ -918,11 +933,11 @@ PINNED = (
             Arrive(0, 1, None, 0, 18, 0, FORK_SEED),
             Feed(0, 18),
             Fork(0, 1),
-            Feed(1, 19),
-            Feed(0, 20),
-            Feed(1, 21),
-            Feed(0, 23),
-            Feed(1, 24),
+            Feed(1, 1),
+            Feed(0, 2),
+            Feed(1, 2),
+            Feed(0, 3),
+            Feed(1, 3),
             Arrive(2, 1, None, 0, 24, 1, 3, continues=1),
             Feed(2, 25),
             Leave(0, "drop"),
@@ -950,7 +965,7 @@ OFFLOAD_PINNED = (
             Arrive(2, 1, None, 1, 36, 0, 3),
             Feed(2, 37),
             Swap(1, out=False),
-            Feed(1, 35),
+            Feed(1, 2),
             Leave(1, "drop"),
             Leave(2, "drop"),
         ),
