@@ -9,7 +9,8 @@ counts back from the end (``Truncate``) or names the position it keeps up to
 A request is named by its number (``r0``, ``r1``, ...), never by an object, so that a plan
 is a value Hypothesis shrinks and a failure prints a constructor (``drawn=``). The events
 each area has alone stay in it: a request's start or arrival (what it is built from), a swap,
-a recompute, a finish, and the edits' forks that go on.
+a recompute, a finish, and the edits' forks that go on. The scripts of distributed inference
+(``kvcheck.scripts``: ``sharded``, ``move``) add a reset and a move to another layout.
 """
 
 from __future__ import annotations
@@ -89,3 +90,26 @@ class Fork:
 
     def describe(self) -> str:
         return f"r{self.child} = fork of r{self.parent}"
+
+
+@dataclass(frozen=True)
+class Reset:
+    """Request ``request`` is emptied, its caches kept for what it is fed next."""
+
+    request: int
+
+    def describe(self) -> str:
+        return f"r{self.request} is reset"
+
+
+@dataclass(frozen=True)
+class Move:
+    """Request ``request``'s caches are moved to the plan's layout ``layout``: exported and
+    imported into caches of another kind, block size or shard count (contract, section 11.2;
+    where move is offered)."""
+
+    request: int
+    layout: int
+
+    def describe(self) -> str:
+        return f"r{self.request} moves to layout {self.layout}"

@@ -21,6 +21,7 @@ The helpers count what they yield in closed form (tests/test_exhaustive.py holds
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -144,6 +145,12 @@ def nearest(value: int, supported: tuple[int, ...] | None) -> int:
         return value
     above = [size for size in supported if size > value]
     return min(above) if above else max(supported)
+
+
+def every_indices(batch: int) -> Iterator[tuple[int, ...]]:
+    """Every index tuple of a reorder of ``batch`` rows, repeats and the identity too:
+    batch^batch."""
+    return itertools.product(range(batch), repeat=batch)
 
 
 def compositions(n: int) -> tuple[tuple[int, ...], ...]:

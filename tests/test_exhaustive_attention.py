@@ -19,6 +19,7 @@ import torch
 
 import kvimpl
 from kvcheck import sizes as kvsizes
+from kvcheck.plan_events import Feed, Fork, Reorder, Reset, Truncate
 from kvcheck.properties import attend, sharded, shared, tree
 from kvcheck.scope import LAYOUTS, Scope
 from kvimpl.chunked import ChunkedCache
@@ -43,7 +44,7 @@ def fed(plan) -> int:
     if isinstance(plan, tree.TreePlan):
         (round_,) = plan.rounds
         return sum(plan.prefix) + len(round_.parents) + sum(round_.after)
-    return sum(event[2] for event in plan.events if event[0] == "feed")  # sharded
+    return sum(event.size for event in plan.events if isinstance(event, Feed))  # sharded
 
 
 def plans_of(prop, tokens: int, factory=None) -> list:
@@ -267,35 +268,38 @@ def script_count(tokens: int, batch: int, most: int = 2) -> int:
     """The scripts of exactly ``tokens`` tokens, by brute force: every sequence of events
     (feeds of 1..tokens, truncates of 1..tokens, reorders by each index tuple, resets, forks
     on every request) kept while it follows the docstring's rules."""
-    seeds = sharded.reorder_seeds(batch)
+    indices = list(itertools.product(range(batch), repeat=batch))
     letters = [
-        *(("feed", r, size) for r in range(most) for size in range(1, tokens + 1)),
-        *(("truncate", r, back) for r in range(most) for back in range(1, tokens + 1)),
-        *(("reorder", r, seed) for r in range(most) for seed in seeds),
-        *(("reset", r) for r in range(most)),
-        *(("fork", r) for r in range(most)),
+        *(Feed(r, size) for r in range(most) for size in range(1, tokens + 1)),
+        *(Truncate(r, back) for r in range(most) for back in range(1, tokens + 1)),
+        *(Reorder(r, order) for r in range(most) for order in indices),
+        *(Reset(r) for r in range(most)),
+        *(Fork(r, child) for r in range(most) for child in range(1, most)),
     ]
 
-    def follows(script: tuple, event: tuple, held: list[int]) -> list[int] | None:
-        kind, request = event[0], event[1]
-        if request >= len(held) or (not script and event[:2] != ("feed", 0)):
+    def follows(script: tuple, event, held: list[int]) -> list[int] | None:
+        request = event.parent if isinstance(event, Fork) else event.request
+        first_feed = isinstance(event, Feed) and event.request == 0
+        if request >= len(held) or (not script and not first_feed):
             return None
-        if kind == "feed":
-            return [*held[:request], held[request] + event[2], *held[request + 1 :]]
-        if script[-1][0] != "feed" or not held[request]:
+        if isinstance(event, Feed):
+            return [*held[:request], held[request] + event.size, *held[request + 1 :]]
+        if not isinstance(script[-1], Feed) or not held[request]:
             return None  # an edit follows a feed, on a request that holds tokens
-        if kind == "truncate" and event[2] <= held[request]:
-            return [*held[:request], held[request] - event[2], *held[request + 1 :]]
-        if kind in ("reorder", "reset"):
-            return [*held[:request], 0, *held[request + 1 :]] if kind == "reset" else held
-        if kind == "fork" and len(held) < most:
+        if isinstance(event, Truncate) and event.back <= held[request]:
+            return [*held[:request], held[request] - event.back, *held[request + 1 :]]
+        if isinstance(event, Reorder):
+            return held
+        if isinstance(event, Reset):
+            return [*held[:request], 0, *held[request + 1 :]]
+        if isinstance(event, Fork) and event.child == len(held) < most:
             return [*held, held[request]]
         return None
 
     def extend(script: tuple, held: list[int], left: int) -> int:
-        found = int(not left and len(script) > 1 and script[-1][0] == "feed")
+        found = int(not left and len(script) > 1 and isinstance(script[-1], Feed))
         for event in letters:
-            cost = event[2] if event[0] == "feed" else 0
+            cost = event.size if isinstance(event, Feed) else 0
             if cost > left:
                 continue
             after = follows(script, event, held)
@@ -308,7 +312,6 @@ def script_count(tokens: int, batch: int, most: int = 2) -> int:
 
 @pytest.mark.parametrize("tokens", range(1, 5))
 def test_sharded_plans_count(tokens):
-    assert [len(sharded.reorder_seeds(batch)) for batch in (1, 2)] == [1, 4]
     pairs = list(sharded.every_shard_layout(Scope(tokens)))
     assert len(pairs) == len(set(pairs))
     assert {world for world, _ in pairs} == {2, 4}

@@ -43,7 +43,7 @@ def test_a_hung_rank_fails_the_plan_naming_it_and_its_event():
         assert not runtime.ranks  # every rank killed
     message = str(raised.value)
     assert "did not answer within 1.5 s" in message
-    assert "rank 1 at event #0: feed 5 to request A" in message
+    assert "rank 1 at event #0: r0 is fed 5 tokens" in message
 
 
 def test_a_rank_that_dies_is_named():

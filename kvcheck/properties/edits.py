@@ -12,7 +12,6 @@ The bad-argument tables for ``truncate`` and ``reorder`` are in ``kvcheck.badinp
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -220,11 +219,6 @@ def feeds(chunks: tuple[int, ...]) -> tuple[Feed, ...]:
     return tuple(Feed(0, size) for size in chunks)
 
 
-def every_indices(batch: int) -> Iterator[tuple[int, ...]]:
-    """Every index tuple of ``batch`` rows, repeats and the identity too: batch^batch."""
-    return itertools.product(range(batch), repeat=batch)
-
-
 def truncate_moments(held: int, batch: int) -> Iterator[tuple[Step, ...]]:
     """A truncate to every length of 0 to ``held``."""
     return ((TruncateTo(0, target),) for target in range(held + 1))
@@ -232,16 +226,16 @@ def truncate_moments(held: int, batch: int) -> Iterator[tuple[Step, ...]]:
 
 def reorder_moments(held: int, batch: int) -> Iterator[tuple[Step, ...]]:
     """A reorder by every index tuple of the batch's rows."""
-    return ((Reorder(0, indices),) for indices in every_indices(batch))
+    return ((Reorder(0, indices),) for indices in kvscope.every_indices(batch))
 
 
 def mixed_moments(held: int, batch: int) -> Iterator[tuple[Step, ...]]:
     """A truncate to every length of 0 to ``held`` and a reorder by every index tuple, back
     to back, the truncate first, then the reorder first."""
     for target in range(held + 1):
-        for indices in every_indices(batch):
+        for indices in kvscope.every_indices(batch):
             yield TruncateTo(0, target), Reorder(0, indices)
-    for indices in every_indices(batch):
+    for indices in kvscope.every_indices(batch):
         for target in range(held + 1):
             yield Reorder(0, indices), TruncateTo(0, target)
 

@@ -31,6 +31,7 @@ from kvcheck import strategies as kvst
 from kvcheck import tensors as kvtensors
 from kvcheck.harness import build, warm
 from kvcheck.kit import KitTests, Property, path_for, property_test
+from kvcheck.plan_events import Feed, Fork, Move, Truncate
 from kvcheck.properties.rejection import check_refused, every_import
 from kvcheck.session import Engine
 from kvref import BlockPool, CacheFactory, CacheRows, ModelConfig
@@ -66,11 +67,11 @@ class MovePlan:
         return (
             f"move plan: batch {self.batch}, {kvdevices.dtype_name(self.dtype)}\n"
             f"  model: {kvst.describe_config(self.config)}\n  layouts: {layouts}\n"
-            f"  events: {', '.join(scripts.said(event) for event in self.events)}"
+            f"  events: {', '.join(event.describe() for event in self.events)}"
         )
 
     def summary(self) -> tuple[str, str, str]:
-        tokens = sum(event[2] for event in self.events if event[0] == "feed")
+        tokens = scripts.fed(self.events)
         return (
             f"{tokens} ({len(self.layouts) - 1} moves)",
             str(self.config.num_layers),
@@ -95,12 +96,13 @@ def layouts(draw, count: int) -> tuple:
 @st.composite
 def move_plans(draw) -> MovePlan:
     moved = draw(st.integers(1, 3), label="moves")
-    script = list(draw(scripts.events(EVENTS, MOST_TOKENS, moves=moved), label="events"))
+    batch = draw(kvsizes.batches(small_max=3), label="batch")
+    script = list(draw(scripts.events(EVENTS, MOST_TOKENS, batch, moves=moved), label="events"))
     if draw(st.booleans(), label="fork after the last move"):
-        script.extend((("fork", 0), ("feed", 1, 1), ("feed", 0, 1)))
+        script.extend((Fork(0, 1), Feed(1, 1), Feed(0, 1)))
     return MovePlan(
         config=draw(kvst.model_configs(max_layers=2, tokens=MOST_TOKENS), label="config"),
-        batch=draw(kvsizes.batches(small_max=3), label="batch"),
+        batch=batch,
         dtype=draw(kvst.dtypes_on_device(kvst.WITH_HALF), label="dtype"),
         layouts=draw(layouts(moved + 1), label="layouts"),
         paths=tuple(
@@ -189,10 +191,10 @@ def check_moves(factory: CacheFactory, plan: MovePlan) -> None:
     ends = resolved(factory, plan)
     first, path = ends[0]
     engine = Engine(first, model, max_length=MOST_TOKENS + 1, path=path, describe=plan.describe)
-    moves = [step for step, event in enumerate(plan.events) if event[0] == "move"]
+    moves = [step for step, event in enumerate(plan.events) if isinstance(event, Move)]
 
     def move(request, layout: int, at: str) -> None:
-        before = plan.events[moves[layout - 1] - 1][0]  # a move is never the first event
+        before = scripts.kind_of(plan.events[moves[layout - 1] - 1])  # never the first event
         edges = move_edges(plan, ends, layout, request.held, before)
         reach.note(*(name for name, reached in edges.items() if reached))
         if any(any(cache.quantized_below) for cache in request.caches):
@@ -245,15 +247,15 @@ ACROSS_BLOCK_SIZES = MovePlan(
     layouts=(kvlayouts.THE_CACHE, ("block size", 3), kvlayouts.REFERENCE, kvlayouts.THE_CACHE),
     paths=("append", "attend", "append", "attend"),
     events=(
-        ("feed", 0, 19),
-        ("move", 0, 1),
-        ("feed", 0, 1),
-        ("move", 0, 2),
-        ("feed", 0, 2),
-        ("move", 0, 3),
-        ("feed", 0, 1),
-        ("truncate", 0, 2),
-        ("feed", 0, 1),
+        Feed(0, 19),
+        Move(0, 1),
+        Feed(0, 1),
+        Move(0, 2),
+        Feed(0, 2),
+        Move(0, 3),
+        Feed(0, 1),
+        Truncate(0, 2),
+        Feed(0, 1),
     ),
     token_seed=11,
 )

@@ -17,7 +17,6 @@ to the unsharded uncached model and every rank must agree on every length.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -30,6 +29,7 @@ from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck import tensors as kvtensors
 from kvcheck.kit import KitTests, Property, offered, path_for, property_test
+from kvcheck.plan_events import Feed, Fork, Move, Reorder, Reset, Truncate
 from kvcheck.session import Engine
 from kvcheck.sharded_cache import Ranks, ShardedFactory, SimulatedRanks, plan_for
 from kvref import CacheFactory, ModelConfig, shard_heads
@@ -58,7 +58,7 @@ class ShardedPlan:
     def describe(self, path: str | None = None) -> str:
         """The plan; ``path`` the one its ranks' caches took (``path``, where they have it)."""
         model = kvst.describe_config(self.config)
-        said = ", ".join(scripts.said(event) for event in self.events)
+        said = ", ".join(event.describe() for event in self.events)
         if self.moves_to:
             said += f" (the moves to {', '.join(f'{n} ranks' for n in self.moves_to)})"
         return (
@@ -68,7 +68,7 @@ class ShardedPlan:
         )
 
     def summary(self) -> tuple[str, str, str]:
-        tokens = sum(event[2] for event in self.events if event[0] == "feed")
+        tokens = scripts.fed(self.events)
         heads = f"{self.config.num_kv_heads}/{self.config.num_heads} heads on {self.world}"
         return f"{tokens} ({heads})", str(self.config.num_layers), str(self.batch)
 
@@ -127,7 +127,8 @@ def sharded_plans(draw, dtypes: tuple = kvst.WITH_HALF, moves: bool = True) -> S
         # the 4 ranks the model was drawn for.
         moved, world = 0, 4
     kinds = tuple(kind for kind in EVENTS if kind != "fork") if moved else EVENTS
-    events = draw(scripts.events(kinds, MOST_TOKENS, moves=moved), label="events")
+    batch = draw(kvsizes.batches(small_max=3), label="batch")
+    events = draw(scripts.events(kinds, MOST_TOKENS, batch, moves=moved), label="events")
     worlds = [world]
     for _ in range(moved):
         worlds.append(draw(st.sampled_from([n for n in (2, 4) if n != worlds[-1]]), label="to"))
@@ -135,7 +136,7 @@ def sharded_plans(draw, dtypes: tuple = kvst.WITH_HALF, moves: bool = True) -> S
         world=world,
         config=config,
         path=draw(st.sampled_from(("append", "attend")), label="path"),
-        batch=draw(kvsizes.batches(small_max=3), label="batch"),
+        batch=batch,
         dtype=draw(kvst.dtypes_on_device(dtypes), label="dtype"),
         events=events,
         token_seed=draw(st.integers(0, 2**16), label="token seed"),
@@ -176,7 +177,7 @@ def note_layout(plan: ShardedPlan) -> None:
 
 def note_events(plan: ShardedPlan, offered: frozenset[str]) -> None:
     """The edges of the events the script ran on every rank: those the caches offer."""
-    kinds = {event[0] for event in plan.events}
+    kinds = {scripts.kind_of(event) for event in plan.events}
     reach.note(*(name for kind, name in ON_EVERY_RANK.items() if kind in kinds & offered))
 
 
@@ -252,7 +253,7 @@ REPLICATED = ShardedPlan(
     path="attend",
     batch=2,
     dtype=torch.float64,
-    events=(("feed", 0, 5), ("feed", 0, 1), ("truncate", 0, 2), ("feed", 0, 2), ("reset", 0)),
+    events=(Feed(0, 5), Feed(0, 1), Truncate(0, 2), Feed(0, 2), Reset(0)),
     token_seed=3,
 )
 
@@ -261,7 +262,7 @@ REPLICATED = ShardedPlan(
 RESHARDED = dataclasses.replace(
     REPLICATED,
     path="append",
-    events=(("feed", 0, 5), ("move", 0, 1), ("feed", 0, 1), ("move", 0, 2), ("feed", 0, 2)),
+    events=(Feed(0, 5), Move(0, 1), Feed(0, 1), Move(0, 2), Feed(0, 2)),
     moves_to=(2, 4),
 )
 
@@ -279,7 +280,7 @@ LAYOUTS_ON_TWO = tuple(
         path="append",
         batch=1,
         dtype=torch.float64,
-        events=(("feed", 0, 3), ("feed", 0, 1)),
+        events=(Feed(0, 3), Feed(0, 1)),
         token_seed=kv_heads,
     )
     for kv_heads in (1, 2, 4)
@@ -287,41 +288,26 @@ LAYOUTS_ON_TWO = tuple(
 
 
 # --- Every plan within a scope (kvcheck.scope), for the bounded-exhaustive mode ---
-@functools.cache
-def reorder_seeds(batch: int) -> tuple[int, ...]:
-    """A seed of a script's reorder (``kvcheck.scripts.play`` draws its indices from it) for
-    each of the batch^batch index tuples of ``batch`` rows (repeats and the identity too):
-    the smallest giving it, in the order first found."""
-    found: dict[tuple[int, ...], int] = {}
-    seed = 0
-    while len(found) < batch**batch:
-        generator = torch.Generator().manual_seed(seed)
-        indices = tuple(torch.randint(0, batch, (batch,), generator=generator).tolist())
-        found.setdefault(indices, seed)
-        seed += 1
-    return tuple(found.values())
-
-
 def every_script(
     tokens: int, kinds: tuple[str, ...], batch: int, requests: int = 1
 ) -> Iterator[tuple[tuple, ...]]:
     """Every script (``kvcheck.scripts``) that feeds exactly ``tokens`` tokens in all (over
     every request), in which an edit follows a feed (never another edit: each edit is read by
     the feed after it before the next), on a request that holds tokens: a truncate by each of
-    1..held, a reorder by each index tuple of the batch (``reorder_seeds``), a reset, a fork
+    1..held, a reorder by each index tuple of the batch, a reset, a fork
     (while fewer than ``requests`` requests live; events after it on either request); the
     first event a feed of request A, the last a feed, two feeds at least (a decode after the
     prefill, as the strategy's scripts). Of ``kinds``, those beside "feed" are the edits."""
     edits = [kind for kind in kinds if kind != "feed"]
 
     def extend(script: tuple, held: tuple[int, ...], left: int) -> Iterator[tuple]:
-        if not left and script[-1][0] == "feed" and len(script) > 1:
+        if not left and isinstance(script[-1], Feed) and len(script) > 1:
             yield script
         for request in range(len(held)):
             for size in range(1, left + 1):
                 fed = (*held[:request], held[request] + size, *held[request + 1 :])
-                yield from extend((*script, ("feed", request, size)), fed, left - size)
-        if script[-1][0] != "feed":
+                yield from extend((*script, Feed(request, size)), fed, left - size)
+        if not isinstance(script[-1], Feed):
             return
         for request, length in enumerate(held):
             if not length:
@@ -330,18 +316,19 @@ def every_script(
                 if kind == "truncate":
                     for back in range(1, length + 1):
                         cut = (*held[:request], length - back, *held[request + 1 :])
-                        yield from extend((*script, ("truncate", request, back)), cut, left)
+                        yield from extend((*script, Truncate(request, back)), cut, left)
                 elif kind == "reorder":
-                    for seed in reorder_seeds(batch):
-                        yield from extend((*script, ("reorder", request, seed)), held, left)
+                    for indices in kvscope.every_indices(batch):
+                        yield from extend((*script, Reorder(request, indices)), held, left)
                 elif kind == "reset":
                     gone = (*held[:request], 0, *held[request + 1 :])
-                    yield from extend((*script, ("reset", request)), gone, left)
+                    yield from extend((*script, Reset(request)), gone, left)
                 elif kind == "fork" and len(held) < requests:
-                    yield from extend((*script, ("fork", request)), (*held, length), left)
+                    fork = Fork(request, len(held))
+                    yield from extend((*script, fork), (*held, length), left)
 
     for size in range(1, tokens):  # a feed after it at least
-        yield from extend((("feed", 0, size),), (size,), tokens - size)
+        yield from extend((Feed(0, size),), (size,), tokens - size)
 
 
 def shardable(layout: kvscope.Layout, world: int) -> kvscope.Layout | None:
