@@ -10,7 +10,11 @@ A request is named by its number (``r0``, ``r1``, ...), never by an object, so t
 is a value Hypothesis shrinks and a failure prints a constructor (``drawn=``). The events
 each area has alone stay in it: a request's start or arrival (what it is built from), a swap,
 a recompute, a finish, and the edits' forks that go on. The scripts of distributed inference
-(``kvcheck.scripts``: ``sharded``, ``move``) add a reset and a move to another layout.
+(``kvcheck.scripts``: ``sharded``, ``move``) add a reset and a move to another layout, the
+context shifts a shift (``Shift``). A batch whose rows are requests of their own (contract,
+section 8: ``mixed lengths``, the shifts per row, the walks of ``interactions``) has events
+of its own, one per method, each with a value per row: ``FeedRows``, ``TruncateRows``,
+``SelectRows``, ``Join``, ``ResetAt`` and ``ShiftRows``.
 """
 
 from __future__ import annotations
@@ -113,3 +117,85 @@ class Move:
 
     def describe(self) -> str:
         return f"r{self.request} moves to layout {self.layout}"
+
+
+@dataclass(frozen=True)
+class Shift:
+    """Request ``request`` discards ``count`` tokens from index ``start``, the keys after the
+    span re-rotated to their new positions (a context shift, contract section 8.4)."""
+
+    request: int
+    start: int
+    count: int
+
+    def describe(self) -> str:
+        return f"r{self.request} shift({self.start}, {self.count})"
+
+
+# --- Rows of their own (contract, section 8): one batch, a value per row ---
+
+
+@dataclass(frozen=True)
+class FeedRows:
+    """Row b is fed ``counts[b]`` new tokens in one call (``append_rows``; 0: its slot a
+    pad)."""
+
+    counts: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"rows fed {list(self.counts)}"
+
+
+@dataclass(frozen=True)
+class TruncateRows:
+    """Row b keeps its first ``keep[b]`` tokens (``truncate_rows``)."""
+
+    keep: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"truncate_rows to {list(self.keep)}"
+
+
+@dataclass(frozen=True)
+class SelectRows:
+    """The batch becomes its rows ``kept``, in that order (``select_rows``): finished rows
+    leave, the others stay or are reordered."""
+
+    kept: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"select_rows {list(self.kept)}"
+
+
+@dataclass(frozen=True)
+class Join:
+    """A request of one row per ``(prompt, first position)`` of ``joining``, prefilled alone
+    (from those first positions where ``reset_at`` is offered), joins after the batch's last
+    row (``join``)."""
+
+    joining: tuple[tuple[int, int], ...]
+
+    def describe(self) -> str:
+        return f"a request prefilled alone with {list(self.joining)} (prompt, first position) joins"
+
+
+@dataclass(frozen=True)
+class ResetAt:
+    """Every row empty, row b's next token at position ``firsts[b]`` (``reset_at``)."""
+
+    firsts: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"reset_at {list(self.firsts)}"
+
+
+@dataclass(frozen=True)
+class ShiftRows:
+    """Row b discards ``counts[b]`` tokens from index ``starts[b]`` (0: untouched), the keys
+    after its span re-rotated (a shift per row, contract section 8.4)."""
+
+    starts: tuple[int, ...]
+    counts: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"shift({list(self.starts)}, {list(self.counts)})"

@@ -19,7 +19,7 @@ import torch
 
 import kvimpl
 from kvcheck import sizes as kvsizes
-from kvcheck.plan_events import Feed, Fork, Reorder, Reset, Truncate
+from kvcheck.plan_events import Feed, FeedRows, Fork, Reorder, Reset, Truncate
 from kvcheck.properties import attend, sharded, shared, tree
 from kvcheck.scope import LAYOUTS, Scope
 from kvimpl.chunked import ChunkedCache
@@ -38,7 +38,7 @@ def fed(plan) -> int:
     if isinstance(plan, shared.SharedPlan):
         return sum(plan.chunks)  # the prompt's (fed three ways: the check, not the plan)
     if isinstance(plan, shared.SharedRowsPlan):
-        return sum(sum(counts) for kind, counts in plan.events if kind == "feed")
+        return sum(sum(event.counts) for event in plan.events if isinstance(event, FeedRows))
     if isinstance(plan, shared.SharedTreePlan):
         return sum(plan.prefix) + len(plan.parents) + plan.after
     if isinstance(plan, tree.TreePlan):

@@ -13,7 +13,7 @@ import pytest
 
 import kvimpl
 from kvcheck import sizes as kvsizes
-from kvcheck.plan_events import Feed, TruncateTo
+from kvcheck.plan_events import Feed, FeedRows, Shift, TruncateTo
 from kvcheck.properties import edits, rows, shift, sinks
 from kvcheck.scope import LAYOUTS, Scope, compositions
 from tests import depth
@@ -27,8 +27,8 @@ def fed(plan) -> int:
     if isinstance(plan, sinks.SinkPlan):
         return sum(session.length for session in plan.scenario.sessions)
     if isinstance(plan, shift.ShiftPlan):
-        return sum(arg[0] for kind, arg in plan.events if kind == "feed")
-    return sum(sum(arg) for kind, arg in plan.events if kind == "feed")  # rows of their own
+        return sum(event.size for event in plan.events if isinstance(event, Feed))
+    return sum(sum(event.counts) for event in plan.events if isinstance(event, FeedRows))
 
 
 def with_sizes(factory):
@@ -167,14 +167,13 @@ def test_shift_plans_count(tokens):
     assert len(plans) == per_layout(lambda n, _: shift_count(n, shift.MOST_SHIFTS), tokens)
     for plan in plans:  # every span within what is held, the caches built to the most held
         held = 0
-        for kind, arg in plan.events:
-            if kind == "shift":
-                start, count = arg
-                assert 0 <= start < held
-                assert 1 <= count <= held - start
-            held += arg[0] if kind == "feed" else -arg[1]
+        for event in plan.events:
+            if isinstance(event, Shift):
+                assert 0 <= event.start < held
+                assert 1 <= event.count <= held - event.start
+            held += event.size if isinstance(event, Feed) else -event.count
             assert held <= plan.max_length
-        assert plan.events[-1][0] == "feed"
+        assert isinstance(plan.events[-1], Feed)
 
 
 def row_shift_count(n: int, batch: int) -> int:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 from kvcheck import session
+from kvcheck.plan_events import FeedRows
 from kvcheck.properties import rows as rows_property
 from kvimpl import PreallocatedCache
 from kvref import CacheContractError, ModelConfig, ReferenceTransformer
@@ -203,8 +204,8 @@ def test_a_cache_that_offers_members_through_getattr_runs_the_whole_plan(monkeyp
 
         monkeypatch.setattr(session.Engine, name, counted)
     rows_property.check_mixed_lengths(Delegating, rows_property.PINNED[0])
-    events = {"feed": "feed_rows", "truncate": "truncate_rows", "select": "select_rows"}
-    wanted = {events.get(kind, kind) for kind, _ in rows_property.PINNED[0].events}
+    methods = {FeedRows: "feed_rows", **rows_property.NEEDS}
+    wanted = {methods[type(event)] for event in rows_property.PINNED[0].events}
     assert {*wanted, "reset_at"} <= set(called), called
 
 
@@ -218,7 +219,7 @@ def test_a_pad_query_that_sees_no_key_reaches_no_real_row_in_bfloat16(pad):
         config=ModelConfig(vocab_size=5, num_layers=1, num_heads=9, num_kv_heads=3, head_dim=6),
         dtype=torch.bfloat16,
         batch=3,
-        events=(("feed", (1, 0, 0)), ("feed", (0, 6, 0))),
+        events=(FeedRows((1, 0, 0)), FeedRows((0, 6, 0))),
         token_seed=0,
         pad=pad,
     )

@@ -9,6 +9,7 @@ import torch
 
 from kvcheck import failures
 from kvcheck.harness import Recorder
+from kvcheck.plan_events import Feed, Shift
 from kvcheck.properties import shift as shift_property
 from kvcheck.properties.shift import ShiftPlan, check_context_shift
 from kvimpl import PreallocatedCache, UnrotatedCache
@@ -130,7 +131,7 @@ def test_a_refused_shift_ends_the_plan_that_was_drawn_for_it():
         dtype=torch.float64,
         batch=1,
         max_length=16,
-        events=(("feed", (16,)), ("shift", (4, 6)), ("feed", (1,))),  # the feed would overflow
+        events=(Feed(0, 16), Shift(0, 4, 6), Feed(0, 1)),  # the feed would overflow
         token_seed=1,
     )
     check_context_shift(RefusingWindow, plan)

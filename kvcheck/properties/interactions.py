@@ -27,7 +27,8 @@ from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck import tensors as kvtensors
 from kvcheck.kit import KitTests, Property, offered, probe_spec, property_test
-from kvcheck.properties.rows import RowsRun, token_source
+from kvcheck.plan_events import FeedRows, Join, ResetAt, SelectRows, ShiftRows, TruncateRows
+from kvcheck.properties.rows import RowEvent, RowsRun, token_source
 from kvcheck.session import Engine, Request
 from kvref import CacheFactory, ModelConfig
 from kvref.reprs import short_repr
@@ -263,32 +264,32 @@ def run_rows_walk(
         done.append(step.describe())
         run.pad = pads[index % len(pads)]
         event = row_event(step, run.batch.row_lengths(), index, most)
-        if not run.event(*event, f" (step #{index})"):
+        if not run.event(event, f" (step #{index})"):
             break  # a window refused as it may: the rest was planned for the rows it would leave
         engine.check(f"step #{index}, {step.describe()}")
     # What the last event left is read back: a token for every row with room.
     if any(held < most for held in run.batch.row_lengths()):
         counts = tuple(int(held < most) for held in run.batch.row_lengths())
-        run.event("feed", counts, " (the walk's last feed)")
+        run.event(FeedRows(counts), " (the walk's last feed)")
     engine.finish()
 
 
-def row_event(step: interplay.Step, held: list[int], index: int, most: int) -> tuple:
-    """``step`` of a walk on rows of their own as the event ``(kind, arg)`` of
-    ``RowsRun``, the rows holding ``held`` tokens each before it."""
+def row_event(step: interplay.Step, held: list[int], index: int, most: int) -> RowEvent:
+    """``step`` of a walk on rows of their own as the plan event ``RowsRun`` runs, the rows
+    holding ``held`` tokens each before it."""
     left = step.rows
     if step.kind == "feed rows":
-        return "feed", tuple(n - h for n, h in zip(left, held, strict=True))
+        return FeedRows(tuple(n - h for n, h in zip(left, held, strict=True)))
     if step.kind == "truncate rows":
-        return "truncate", left
+        return TruncateRows(left)
     if step.kind == "select rows":
-        return "select", step.order
+        return SelectRows(step.order)
     if step.kind == "shift rows":
-        return "shift", (step.starts, tuple(h - n for n, h in zip(left, held, strict=True)))
+        return ShiftRows(step.starts, tuple(h - n for n, h in zip(left, held, strict=True)))
     if step.kind == "join":
-        return "join", ((left[-1], 3 * index),)
+        return Join(((left[-1], 3 * index),))
     if step.kind == "reset rows":
-        return "restart", tuple(most * (index % 2) + 7 * row for row in range(len(left)))
+        return ResetAt(tuple(most * (index % 2) + 7 * row for row in range(len(left))))
     raise ValueError(f"{step.kind!r} is no event on rows of their own")
 
 

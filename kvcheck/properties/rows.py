@@ -32,39 +32,36 @@ from kvcheck import strategies as kvst
 from kvcheck import tensors as kvtensors
 from kvcheck.devices import dtype_name
 from kvcheck.kit import KitTests, Property, property_test
+from kvcheck.plan_events import FeedRows, Join, ResetAt, SelectRows, ShiftRows, TruncateRows
 from kvcheck.session import Engine
 from kvref import CacheFactory, ModelConfig
 from kvref.reprs import short_repr
 from kvref.rope import ROPE_TABLE_POSITIONS
 
+RowEvent = FeedRows | TruncateRows | SelectRows | Join | ResetAt | ShiftRows
+
 MAX_LENGTH = 48  # per row: prompts and rollbacks drawn around the 16-row boundaries below it
-EVENTS = ("feed", "truncate", "select", "join", "restart")
+EVENTS = ("feed", "truncate", "select", "join", "restart")  # what the strategy draws
 FIRST_POSITIONS = (0, 1, 47, 48, 49, 255, 256, 1023, 1025, 4095, 4096, 8191, 8192, 100_003)
 
 
 @short_repr
 @dataclass(frozen=True)
 class RowsPlan:
-    """One batch and its events, each ``(kind, per-row counts or rows)``."""
+    """One batch and its events (``kvcheck.plan_events``: ``FeedRows``, ``TruncateRows``,
+    ``SelectRows``, ``Join``, ``ResetAt``; ``ShiftRows`` in a ``RowShiftPlan``)."""
 
     TITLE: ClassVar[str] = "rows plan"  # what describe() calls it (a subclass, its own)
     config: ModelConfig
     dtype: torch.dtype
     batch: int
-    events: tuple[tuple[str, tuple[int, ...]], ...]
+    events: tuple[RowEvent, ...]
     token_seed: int
     firsts: tuple[int, ...] | None = None  # each row's first position (reset_at), else 0
     pad: str = "nan"  # what the pad slots' keys and values hold (kvtensors.POISON_VALUES)
 
     def describe(self) -> str:
-        said = {
-            "feed": "rows fed {}",
-            "truncate": "truncate_rows to {}",
-            "select": "select_rows {}",
-            "join": "a request prefilled alone with {} (prompt, first position) joins",
-            "restart": "reset_at {}",
-        }
-        events = "; ".join(said[kind].format(list(arg)) for kind, arg in self.events)
+        events = "; ".join(event.describe() for event in self.events)
         firsts = "" if self.firsts is None else f", first positions {list(self.firsts)}"
         return (
             f"{self.TITLE}: batch {self.batch}, {dtype_name(self.dtype)}, pads of {self.pad}"
@@ -72,9 +69,10 @@ class RowsPlan:
         )
 
     def summary(self) -> tuple[str, str, str]:
-        fed = sum(sum(arg) for kind, arg in self.events if kind == "feed")
-        fed += sum(prompt for kind, arg in self.events if kind == "join" for prompt, _ in arg)
-        kinds = ", ".join(dict.fromkeys(kind for kind, _ in self.events))
+        fed = sum(sum(event.counts) for event in self.events if isinstance(event, FeedRows))
+        joined = (event.joining for event in self.events if isinstance(event, Join))
+        fed += sum(prompt for joining in joined for prompt, _ in joining)
+        kinds = ", ".join(dict.fromkeys(type(event).__name__ for event in self.events))
         return f"{fed} ({kinds})", str(self.config.num_layers), str(self.batch)
 
 
@@ -104,7 +102,7 @@ def rows_plans(draw) -> RowsPlan:
     built = batch  # the rows the batch's caches were built for: a join fits in those
     events = []
     first = draw(prompt_counts(batch, MAX_LENGTH // 2), label="prompts")
-    events.append(("feed", first))
+    events.append(FeedRows(first))
     lengths = list(first)
     for _ in range(draw(st.integers(1, 6), label="events")):
         kind = draw(st.sampled_from(("decode", "decode", "chunk", *EVENTS[1:])), label="event")
@@ -114,36 +112,36 @@ def rows_plans(draw) -> RowsPlan:
                 draw(st.integers(0, min(most, MAX_LENGTH - n)), label="new tokens") for n in lengths
             )
             if any(counts):
-                events.append(("feed", counts))
+                events.append(FeedRows(counts))
                 lengths = [n + c for n, c in zip(lengths, counts, strict=True)]
         elif kind == "truncate":
             keep = tuple(n - draw(rejected_counts(n), label="rejected") for n in lengths)
-            events.append(("truncate", keep))
+            events.append(TruncateRows(keep))
             lengths = list(keep)
         elif kind == "select":
             kept = draw(selections(len(lengths)), label="rows kept")
-            events.append(("select", kept))
+            events.append(SelectRows(kept))
             lengths = [lengths[row] for row in kept]
         elif kind == "join":
             if len(lengths) == built and len(lengths) > 1:
                 # A full batch: rows finish and leave first, so that a request may join.
                 kept = draw(leavers(len(lengths)), label="rows kept")
-                events.append(("select", kept))
+                events.append(SelectRows(kept))
                 lengths = [lengths[row] for row in kept]
             if len(lengths) < built:
                 prompts = draw(joining_requests(built - len(lengths)), label="joining")
-                events.append(("join", prompts))
+                events.append(Join(prompts))
                 lengths += [prompt for prompt, _ in prompts]
         elif kind == "restart" and len(lengths) == built:
             # Every row empty and elsewhere: a new batch on these caches, of the rows they were
             # built for (which batch a reset returns to after rows left is the cache's choice).
             firsts = tuple(draw(st.sampled_from(FIRST_POSITIONS), label="first") for _ in lengths)
             prompts = draw(prompt_counts(len(lengths), MAX_LENGTH // 2), label="prompts")
-            events += [("restart", firsts), ("feed", prompts)]
+            events += [ResetAt(firsts), FeedRows(prompts)]
             lengths = list(prompts)
     # Every plan ends with a decode step, so that what the last edit left is read back.
-    if events[-1][0] != "feed" and any(n < MAX_LENGTH for n in lengths):
-        events.append(("feed", tuple(int(n < MAX_LENGTH) for n in lengths)))
+    if not isinstance(events[-1], FeedRows) and any(n < MAX_LENGTH for n in lengths):
+        events.append(FeedRows(tuple(int(n < MAX_LENGTH) for n in lengths)))
     configs = kvst.model_configs(max_layers=2, tokens=MAX_LENGTH + 8)
     return drawn_rows_plan(draw, RowsPlan, configs, batch=batch, events=events)
 
@@ -239,11 +237,11 @@ def check_mixed_lengths(factory: CacheFactory, plan: RowsPlan) -> None:
     engine, tokens = rows_engine(factory, plan, MAX_LENGTH)
     run = RowsRun(engine, engine.start("the batch", plan.batch), tokens, plan.pad)
     if plan.firsts is not None and run.offers("reset_at"):
-        run.event("restart", plan.firsts, "")
-    for index, (kind, arg) in enumerate(plan.events):
-        if kind in NEEDS and not run.offers(NEEDS[kind]):
+        run.event(ResetAt(plan.firsts), "")
+    for index, event in enumerate(plan.events):
+        if type(event) in NEEDS and not run.offers(NEEDS[type(event)]):
             break  # not offered: the rest of the plan was drawn for the rows it would leave
-        run.event(kind, arg, f" (event #{index})")
+        run.event(event, f" (event #{index})")
         engine.check(f"event #{index}")
         if any(any(map(any, cache.rows_below or ())) for cache in run.batch.caches):
             reach.note(ROWS_IN_CODES)
@@ -252,19 +250,10 @@ def check_mixed_lengths(factory: CacheFactory, plan: RowsPlan) -> None:
 
 class RowsRun:
     """A batch whose rows are requests of their own, on an engine, and the one way its events
-    run (``mixed lengths``, the shifts per row, the walks of ``interactions``): each event
-    ``(kind, arg)`` of the vocabulary below, on the session engine, noting the edges it
-    reaches (``kvcheck.reach``).
-
-    - ``("feed", counts)``: row b fed ``counts[b]`` new tokens (0: an empty slot), pads of
-      ``pad``;
-    - ``("truncate", keep)``: row b keeps its first ``keep[b]`` tokens;
-    - ``("select", kept)``: the batch becomes rows ``kept``, in that order;
-    - ``("join", ((prompt, first), ...))``: a request of those rows, prefilled alone (at
-      those first positions where ``reset_at`` is offered), joins after the last row;
-    - ``("restart", firsts)``: every row empty, row b's next token at ``firsts[b]``;
-    - ``("shift", (starts, counts))``: row b discards ``counts[b]`` tokens from
-      ``starts[b]`` (section 8.4)."""
+    run (``mixed lengths``, the shifts per row, the walks of ``interactions``): each event of
+    rows of their own (``kvcheck.plan_events``: ``FeedRows``, its pads of ``pad``,
+    ``TruncateRows``, ``SelectRows``, ``Join``, ``ResetAt``, ``ShiftRows``) on the session
+    engine, noting the edges it reaches (``kvcheck.reach``)."""
 
     def __init__(self, engine: Engine, batch, tokens: Callable, pad: str) -> None:
         self.engine, self.batch, self.tokens, self.pad = engine, batch, tokens, pad
@@ -279,41 +268,43 @@ class RowsRun:
     def offers(self, name: str) -> bool:
         return name in self.offered
 
-    def event(self, kind: str, arg, at: str) -> bool:
-        """Run ``(kind, arg)``; False where a window refused it as it may (a truncate or a
-        shift: the books stay)."""
+    def event(self, event: RowEvent, at: str) -> bool:
+        """Run ``event``; False where a window refused it as it may (a truncate or a shift:
+        the books stay)."""
         engine, batch = self.engine, self.batch
         held = batch.row_lengths()
-        if kind == "feed":
-            new = [self.tokens(count) for count in arg]
+        if isinstance(event, FeedRows):
+            new = [self.tokens(count) for count in event.counts]
             engine.feed_rows(batch, new, pad=self.pad, at=at)
-            note_feed(arg, held, batch.row_firsts(), self.pad, engine.max_length)
+            note_feed(event.counts, held, batch.row_firsts(), self.pad, engine.max_length)
             note_attention_path(batch.caches[0].rows_returned)
-        elif kind == "truncate":
-            if not engine.truncate_rows(batch, list(arg), at=at):
+        elif isinstance(event, TruncateRows):
+            if not engine.truncate_rows(batch, list(event.keep), at=at):
                 return False
-            note_rollback(arg, held)
-        elif kind == "select":
-            engine.select_rows(batch, list(arg), at=at)
-            note_selection(arg, len(held))
+            note_rollback(event.keep, held)
+        elif isinstance(event, SelectRows):
+            engine.select_rows(batch, list(event.kept), at=at)
+            note_selection(event.kept, len(held))
             self.moved = True
-        elif kind == "restart":
-            engine.reset_at(batch, list(arg), at=at)
-            note_first_positions(arg)
+        elif isinstance(event, ResetAt):
+            engine.reset_at(batch, list(event.firsts), at=at)
+            note_first_positions(event.firsts)
             if self.moved:
                 reach.note(RESTART_AFTER_MOVES)
             self.moved = False
-        elif kind == "join":
-            joining = engine.start("a request prefilled alone", len(arg))
+        elif isinstance(event, Join):
+            joining = engine.start("a request prefilled alone", len(event.joining))
             if self.offers("reset_at"):
-                engine.reset_at(joining, [first for _, first in arg], at=at)
-            prompts = [self.tokens(prompt) for prompt, _ in arg]
+                engine.reset_at(joining, [first for _, first in event.joining], at=at)
+            prompts = [self.tokens(prompt) for prompt, _ in event.joining]
             engine.feed_rows(joining, prompts, pad=self.pad, at=at)
             engine.join(batch, joining, at=at)
-            note_join(arg, with_firsts=self.offers("reset_at"))
+            note_join(event.joining, with_firsts=self.offers("reset_at"))
             self.moved = True
+        elif isinstance(event, ShiftRows):
+            return engine.shift_rows(batch, list(event.starts), list(event.counts), at=at)
         else:
-            return engine.shift_rows(batch, *map(list, arg), at=at)
+            raise ValueError(f"{event!r} is no event of rows of their own")
         return True
 
 
@@ -423,11 +414,12 @@ def note_first_positions(firsts) -> None:
         reach.note(PAST_MAX_LENGTH)
 
 
+# The method each event of rows of their own needs beside append_rows.
 NEEDS = {
-    "truncate": "truncate_rows",
-    "select": "select_rows",
-    "join": "join",
-    "restart": "reset_at",
+    TruncateRows: "truncate_rows",
+    SelectRows: "select_rows",
+    Join: "join",
+    ResetAt: "reset_at",
 }
 
 
@@ -487,7 +479,7 @@ def every_rows_plan(scope: kvscope.Scope) -> Iterator[RowsPlan]:
                     config=config,
                     dtype=scope.dtype,
                     batch=batch,
-                    events=tuple(("feed", counts) for counts in feeds),
+                    events=tuple(FeedRows(counts) for counts in feeds),
                     token_seed=0,
                 )
 
@@ -501,13 +493,13 @@ PINNED = (
         dtype=torch.float64,
         batch=3,
         events=(
-            ("feed", (5, 2, 7)),
-            ("feed", (1, 0, 1)),
-            ("select", (0, 2)),
-            ("feed", (1, 1)),
-            ("truncate", (4, 8)),
-            ("join", ((3, 4096),)),
-            ("feed", (1, 1, 1)),
+            FeedRows((5, 2, 7)),
+            FeedRows((1, 0, 1)),
+            SelectRows((0, 2)),
+            FeedRows((1, 1)),
+            TruncateRows((4, 8)),
+            Join(((3, 4096),)),
+            FeedRows((1, 1, 1)),
         ),
         token_seed=11,
         firsts=(255, 1025, 8191),
@@ -522,16 +514,16 @@ PINNED = (
         dtype=torch.float64,
         batch=3,
         events=(
-            ("feed", (6, 2, 4)),
-            ("select", (2, 0, 1)),
-            ("feed", (1, 1, 1)),
-            ("select", (1,)),
-            ("join", ((3, 255), (5, 8190))),
-            ("feed", (1, 1, 1)),
-            ("restart", (1, 49, 4096)),
-            ("feed", (2, 2, 3)),
-            ("truncate", (2, 0, 1)),
-            ("feed", (1, 1, 1)),
+            FeedRows((6, 2, 4)),
+            SelectRows((2, 0, 1)),
+            FeedRows((1, 1, 1)),
+            SelectRows((1,)),
+            Join(((3, 255), (5, 8190))),
+            FeedRows((1, 1, 1)),
+            ResetAt((1, 49, 4096)),
+            FeedRows((2, 2, 3)),
+            TruncateRows((2, 0, 1)),
+            FeedRows((1, 1, 1)),
         ),
         token_seed=5,
         firsts=(4095, 48, 1023),
@@ -546,14 +538,14 @@ PINNED = (
         dtype=torch.bfloat16,
         batch=2,
         events=(
-            ("feed", (MAX_LENGTH, 3)),
-            ("feed", (0, 1)),
-            ("truncate", (MAX_LENGTH, 0)),
-            ("feed", (0, 2)),
-            ("select", (1, 0)),
-            ("feed", (1, 0)),
-            ("restart", (8191, 49)),
-            ("feed", (3, 1)),
+            FeedRows((MAX_LENGTH, 3)),
+            FeedRows((0, 1)),
+            TruncateRows((MAX_LENGTH, 0)),
+            FeedRows((0, 2)),
+            SelectRows((1, 0)),
+            FeedRows((1, 0)),
+            ResetAt((8191, 49)),
+            FeedRows((3, 1)),
         ),
         token_seed=3,
         pad="-inf",
@@ -563,7 +555,7 @@ PINNED = (
         config=ModelConfig(vocab_size=17, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64),
         dtype=torch.bfloat16,
         batch=2,
-        events=(("feed", (2, 1)), ("feed", (1, 0))),
+        events=(FeedRows((2, 1)), FeedRows((1, 0))),
         token_seed=7,
         pad="huge",
     ),

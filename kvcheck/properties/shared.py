@@ -47,6 +47,7 @@ from kvcheck import strategies as kvst
 from kvcheck import tensors as kvtensors
 from kvcheck.harness import Recorder, builder, record
 from kvcheck.kit import KitTests, Property, property_test
+from kvcheck.plan_events import FeedRows, SelectRows, TruncateRows
 from kvcheck.properties import rows as kvrows
 from kvcheck.properties import tree as kvtree
 from kvcheck.session import assert_logits
@@ -290,8 +291,8 @@ ROWS_MAX_LENGTH = 24  # per row: prompts, chunks and rollbacks around a 16-row b
 @short_repr
 @dataclasses.dataclass(frozen=True)
 class SharedRowsPlan(kvrows.RowsPlan):
-    """A shared model's batch and its events, a ``RowsPlan``'s of three kinds: ``feed``
-    (counts), ``truncate`` (the lengths kept) and ``select`` (the rows kept)."""
+    """A shared model's batch and its events, a ``RowsPlan``'s of three kinds: ``FeedRows``,
+    ``TruncateRows`` and ``SelectRows``."""
 
     TITLE: ClassVar[str] = "shared rows plan"
 
@@ -302,21 +303,21 @@ def shared_rows_plans(draw) -> SharedRowsPlan:
     rollback, rows leaving or reordered), each edit followed by a feed that reads it."""
     batch = draw(kvsizes.batches(low=2, small_max=3), label="batch")
     prompts = draw(kvrows.prompt_counts(batch, ROWS_MAX_LENGTH // 2), label="prompts")
-    events, lengths = [("feed", prompts)], list(prompts)
+    events, lengths = [FeedRows(prompts)], list(prompts)
     for _ in range(draw(st.integers(1, 3), label="events")):
         kind = draw(st.sampled_from(("feed", "truncate", "select")), label="event")
         if kind == "truncate":
             lengths = [n - draw(kvrows.rejected_counts(n), label="rejected") for n in lengths]
-            events.append(("truncate", tuple(lengths)))
+            events.append(TruncateRows(tuple(lengths)))
         elif kind == "select":
             kept = draw(kvrows.selections(len(lengths)), label="rows kept")
-            events.append(("select", kept))
+            events.append(SelectRows(kept))
             lengths = [lengths[row] for row in kept]
         most = [min(4, ROWS_MAX_LENGTH - n) for n in lengths]
         counts = tuple(draw(st.integers(0, room), label="new tokens") for room in most)
         if not any(counts):  # a feed reads what the event left
             counts = tuple(int(room > 0) for room in most)
-        events.append(("feed", counts))
+        events.append(FeedRows(counts))
         lengths = [n + c for n, c in zip(lengths, counts, strict=True)]
     models = shared_configs(ROWS_MAX_LENGTH + 8)
     return kvrows.drawn_rows_plan(
@@ -474,27 +475,30 @@ def check_shared_rows(factory: CacheFactory, plan: SharedRowsPlan) -> None:
         if len(set(firsts)) > 1:
             reach.note(READER_FIRSTS)
     after = None  # the edit the next feed reads
-    for index, (kind, arg) in enumerate(plan.events):
+    for index, event in enumerate(plan.events):
         where = f"event #{index} of {plan.describe()}"
-        if kind == "feed":
-            new = [torch.randint(0, plan.config.vocab_size, (n,), generator=generator) for n in arg]
+        if isinstance(event, FeedRows):
+            vocab, counts = plan.config.vocab_size, event.counts
+            new = [torch.randint(0, vocab, (n,), generator=generator) for n in counts]
             held = [len(row) for row in rows]
             rows = feed_shared_rows(run, rows, firsts, [t.to(device) for t in new], plan.pad, where)
-            note_shared_feed(plan.config, held, arg, after)
+            note_shared_feed(plan.config, held, counts, after)
             after = None
-        elif kind == "truncate":
+        elif isinstance(event, TruncateRows):
             if not run.offers("truncate_rows"):
                 break  # not offered: the rest was drawn for the rows it would leave
-            if truncate_shared_rows(run, rows, arg, where):
-                rows, after = [row[:n] for row, n in zip(rows, arg, strict=True)], kind
+            if truncate_shared_rows(run, rows, event.keep, where):
+                rows = [row[:n] for row, n in zip(rows, event.keep, strict=True)]
+                after = "truncate"
         else:
             if not run.offers("select_rows"):
                 break
-            chosen = torch.tensor(arg, dtype=torch.long, device=run.model.device)
+            kept = event.kept
+            chosen = torch.tensor(kept, dtype=torch.long, device=run.model.device)
             for cache in run.sources:
                 cache.select_rows(chosen)
-            rows, firsts, after = [rows[b] for b in arg], [firsts[b] for b in arg], kind
-            run.check_row_lengths(rows, f"select_rows {list(arg)}", where)
+            rows, firsts, after = [rows[b] for b in kept], [firsts[b] for b in kept], "select"
+            run.check_row_lengths(rows, event.describe(), where)
 
 
 def note_shared_feed(config: ModelConfig, held: list[int], counts, after: str | None) -> None:
@@ -624,11 +628,11 @@ ROWS_PAST_A_LAYER = SharedRowsPlan(
     dtype=torch.float64,
     batch=2,
     events=(
-        ("feed", (5, 2)),
-        ("truncate", (4, 1)),
-        ("feed", (2, 0)),
-        ("select", (1, 0)),
-        ("feed", (1, 1)),
+        FeedRows((5, 2)),
+        TruncateRows((4, 1)),
+        FeedRows((2, 0)),
+        SelectRows((1, 0)),
+        FeedRows((1, 1)),
     ),
     token_seed=3,
     firsts=(7, 255),
@@ -665,7 +669,7 @@ def every_shared_rows_plan(scope: kvscope.Scope) -> Iterator[SharedRowsPlan]:
                     config=config,
                     dtype=scope.dtype,
                     batch=batch,
-                    events=tuple(("feed", counts) for counts in feeds),
+                    events=tuple(FeedRows(counts) for counts in feeds),
                     token_seed=0,
                 )
 

@@ -45,6 +45,7 @@ from kvcheck import tensors as kvtensors
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
+from kvcheck.plan_events import Feed, FeedRows, ResetAt, Shift, ShiftRows
 from kvcheck.properties.rows import (
     FIRST_POSITIONS,
     RowsRun,
@@ -74,20 +75,19 @@ FAR_SHIFT = 100
 @short_repr
 @dataclass(frozen=True)
 class ShiftPlan:
-    """One batch and its events: ``("feed", (tokens,))`` or ``("shift", (start, count))``."""
+    """One batch, fed as one request (``r0``), and its events: ``Feed`` and ``Shift``."""
 
     config: ModelConfig
     dtype: torch.dtype
     batch: int
     max_length: int
-    events: tuple[tuple[str, tuple[int, ...]], ...]
+    events: tuple[Feed | Shift, ...]
     token_seed: int
     first: int = 0  # the position of the first token (reset_at), where offered
     path: str = "append"  # the model's path through the caches (attend where offered)
 
     def describe(self) -> str:
-        said = {"feed": "feed {}", "shift": "shift({}, {})"}
-        events = "; ".join(said[kind].format(*arg) for kind, arg in self.events)
+        events = "; ".join(event.describe() for event in self.events)
         first = f", first position {self.first}" if self.first else ""
         base = "" if self.config.rope_base == 10_000 else f", RoPE base {self.config.rope_base:g}"
         return (
@@ -97,8 +97,8 @@ class ShiftPlan:
         )
 
     def summary(self) -> tuple[str, str, str]:
-        fed = sum(arg[0] for kind, arg in self.events if kind == "feed")
-        shifts = sum(kind == "shift" for kind, _ in self.events)
+        fed = sum(event.size for event in self.events if isinstance(event, Feed))
+        shifts = sum(isinstance(event, Shift) for event in self.events)
         return f"{fed} ({shifts} shifts)", str(self.config.num_layers), str(self.batch)
 
 
@@ -168,12 +168,12 @@ def near_shift_plans(draw) -> ShiftPlan:
     max_length = draw(st.sampled_from(CAPACITIES), label="max_length")
     config = draw(configs(max_layers=2, tokens=max_length + 8), label="config")
     held = draw(st.integers(1, max_length), label="prompt")
-    events: list[tuple[str, tuple[int, ...]]] = [("feed", (held,))]
+    events: list[Feed | Shift] = [Feed(0, held)]
     for _ in range(draw(st.integers(1, 8), label="events")):
         kind = draw(st.sampled_from(("decode", "chunk", "shift")), label="event")
         if kind == "shift" and held:
             span = draw(spans(held, config.window), label="span")
-            events.append(("shift", span))
+            events.append(Shift(0, *span))
             held -= span[1]
             continue
         size = 1 if kind == "decode" else draw(kvst.chunk_sizes, label="chunk")
@@ -182,19 +182,19 @@ def near_shift_plans(draw) -> ShiftPlan:
             start = min(draw(st.sampled_from((0, 4)), label="tokens kept"), held - 1)
             count = max(held + size - max_length, (held - start) // 2)
             start = min(start, held - count)  # keeping fewer where the overflow needs it
-            events.append(("shift", (start, count)))
+            events.append(Shift(0, start, count))
             held -= count
-        events.append(("feed", (size,)))
+        events.append(Feed(0, size))
         held += size
-    if not any(kind == "shift" for kind, _ in events):
+    if not any(isinstance(event, Shift) for event in events):
         span = draw(spans(held, config.window), label="span")
-        events.append(("shift", span))
+        events.append(Shift(0, *span))
         held -= span[1]
-    if events[-1][0] == "shift":
+    if isinstance(events[-1], Shift):
         if held == max_length:
-            events.append(("shift", (0, 1)))
+            events.append(Shift(0, 0, 1))
             held -= 1
-        events.append(("feed", (1,)))
+        events.append(Feed(0, 1))
     first = draw(st.sampled_from((0, *FIRST_POSITIONS)), label="first position")
     return ShiftPlan(
         config=config,
@@ -222,7 +222,7 @@ def far_shift_plans(draw) -> ShiftPlan:
     count = draw(st.one_of(st.just(half), st.integers(FAR_SHIFT, held - start)), label="count")
     count = max(count, FAR_SHIFT)
     chunk = min(draw(kvst.chunk_sizes, label="chunk"), max_length - (held - count) - 1)
-    events = (("feed", (held,)), ("shift", (start, count)), ("feed", (1,)), ("feed", (chunk,)))
+    events = (Feed(0, held), Shift(0, start, count), Feed(0, 1), Feed(0, chunk))
     return ShiftPlan(
         config=config,
         dtype=draw(kvst.dtypes_on_device((*kvst.HALF_DTYPES, *kvst.DTYPES)), label="dtype"),
@@ -248,22 +248,22 @@ def check_context_shift(factory: CacheFactory, plan: ShiftPlan) -> None:
         engine.reset_at(request, [plan.first] * plan.batch)
         first = plan.first
     fed = shifts = 0
-    for index, (kind, arg) in enumerate(plan.events):
+    for index, event in enumerate(plan.events):
         at = f" (event #{index})"
-        if kind == "feed":
+        if isinstance(event, Feed):
             drawn = torch.randint(
-                0, plan.config.vocab_size, (plan.batch, *arg), generator=generator
+                0, plan.config.vocab_size, (plan.batch, event.size), generator=generator
             )
             engine.feed(request, drawn.to(kvdevices.current()), at=at)
-            fed += arg[0]
+            fed += event.size
             if shifts and fed > plan.max_length:
                 reach.note(PAST_MAX_LENGTH)
         else:
-            held = request.held
-            if not engine.shift(request, *arg, at=at):
+            held, span = request.held, (event.start, event.count)
+            if not engine.shift(request, *span, at=at):
                 break  # a window refused as it may: the rest was drawn for the shifted history
             shifts += 1
-            reach.note(*shift_edges(plan, first, held, *arg, repeated=shifts > 1))
+            reach.note(*shift_edges(plan, first, held, *span, repeated=shifts > 1))
         engine.check(f"event #{index}")
     engine.finish()
 
@@ -337,7 +337,7 @@ def spans_of(held: int) -> Iterator[tuple[int, int]]:
 
 def shifted_chunks(
     chunks: tuple[int, ...], most: int = MOST_SHIFTS
-) -> Iterator[tuple[tuple[str, tuple[int, ...]], ...]]:
+) -> Iterator[tuple[Feed | Shift, ...]]:
     """The events of feeding ``chunks`` with 1 to ``most`` shifts, each of every span of the
     tokens then held, before some of the chunks after the first."""
 
@@ -346,14 +346,14 @@ def shifted_chunks(
             if shifted:
                 yield ()
             return
-        feed = ("feed", (chunks[index],))
+        feed = Feed(0, chunks[index])
         for rest in events(index + 1, held + chunks[index], left, shifted):
             yield feed, *rest
         if index and left:
             for start, count in spans_of(held):
                 after = held - count + chunks[index]
                 for rest in events(index + 1, after, left - 1, True):
-                    yield ("shift", (start, count)), feed, *rest
+                    yield Shift(0, start, count), feed, *rest
 
     yield from events(0, 0, most, False)
 
@@ -362,8 +362,8 @@ def most_held(events) -> int:
     """The most tokens a plan's events hold at once: the caches' max_length (their exact
     end: a shift makes room in a full cache, and the session runs on past it)."""
     held = most = 0
-    for kind, arg in events:
-        held += arg[0] if kind == "feed" else -arg[1]
+    for event in events:
+        held += event.size if isinstance(event, Feed) else -event.count
         most = max(most, held)
     return most
 
@@ -404,16 +404,16 @@ PINNED = (
         batch=2,
         max_length=2 * EDGE,
         events=(
-            ("feed", (EDGE + 3,)),
-            ("shift", (0, EDGE + 1)),
-            ("feed", (1,)),
-            ("feed", (9,)),
-            ("shift", (4, 1)),
-            ("feed", (1,)),
-            ("shift", (1, 6)),
-            ("feed", (2,)),
-            ("shift", (2, 1)),
-            ("feed", (1,)),
+            Feed(0, EDGE + 3),
+            Shift(0, 0, EDGE + 1),
+            Feed(0, 1),
+            Feed(0, 9),
+            Shift(0, 4, 1),
+            Feed(0, 1),
+            Shift(0, 1, 6),
+            Feed(0, 2),
+            Shift(0, 2, 1),
+            Feed(0, 1),
         ),
         token_seed=5,
         first=255,
@@ -433,7 +433,7 @@ FAR_PINNED = ShiftPlan(
     dtype=torch.bfloat16,
     batch=1,
     max_length=FAR_LENGTH,
-    events=(("feed", (390,)), ("shift", (4, 259)), ("feed", (1,)), ("feed", (12,))),
+    events=(Feed(0, 390), Shift(0, 4, 259), Feed(0, 1), Feed(0, 12)),
     token_seed=7,
     first=4096,
 )  # fmt: skip
@@ -474,23 +474,18 @@ ROW_SPANS = ("untouched", "untouched", "from 0", "after kept", "whole tail", "an
 @short_repr
 @dataclass(frozen=True)
 class RowShiftPlan:
-    """One batch with rows of their own and its events: ``("feed", counts per row)`` or
-    ``("shift", (starts, counts))``, one per row each."""
+    """One batch with rows of their own and its events: ``FeedRows`` and ``ShiftRows``."""
 
     config: ModelConfig
     dtype: torch.dtype
     batch: int
-    events: tuple[tuple[str, tuple], ...]
+    events: tuple[FeedRows | ShiftRows, ...]
     token_seed: int
     firsts: tuple[int, ...] | None = None  # each row's first position (reset_at), else 0
     pad: str = "nan"  # what the pad slots' keys and values hold (kvtensors.POISON_VALUES)
 
     def describe(self) -> str:
-        said = {"feed": "rows fed {}", "shift": "shift({}, {})"}
-        events = "; ".join(
-            said[kind].format(*(arg if kind == "shift" else (list(arg),)))
-            for kind, arg in self.events
-        )
+        events = "; ".join(event.describe() for event in self.events)
         firsts = "" if self.firsts is None else f", first positions {list(self.firsts)}"
         base = "" if self.config.rope_base == 10_000 else f", RoPE base {self.config.rope_base:g}"
         return (
@@ -500,8 +495,8 @@ class RowShiftPlan:
         )
 
     def summary(self) -> tuple[str, str, str]:
-        fed = sum(sum(arg) for kind, arg in self.events if kind == "feed")
-        shifts = sum(kind == "shift" for kind, _ in self.events)
+        fed = sum(sum(event.counts) for event in self.events if isinstance(event, FeedRows))
+        shifts = sum(isinstance(event, ShiftRows) for event in self.events)
         return f"{fed} ({shifts} shifts per row)", str(self.config.num_layers), str(self.batch)
 
 
@@ -556,7 +551,7 @@ def row_shift_plans(draw) -> RowShiftPlan:
     row, ending with a decode step after the last shift."""
     batch = draw(kvsizes.batches(low=2, small_max=3), label="batch")
     lengths = list(draw(prompt_counts(batch, ROW_MAX_LENGTH), label="prompts"))
-    events: list[tuple[str, tuple]] = [("feed", tuple(lengths))]
+    events: list[FeedRows | ShiftRows] = [FeedRows(tuple(lengths))]
     for _ in range(draw(st.integers(1, 6), label="events")):
         kind = draw(st.sampled_from(("decode", "chunk", "shift", "shift")), label="event")
         if kind == "shift":
@@ -566,20 +561,20 @@ def row_shift_plans(draw) -> RowShiftPlan:
             counts = tuple(draw(st.integers(0, most), label="new tokens") for _ in lengths)
             shift = overflow_shift(lengths, counts)
         if any(shift[1]):
-            events.append(("shift", shift))
+            events.append(ShiftRows(*shift))
             lengths = [n - count for n, count in zip(lengths, shift[1], strict=True)]
         if kind != "shift" and any(counts):
-            events.append(("feed", counts))
+            events.append(FeedRows(counts))
             lengths = [n + count for n, count in zip(lengths, counts, strict=True)]
-    if not any(kind == "shift" for kind, _ in events):
+    if not any(isinstance(event, ShiftRows) for event in events):
         if not max(lengths):  # shifts emptied every row: one token each to shift
-            events.append(("feed", (1,) * batch))
+            events.append(FeedRows((1,) * batch))
             lengths = [1] * batch
         shift = draw(row_shifts(lengths), label="shift per row")
-        events.append(("shift", shift))
+        events.append(ShiftRows(*shift))
         lengths = [n - count for n, count in zip(lengths, shift[1], strict=True)]
-    if events[-1][0] == "shift":  # what the last shift left is read back
-        events.append(("feed", tuple(int(n < ROW_MAX_LENGTH) for n in lengths)))
+    if isinstance(events[-1], ShiftRows):  # what the last shift left is read back
+        events.append(FeedRows(tuple(int(n < ROW_MAX_LENGTH) for n in lengths)))
     models = configs(max_layers=2, tokens=ROW_MAX_LENGTH + 8)
     return drawn_rows_plan(draw, RowShiftPlan, models, batch=batch, events=events)
 
@@ -591,16 +586,17 @@ def check_row_shifts(factory: CacheFactory, plan: RowShiftPlan) -> None:
     engine, tokens = rows_engine(factory, plan, ROW_MAX_LENGTH)
     run = RowsRun(engine, engine.start("the batch", plan.batch), tokens, plan.pad)
     if plan.firsts is not None and run.offers("reset_at"):
-        run.event("restart", plan.firsts, "")
+        run.event(ResetAt(plan.firsts), "")
     shifts = 0
-    for index, (kind, arg) in enumerate(plan.events):
+    for index, event in enumerate(plan.events):
         held = run.batch.row_lengths()
-        if not run.event(kind, arg, f" (event #{index})"):
+        if not run.event(event, f" (event #{index})"):
             break  # a window refused as it may: the rest was drawn for the shifted rows
-        if kind == "shift":
+        if isinstance(event, ShiftRows):
             shifts += 1
             firsts = run.batch.row_firsts()
-            reach.note(*row_shift_edges(held, firsts, *arg, repeated=shifts > 1))
+            edges = row_shift_edges(held, firsts, event.starts, event.counts, repeated=shifts > 1)
+            reach.note(*edges)
         engine.check(f"event #{index}")
     engine.finish()
 
@@ -663,7 +659,7 @@ def row_shifted_feeds(feeds, most: int = MOST_ROW_SHIFTS):
                 yield ()
             return
         counts = feeds[index]
-        feed = ("feed", counts)
+        feed = FeedRows(counts)
         fed = tuple(n + count for n, count in zip(held, counts, strict=True))
         for rest in events(index + 1, fed, left, shifted):
             yield feed, *rest
@@ -677,7 +673,7 @@ def row_shifted_feeds(feeds, most: int = MOST_ROW_SHIFTS):
                 n - gone + count for n, gone, count in zip(held, discarded, counts, strict=True)
             )
             for rest in events(index + 1, after, left - 1, True):
-                yield ("shift", (starts, discarded)), feed, *rest
+                yield ShiftRows(starts, discarded), feed, *rest
 
     yield from events(0, (0,) * len(feeds[0]), most, False)
 
@@ -718,12 +714,12 @@ ROW_PINNED = RowShiftPlan(
     dtype=torch.float64,
     batch=3,
     events=(
-        ("feed", (20, ROW_MAX_LENGTH, 7)),
-        ("shift", ((4, 0, 0), (9, EDGE, 0))),
-        ("feed", (1, 1, 1)),
-        ("shift", ((2, 10, 5), (10, 8, 3))),
-        ("feed", (3, 0, 1)),
-        ("feed", (1, 1, 1)),
+        FeedRows((20, ROW_MAX_LENGTH, 7)),
+        ShiftRows((4, 0, 0), (9, EDGE, 0)),
+        FeedRows((1, 1, 1)),
+        ShiftRows((2, 10, 5), (10, 8, 3)),
+        FeedRows((3, 0, 1)),
+        FeedRows((1, 1, 1)),
     ),
     token_seed=11,
     firsts=(8180, 0, 255),
