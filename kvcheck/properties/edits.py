@@ -19,7 +19,7 @@ import torch
 from hypothesis import strategies as st
 
 from kvcheck import badinput as kvbad
-from kvcheck import failures, reach
+from kvcheck import failures, grammar, reach
 from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
@@ -194,24 +194,33 @@ def every_edit_plan(
     for tokens in range(1, scope.tokens + 1):
         for layout in scope.layouts:
             batch = max(layout.batch, least_batch)
-            config = layout.config()
-            for before in range(1, tokens + 1):
-                for head in kvscope.compositions(before):
-                    for moment in moments(before, batch):
-                        for tail in chunks_of(tokens - before):
-                            yield EditPlan(
-                                config=config,
-                                batch=batch,
-                                dtype=scope.dtype,
-                                prompt=head[0],
-                                steps=(*feeds(head[1:]), *moment, *feeds(tail)),
-                                token_seed=0,
-                            )
+            for events in edited_feeds(tokens, moments, batch):
+                yield EditPlan(
+                    config=layout.config(),
+                    batch=batch,
+                    dtype=scope.dtype,
+                    prompt=events[0].size,
+                    steps=events[1:],
+                    token_seed=0,
+                )
 
 
-def chunks_of(tokens: int) -> Iterator[tuple[int, ...]]:
-    """Every split of ``tokens`` into chunks; the empty one of none."""
-    return kvscope.compositions(tokens) if tokens else iter(((),))
+def edited_feeds(
+    tokens: int, moments: Callable[[int, int], Iterator[tuple[Step, ...]]], batch: int
+) -> Iterator[tuple[Step, ...]]:
+    """Every sequence of feeds of ``tokens`` tokens in all with one moment of ``moments``
+    after some feed (``kvcheck.grammar``)."""
+
+    def moves(state, left: int):
+        held, edited = state
+        for size in range(1, left + 1):
+            yield (Feed(0, size),), (held + size, edited), size
+        if held and not edited:
+            for moment in moments(held, batch):
+                kept = [step.target(held) for step in moment if isinstance(step, TruncateTo)]
+                yield moment, (kept[0] if kept else held, True), 0
+
+    return grammar.sentences(tokens, (0, False), moves, lambda state: state[1])
 
 
 def feeds(chunks: tuple[int, ...]) -> tuple[Feed, ...]:

@@ -17,6 +17,7 @@ Events a cache does not offer (it has ``append_rows`` but no ``join``, say) are 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
@@ -25,7 +26,7 @@ import torch
 from hypothesis import strategies as st
 
 from kvcheck import devices as kvdevices
-from kvcheck import failures, reach
+from kvcheck import failures, grammar, reach
 from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
@@ -438,25 +439,24 @@ def row_counts(tokens: int, batch: int) -> Iterator[tuple[int, ...]]:
             yield first, *rest
 
 
-def row_feeds(tokens: int, batch: int) -> Iterator[tuple[tuple[int, ...], ...]]:
+def row_feed_moves(held: tuple[int, ...], left: int):
+    """The grammar's moves (``kvcheck.grammar``) of a call feeding rows holding ``held`` 1 to
+    ``left`` tokens in all, a count each (``row_counts``): each call, the lengths it leaves
+    and the tokens it feeds."""
+    for size in range(1, left + 1):
+        for counts in row_counts(size, len(held)):
+            fed = tuple(n + count for n, count in zip(held, counts, strict=True))
+            yield (FeedRows(counts),), fed, size
+
+
+@functools.cache
+def row_feeds(tokens: int, batch: int) -> tuple[tuple[FeedRows, ...], ...]:
     """Every sequence of calls that feeds ``batch`` rows ``tokens`` tokens in all, each call
     a count per row, one at least not 0: the compositions of ``tokens`` into vectors of
     ``batch`` counts, sum over k calls of sum over j of (-1)^j C(k, j) C(tokens + (k - j)
     batch - 1, (k - j) batch - 1) (the calls with every row idle taken out); for 2 rows 2,
-    7, 24, 82, 280, 956 at 1 to 6 tokens (c(n) = 4 c(n-1) - 2 c(n-2)). Fewest calls first."""
-    for calls in range(1, tokens + 1):
-        yield from feeds_in(tokens, batch, calls)
-
-
-def feeds_in(tokens: int, batch: int, calls: int) -> Iterator[tuple[tuple[int, ...], ...]]:
-    """The sequences of ``row_feeds`` of exactly ``calls`` calls."""
-    if calls == 1:
-        yield from ((counts,) for counts in row_counts(tokens, batch))
-        return
-    for first in range(1, tokens - calls + 2):
-        for counts in row_counts(first, batch):
-            for rest in feeds_in(tokens - first, batch, calls - 1):
-                yield counts, *rest
+    7, 24, 82, 280, 956 at 1 to 6 tokens (c(n) = 4 c(n-1) - 2 c(n-2))."""
+    return tuple(grammar.sentences(tokens, (0,) * batch, row_feed_moves, lambda _: True))
 
 
 def every_rows_plan(scope: kvscope.Scope) -> Iterator[RowsPlan]:
@@ -474,13 +474,9 @@ def every_rows_plan(scope: kvscope.Scope) -> Iterator[RowsPlan]:
         for layout in scope.layouts:
             batch = max(layout.batch, 2)
             config = layout.config()
-            for feeds in row_feeds(tokens, batch):
+            for events in row_feeds(tokens, batch):
                 yield RowsPlan(
-                    config=config,
-                    dtype=scope.dtype,
-                    batch=batch,
-                    events=tuple(FeedRows(counts) for counts in feeds),
-                    token_seed=0,
+                    config=config, dtype=scope.dtype, batch=batch, events=events, token_seed=0
                 )
 
 

@@ -17,13 +17,14 @@ to the unsharded uncached model and every rank must agree on every length.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
 from hypothesis import strategies as st
 
 from kvcheck import devices as kvdevices
-from kvcheck import failures, rank_processes, reach, scripts
+from kvcheck import failures, grammar, rank_processes, reach, scripts
 from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
@@ -288,26 +289,26 @@ LAYOUTS_ON_TWO = tuple(
 
 
 # --- Every plan within a scope (kvcheck.scope), for the bounded-exhaustive mode ---
+@functools.cache
 def every_script(
     tokens: int, kinds: tuple[str, ...], batch: int, requests: int = 1
-) -> Iterator[tuple[tuple, ...]]:
+) -> tuple[tuple[scripts.Event, ...], ...]:
     """Every script (``kvcheck.scripts``) that feeds exactly ``tokens`` tokens in all (over
     every request), in which an edit follows a feed (never another edit: each edit is read by
     the feed after it before the next), on a request that holds tokens: a truncate by each of
-    1..held, a reorder by each index tuple of the batch, a reset, a fork
-    (while fewer than ``requests`` requests live; events after it on either request); the
-    first event a feed of request A, the last a feed, two feeds at least (a decode after the
-    prefill, as the strategy's scripts). Of ``kinds``, those beside "feed" are the edits."""
+    1..held, a reorder by each index tuple of the batch, a reset, a fork (while fewer than
+    ``requests`` requests live; events after it on either request); the first event a feed
+    of r0, the last a feed, two feeds at least (a decode after the prefill, as the
+    strategy's scripts). Of ``kinds``, those beside "feed" are the edits."""
     edits = [kind for kind in kinds if kind != "feed"]
 
-    def extend(script: tuple, held: tuple[int, ...], left: int) -> Iterator[tuple]:
-        if not left and isinstance(script[-1], Feed) and len(script) > 1:
-            yield script
-        for request in range(len(held)):
+    def moves(state, left: int):
+        held, after_feed, events = state
+        for request in range(len(held) if events else 1):  # r0 is fed first
             for size in range(1, left + 1):
                 fed = (*held[:request], held[request] + size, *held[request + 1 :])
-                yield from extend((*script, Feed(request, size)), fed, left - size)
-        if not isinstance(script[-1], Feed):
+                yield (Feed(request, size),), (fed, True, events + 1), size
+        if not after_feed:
             return
         for request, length in enumerate(held):
             if not length:
@@ -316,19 +317,22 @@ def every_script(
                 if kind == "truncate":
                     for back in range(1, length + 1):
                         cut = (*held[:request], length - back, *held[request + 1 :])
-                        yield from extend((*script, Truncate(request, back)), cut, left)
+                        yield (Truncate(request, back),), (cut, False, events + 1), 0
                 elif kind == "reorder":
                     for indices in kvscope.every_indices(batch):
-                        yield from extend((*script, Reorder(request, indices)), held, left)
+                        yield (Reorder(request, indices),), (held, False, events + 1), 0
                 elif kind == "reset":
                     gone = (*held[:request], 0, *held[request + 1 :])
-                    yield from extend((*script, Reset(request)), gone, left)
+                    yield (Reset(request),), (gone, False, events + 1), 0
                 elif kind == "fork" and len(held) < requests:
                     fork = Fork(request, len(held))
-                    yield from extend((*script, fork), (*held, length), left)
+                    yield (fork,), ((*held, length), False, events + 1), 0
 
-    for size in range(1, tokens):  # a feed after it at least
-        yield from extend((Feed(0, size),), (size,), tokens - size)
+    def ends(state) -> bool:
+        _, after_feed, events = state
+        return after_feed and events > 1
+
+    return tuple(grammar.sentences(tokens, ((0,), False, 0), moves, ends))
 
 
 def shardable(layout: kvscope.Layout, world: int) -> kvscope.Layout | None:

@@ -669,7 +669,7 @@ def every_shared_rows_plan(scope: kvscope.Scope) -> Iterator[SharedRowsPlan]:
                     config=config,
                     dtype=scope.dtype,
                     batch=batch,
-                    events=tuple(FeedRows(counts) for counts in feeds),
+                    events=feeds,
                     token_seed=0,
                 )
 

@@ -27,6 +27,7 @@ model's over those rows (``Engine.shift``). Each shift run notes the edges it re
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from hypothesis import strategies as st
 from kvcheck import asserts as kvassert
 from kvcheck import badinput as kvbad
 from kvcheck import devices as kvdevices
-from kvcheck import failures, reach
+from kvcheck import failures, grammar, reach
 from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
@@ -51,7 +52,7 @@ from kvcheck.properties.rows import (
     RowsRun,
     drawn_rows_plan,
     prompt_counts,
-    row_feeds,
+    row_feed_moves,
     rows_engine,
 )
 from kvcheck.session import Engine
@@ -335,27 +336,24 @@ def spans_of(held: int) -> Iterator[tuple[int, int]]:
             yield start, count
 
 
-def shifted_chunks(
-    chunks: tuple[int, ...], most: int = MOST_SHIFTS
-) -> Iterator[tuple[Feed | Shift, ...]]:
-    """The events of feeding ``chunks`` with 1 to ``most`` shifts, each of every span of the
-    tokens then held, before some of the chunks after the first."""
+@functools.cache
+def shifted_feeds(tokens: int, most: int = MOST_SHIFTS) -> tuple[tuple[Feed | Shift, ...], ...]:
+    """Every sequence of feeds of ``tokens`` tokens in all with 1 to ``most`` shifts, each
+    after a feed and before another, of every span of the tokens then held."""
 
-    def events(index: int, held: int, left: int, shifted: bool):
-        if index == len(chunks):
-            if shifted:
-                yield ()
-            return
-        feed = Feed(0, chunks[index])
-        for rest in events(index + 1, held + chunks[index], left, shifted):
-            yield feed, *rest
-        if index and left:
+    def moves(state, left: int):
+        held, shifts, after_feed = state
+        for size in range(1, left + 1):
+            yield (Feed(0, size),), (held + size, shifts, True), size
+        if after_feed and shifts < most and left:
             for start, count in spans_of(held):
-                after = held - count + chunks[index]
-                for rest in events(index + 1, after, left - 1, True):
-                    yield Shift(0, start, count), feed, *rest
+                yield (Shift(0, start, count),), (held - count, shifts + 1, False), 0
 
-    yield from events(0, 0, most, False)
+    def ends(state) -> bool:
+        _, shifts, after_feed = state
+        return shifts > 0 and after_feed
+
+    return tuple(grammar.sentences(tokens, (0, 0, False), moves, ends))
 
 
 def most_held(events) -> int:
@@ -370,7 +368,7 @@ def most_held(events) -> int:
 
 def every_shift_plan(scope: kvscope.Scope) -> Iterator[ShiftPlan]:
     """Every plan of chunks of 1 to ``scope.tokens`` tokens with 1 to ``MOST_SHIFTS`` shifts
-    between them (``shifted_chunks``), each of every span of the tokens held: fewest tokens
+    between them (``shifted_feeds``), each of every span of the tokens held: fewest tokens
     first, then the scope's layouts. With one shift, at n tokens 2^(n-2) (n - 1) n (n + 1)
     / 6 plans a layout (the shift after a tokens: 2^(a-1) splits before, a (a + 1) / 2
     spans, 2^(n-a-1) splits after); with two, 0, 1, 9, 62, 388, 2184 at 1 to 6 tokens
@@ -378,16 +376,15 @@ def every_shift_plan(scope: kvscope.Scope) -> Iterator[ShiftPlan]:
     for tokens in range(1, scope.tokens + 1):
         for layout in scope.layouts:
             config = layout.config()
-            for chunks in kvscope.compositions(tokens):
-                for events in shifted_chunks(chunks):
-                    yield ShiftPlan(
-                        config=config,
-                        dtype=scope.dtype,
-                        batch=layout.batch,
-                        max_length=most_held(events),
-                        events=events,
-                        token_seed=0,
-                    )
+            for events in shifted_feeds(tokens):
+                yield ShiftPlan(
+                    config=config,
+                    dtype=scope.dtype,
+                    batch=layout.batch,
+                    max_length=most_held(events),
+                    events=events,
+                    token_seed=0,
+                )
 
 
 # Tried first on every run: a session started at 255, shifted from index 0 across a block
@@ -648,38 +645,36 @@ def row_spans(held: int) -> Iterator[tuple[int, int]]:
     yield from spans_of(held)
 
 
-def row_shifted_feeds(feeds, most: int = MOST_ROW_SHIFTS):
-    """The events of the calls ``feeds`` (a count per row each) with 1 to ``most`` shifts
-    per row before some of the calls after the first, each of every span per row of the
-    rows then held (one row moved at least)."""
+@functools.cache
+def row_shifted_feeds(
+    tokens: int, batch: int, most: int = MOST_ROW_SHIFTS
+) -> tuple[tuple[FeedRows | ShiftRows, ...], ...]:
+    """Every sequence of calls with a count per row (``rows.row_feed_moves``) of ``tokens``
+    tokens over all ``batch`` rows, with 1 to ``most`` shifts per row, each after a call and
+    before another, of every span per row of the rows then held (one row moved at least)."""
 
-    def events(index: int, held: tuple[int, ...], left: int, shifted: bool):
-        if index == len(feeds):
-            if shifted:
-                yield ()
-            return
-        counts = feeds[index]
-        feed = FeedRows(counts)
-        fed = tuple(n + count for n, count in zip(held, counts, strict=True))
-        for rest in events(index + 1, fed, left, shifted):
-            yield feed, *rest
-        if not index or not left:
+    def moves(state, left: int):
+        held, shifts, after_feed = state
+        for (feed,), fed, size in row_feed_moves(held, left):
+            yield (feed,), (fed, shifts, True), size
+        if not (after_feed and shifts < most and left):
             return
         for spans in itertools.product(*(row_spans(n) for n in held)):
             if not any(count for _, count in spans):
                 continue  # no row moved: no shift
             starts, discarded = zip(*spans, strict=True)
-            after = tuple(
-                n - gone + count for n, gone, count in zip(held, discarded, counts, strict=True)
-            )
-            for rest in events(index + 1, after, left - 1, True):
-                yield ShiftRows(starts, discarded), feed, *rest
+            kept = tuple(n - gone for n, gone in zip(held, discarded, strict=True))
+            yield (ShiftRows(starts, discarded),), (kept, shifts + 1, False), 0
 
-    yield from events(0, (0,) * len(feeds[0]), most, False)
+    def ends(state) -> bool:
+        _, shifts, after_feed = state
+        return shifts > 0 and after_feed
+
+    return tuple(grammar.sentences(tokens, ((0,) * batch, 0, False), moves, ends))
 
 
 def every_row_shift_plan(scope: kvscope.Scope) -> Iterator[RowShiftPlan]:
-    """Every plan of calls with a count per row (``rows.row_feeds``) of 1 to
+    """Every plan of calls with a count per row (``rows.row_feed_moves``) of 1 to
     ``scope.tokens`` tokens over all rows, with a shift per row between two of them of every
     span per row (``row_shifted_feeds``): fewest tokens first, then the scope's layouts (a
     batch of 1 taken as 2: rows of their own need two). For 2 rows, 0, 4, 56, 515, 3928
@@ -691,15 +686,14 @@ def every_row_shift_plan(scope: kvscope.Scope) -> Iterator[RowShiftPlan]:
         for layout in scope.layouts:
             batch = max(layout.batch, 2)
             config = layout.config()
-            for feeds in row_feeds(tokens, batch):
-                for events in row_shifted_feeds(feeds):
-                    yield RowShiftPlan(
-                        config=config,
-                        dtype=scope.dtype,
-                        batch=batch,
-                        events=events,
-                        token_seed=0,
-                    )
+            for events in row_shifted_feeds(tokens, batch):
+                yield RowShiftPlan(
+                    config=config,
+                    dtype=scope.dtype,
+                    batch=batch,
+                    events=events,
+                    token_seed=0,
+                )
 
 
 # Tried first on every run: three rows from positions 8180, 0 and 255 (row 0 across the end
