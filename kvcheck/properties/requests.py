@@ -19,6 +19,7 @@ every event (``kvcheck.pool_books``).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Collection, Iterator
@@ -29,7 +30,7 @@ import torch
 from hypothesis import strategies as st
 from torch import Tensor
 
-from kvcheck import failures, reach
+from kvcheck import failures, grammar, reach
 from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
@@ -381,66 +382,43 @@ def _request_streams(
     reorders: bool,
     poison: bool,
 ) -> Iterator[tuple[Event, ...]]:
-    """The event streams of exactly ``budget`` tokens, in a fixed order (depth first)."""
-    events: list[Event] = []
-    live: dict[int, int] = {}  # request -> length
-    reusable: list[int] = []  # requests finished by reset, their caches not yet reused
+    """The event streams of exactly ``budget`` tokens (``kvcheck.grammar``), depth first."""
     # Every map of the rows but the identity, which moves nothing (none at batch 1).
     identity = tuple(range(batch))
     maps = [rows for rows in itertools.product(identity, repeat=batch) if rows != identity]
     maps = maps if reorders else []
-    spare = [specials]
 
-    def special() -> bool:
-        return spare[0] > 0
-
-    def extend(left: int, started: int) -> Iterator[tuple[Event, ...]]:
-        forked = not fork_first or any(isinstance(event, Fork) for event in events)
-        if not live and not left and _poison_read(events) and forked:
-            yield tuple(events)
-        last = _requests_of(events[-1]) if events else ()
-        if left and started < most:  # a request starts, fed its first chunk
-            for reuse in (None, *reusable):
-                if reuse is not None:
-                    reusable.remove(reuse)
-                events.append(Start(started, batch, reuse))
-                live[started] = 0
-                yield from feeds(started, left, started + 1)
-                del live[started]
-                events.pop()
-                if reuse is not None:
-                    reusable.append(reuse)
-                    reusable.sort()
-        for request in sorted(live):
-            length = live[request]
-            if left:
-                yield from feeds(request, left, started)
-                modifiers: list[Event] = []
-                if special():
-                    if truncates:
-                        modifiers += [Truncate(request, back) for back in range(length + 1)]
-                    modifiers += [Reorder(request, rows) for rows in maps]
-                for modifier in modifiers:
-                    events.append(modifier)
-                    spare[0] -= 1
-                    if isinstance(modifier, Truncate):
-                        live[request] = length - modifier.back
-                    yield from feeds(request, left, started)
-                    live[request] = length
-                    spare[0] += 1
-                    events.pop()
-            if forks and started < most and special():
-                events.append(Fork(request, started))
-                live[started] = length
-                spare[0] -= 1
-                yield from extend(left, started + 1)
-                spare[0] += 1
-                del live[started]
-                events.pop()
-            if request not in last:
+    def moves(state: _Stream, left: int):
+        live = dict(state.live)
+        if left and state.started < most:  # a request starts, fed its first chunk at once
+            for reuse in (None, *state.reusable):
+                start = Start(state.started, batch, reuse)
+                reusable = tuple(r for r in state.reusable if r != reuse)
+                after = state.but(reusable=reusable, started=state.started + 1)
+                yield from _fed(after, state.started, 0, left, before=(start,))
+        for request, length in state.live:
+            special = state.spare > 0
+            yield from _fed(state, request, length, left)
+            if left and special:
+                edits: list[Event] = [Reorder(request, rows) for rows in maps]
+                if truncates:
+                    edits = [Truncate(request, back) for back in range(length + 1)] + edits
+                for edit in edits:
+                    kept = edit.target(length) if isinstance(edit, Truncate) else length
+                    after = state.but(spare=state.spare - 1)
+                    yield from _fed(after, request, kept, left, before=(edit,))
+            if forks and state.started < most and special:
+                child = state.started
+                grown = tuple(sorted({**live, child: length}.items()))
+                fork = Fork(request, child)
+                after = state.but(
+                    live=grown, started=child + 1, spare=state.spare - 1, last=(request, child)
+                )
+                yield (fork,), dataclasses.replace(after, forked=True), 0
+            if request not in state.last:
                 continue  # it finishes right after a step of its own
             finishes = [Finish(request, "drop")]
-            if special():
+            if special:
                 finishes.append(Finish(request, "reset"))
                 if poison:
                     finishes += [
@@ -450,45 +428,48 @@ def _request_streams(
                         if rows <= left
                     ]
             for finish in finishes:
-                events.append(finish)
-                del live[request]
-                cost = finish != Finish(request, "drop")
-                spare[0] -= cost
+                reusable = state.reusable
                 if finish.how == "reset":
-                    reusable.append(request)
-                yield from extend(left - finish.poison_rows, started)
-                if finish.how == "reset":
-                    reusable.remove(request)
-                spare[0] += cost
-                live[request] = length
-                events.pop()
+                    reusable = tuple(sorted((*reusable, request)))
+                after = state.but(
+                    live=tuple((r, n) for r, n in state.live if r != request),
+                    reusable=reusable,
+                    spare=state.spare - (finish != Finish(request, "drop")),
+                    last=(request,),
+                )
+                unread = state.unread or finish.poison is not None
+                yield (finish,), dataclasses.replace(after, unread=unread), finish.poison_rows
 
-    def feeds(request: int, left: int, started: int) -> Iterator[tuple[Event, ...]]:
-        length = live[request]
-        for size in range(1, left + 1):
-            events.append(Feed(request, size))
-            live[request] = length + size
-            yield from extend(left - size, started)
-            live[request] = length
-            events.pop()
+    def ends(state: _Stream) -> bool:
+        return not state.live and not state.unread and (state.forked or not fork_first)
 
-    yield from extend(budget, 0)
+    return grammar.sentences(budget, _Stream(spare=specials), moves, ends)
 
 
-def _requests_of(event: Event) -> tuple[int, ...]:
-    """The requests an event is a step of: a fork's parent and child, else its request."""
-    return (event.parent, event.child) if isinstance(event, Fork) else (event.request,)
+@dataclass(frozen=True)
+class _Stream:
+    """What the rules of ``_request_streams`` know of a stream so far."""
+
+    live: tuple[tuple[int, int], ...] = ()  # (request, length) of each live request
+    reusable: tuple[int, ...] = ()  # requests finished by reset, their caches not yet reused
+    started: int = 0  # requests started or forked so far: the next one's number
+    spare: int = 0  # events beyond starts, feeds and finishes by drop still allowed
+    last: tuple[int, ...] = ()  # the requests the last event was a step of
+    forked: bool = False
+    unread: bool = False  # a poisoned finish no feed has come after (it would show nothing)
+
+    def but(self, **changes) -> _Stream:
+        return dataclasses.replace(self, **changes)
 
 
-def _poison_read(events: list[Event]) -> bool:
-    """Whether every poisoned finish is followed by a feed (or start) that could read its
-    rows: one after which nothing is fed shows nothing, and is left out."""
-    fed_after = False
-    for event in reversed(events):
-        if isinstance(event, Finish) and event.poison and not fed_after:
-            return False
-        fed_after = fed_after or isinstance(event, Feed)
-    return True
+def _fed(state: _Stream, request: int, length: int, left: int, before: tuple = ()):
+    """The moves of ``before`` (a start, an edit) then a feed of ``request``, holding
+    ``length``, of each size up to ``left``."""
+    others = {r: n for r, n in state.live if r != request}
+    for size in range(1, left + 1):
+        live = tuple(sorted({**others, request: length + size}.items()))
+        after = state.but(live=live, last=(request,), unread=False)
+        yield (*before, Feed(request, size)), after, size
 
 
 def every_requests_plan(scope: kvscope.Scope) -> Iterator[RequestPlan]:
