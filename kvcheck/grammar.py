@@ -20,13 +20,16 @@ S = TypeVar("S")  # what a property's rules know of a sequence so far
 Moves = Callable[[S, int], Iterable[tuple[tuple, S, int]]]
 
 
-def sentences(tokens: int, start: S, moves: Moves, ends: Callable[[S], bool]) -> Iterator[tuple]:
-    """Every sequence of events from ``start`` that feeds exactly ``tokens`` tokens and
-    stops where ``ends`` allows: ``moves(state, left)`` gives each run of events that may
-    come next, with the state it leaves and the tokens it feeds (at most ``left``)."""
+def sentences(
+    tokens: int, start: S, moves: Moves, ends: Callable[[S], bool], *, at_most: bool = False
+) -> Iterator[tuple]:
+    """Every sequence of events from ``start`` that feeds exactly ``tokens`` tokens (with
+    ``at_most``, up to ``tokens``) and stops where ``ends`` allows: ``moves(state, left)``
+    gives each run of events that may come next, with the state it leaves and the tokens it
+    feeds (at most ``left``). Depth first: a sequence before those that go on from it."""
 
     def extend(state: S, left: int) -> Iterator[tuple]:
-        if not left and ends(state):
+        if (at_most or not left) and ends(state):
             yield ()
         for run, after, fed in moves(state, left):
             for rest in extend(after, left - fed):

@@ -36,6 +36,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from kvcheck import grammar
 from kvcheck import strategies as kvst
 from kvref.reprs import short_repr
 
@@ -563,18 +564,14 @@ def every_walk(
     Their count: of the kinds every cache runs (prefill, decode, chunk, reset), P(tokens + 1)
     - 1, P the Pell numbers (0, 1, 2, 5, 12, 29, ...): a walk is sessions of 2^(w - 1)
     splits of w tokens each, between resets (tests/test_exhaustive_interactions.py)."""
-    moves = [kind for kind in kinds_offered(offered, batch) if kinds is None or kind.name in kinds]
-    walks: list[tuple[Step, ...]] = []
+    called = [kind for kind in kinds_offered(offered, batch) if kinds is None or kind.name in kinds]
 
-    def extend(walk: tuple[Step, ...], left: int) -> None:
-        if walk:
-            walks.append(walk)
-        here = walk[-1] if walk else None
-        for step in _every_move(here, moves, tokens, batch):
+    def moves(here: Step | None, left: int):
+        for step in _every_move(here, called, tokens, batch):
             if (cost := step.weight(here)) <= left:
-                extend((*walk, step), left - cost)
+                yield (step,), step, cost
 
-    extend((), tokens)
+    walks = grammar.sentences(tokens, None, moves, lambda here: here is not None, at_most=True)
     return tuple(sorted(walks, key=walk_weight))  # stable: vocabulary order within a weight
 
 
