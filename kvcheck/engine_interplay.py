@@ -58,6 +58,7 @@ KINDS = (
     Kind("copy", "copy", "needs a token held and an empty sequence to copy into"),
     Kind("shift on", "shift", HELD),
     Kind("shift back", "shift", "closes a gap: needs one"),
+    Kind("shift span", "shift", "moves a span on within the gap after it: needs one"),
     Kind("clear", None, "the sequence holds nothing to clear"),
 )
 BY_NAME = {kind.name: kind for kind in KINDS}
@@ -82,6 +83,8 @@ def kind_of(event, positions: list[list[int]]) -> list[tuple[int, str]]:
     if isinstance(event, e.Copy):
         return [(event.source, "copy")]
     if isinstance(event, e.Shift):
+        if event.end is not None:
+            return [(event.sequence, "shift span")]
         return [(event.sequence, "shift on" if event.delta > 0 else "shift back")]
     return [(sequence, "clear") for sequence, held in enumerate(positions) if held]
 
@@ -157,6 +160,9 @@ def _call(kind: str, its: int, positions: list[list[int]], room: int) -> list | 
             before, at = gaps[0]
             return [e.Shift(its, at, None, before + 1 - at)]
         return None
+    if kind == "shift span":  # the tokens before the first gap moved on by one, its end held
+        gaps = [at for at in range(1, n) if held[at] > held[at - 1] + 1]
+        return [e.Shift(its, held[0], held[gaps[0]], 1)] if gaps else None
     if kind == "clear":
         return [e.Clear()]
     return None
@@ -197,7 +203,7 @@ def _pairs(offered, sequences: int, max_tokens: int):
             for feed in setup:
                 mirror.held[feed.sequence].positions = list(range(feed.count))
             state = None
-            if first.name == "shift back":  # it closes a gap: a shift on opens one first
+            if first.name in ("shift back", "shift span"):  # a shift on opens a gap first
                 opened = _call("shift on", its, [h.positions for h in mirror.held], max_tokens)
                 events += opened
                 _apply(mirror, opened[0])

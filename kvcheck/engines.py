@@ -145,6 +145,8 @@ class EdgeNotes:
                 reach.note("a context shift")
                 if last.end is not None and -event.delta > last.end - last.start:
                     reach.note("a context shift closing an earlier gap")
+            elif event.end is not None:
+                reach.note("a span moved on within a gap, a token held at its end")
             elif event.delta > 0:
                 reach.note("a suffix moved on")
             if event.sequence in self.sharing:
@@ -324,15 +326,32 @@ class Planner:
 
     def shift(self, sequence: int) -> None:
         """A context shift where remove is offered (a span dropped, what follows moved back
-        over it), else a suffix moved on, opening a gap."""
+        over it), a suffix moved on, opening a gap, or where the sequence has a gap, a span
+        before it moved on within it (an explicit ``end``, a token held at it)."""
         held = self.positions[sequence]
         n = len(held)
-        if (
-            self.drawing.removes("middle")
-            and n > (1 if self.drawing.removes("head") else 2)
-            and self.draw(st.sampled_from(("context shift", "moved on")), label="shift")
-            == "context shift"
-        ):
+        ways = ["moved on"]
+        if self.drawing.removes("middle") and n > (1 if self.drawing.removes("head") else 2):
+            ways.insert(0, "context shift")
+        if n >= 2:
+            ways.append("span within a gap")
+        way = self.draw(st.sampled_from(ways), label="shift") if len(ways) > 1 else ways[0]
+        if way == "span within a gap":
+            after_gaps = [at for at in range(1, n) if held[at] > held[at - 1] + 1]
+            if not after_gaps:  # a suffix moved on first opens one
+                at = self.draw(st.integers(1, n - 1), label="gap opened before")
+                delta = self.draw(st.sampled_from((1, 3, 16)), label="opened by")
+                self.add(Shift(sequence, held[at], None, delta))
+                held, after_gaps = self.positions[sequence], [at]
+            # The span [start, end) ends at a token held (it must not move), its tokens moved
+            # on by 1 or by the whole gap: what follows keeps its place, the order kept.
+            at = self.draw(st.sampled_from(after_gaps), label="the gap after the span")
+            low = self.draw(st.integers(0, at - 1), label="span from")
+            gap = held[at] - held[at - 1] - 1
+            delta = self.draw(st.sampled_from(sorted({1, gap})), label="moved on by")
+            self.add(Shift(sequence, held[low], held[at], delta))
+            return
+        if way == "context shift":
             # The span dropped: from the head too where the engine removes heads.
             lowest = 0 if self.drawing.removes("head") else 1
             low = self.draw(st.integers(lowest, n - 2), label="dropped from")
@@ -428,9 +447,8 @@ EVERY_START = (0, 1)
 # and 16, past every position a few tokens hold (a rotation far from the old one). Moved
 # back, a suffix closes the gap before it exactly (the farthest it may go and stay after
 # what it follows); a context shift moves it back over the span removed, or over that span
-# and the gap before it too (the draws' own two: ``Planner.shift``). Spans with an end
-# (a middle span moved) are not enumerated: the draws never make one, and only a span
-# inside a gap may move without passing its neighbours.
+# and the gap before it too (the draws' own two: ``Planner.shift``). A span with an end
+# moves on within the gap after it (passing no neighbour), by 1 and by the whole gap.
 EVERY_DELTA = (1, 16)
 # The memory operations of "engine mixed" between its decodes, at most: the draws' up to 5
 # events, of which decodes are some, bounded so that its plans stay in the thousands at 6
@@ -572,6 +590,10 @@ class _Every:
                 gap = held[at] - (held[at - 1] + 1) if at else held[at]
                 if gap:
                     yield p.then(Shift(sequence, held[at], None, -gap), sequence)
+                if gap and at:  # every span before the gap moved on within it, by 1 or all
+                    for low in range(at):
+                        for delta in sorted({1, gap}):
+                            yield p.then(Shift(sequence, held[low], held[at], delta), sequence)
 
     def clears(self, p: _Partial) -> Iterator[_Partial]:
         yield p.then(Clear())
@@ -739,6 +761,7 @@ EDGES = {
         E("a context shift", needs=("remove middle",)),
         E("a context shift closing an earlier gap", needs=("remove middle",)),
         E("a suffix moved on"),
+        E("a span moved on within a gap, a token held at its end"),
         E("a shift of a sequence that shares a copy", needs=("copy",)),
     ),
     "engine mixed": (E("a clear between other operations", needs=("remove",)),),
@@ -780,8 +803,9 @@ HOLDS = {
     ),
     "engine shift": (
         "a context shift (a span removed and what follows moved back over it, an earlier "
-        "gap closed too) where `remove` is offered, or a suffix moved on: the moved keys "
-        "attend from their new positions (where `shift` is offered)"
+        "gap closed too) where `remove` is offered, a suffix moved on, or a span moved on "
+        "within the gap after it (an explicit `end`, a token held there that must not move): "
+        "the moved keys attend from their new positions (where `shift` is offered)"
     ),
     "engine mixed": ("up to 5 events of every kind the engine offers, each followed by a batch"),
     "engine interactions": (

@@ -34,7 +34,7 @@ def run_pairs(engine, drawing: kve.Drawing) -> None:
 
 def test_an_engine_offering_every_call_runs_every_pair_its_states_allow():
     pairs = engine_interplay.offered_pairs(EVERY, 3, 24)
-    assert len(pairs) == len(set(pairs)) == 94
+    assert len(pairs) == len(set(pairs)) == 108
     # With no operation: a chunk or a token, then a chunk or a token (a clear empties it).
     assert engine_interplay.offered_pairs(frozenset(), 3, 24) == [
         "chunk → [holds] → chunk",

@@ -118,10 +118,22 @@ class PrefillNotCausal(CellEngine):
         return super().mask(owners, [max(positions)] * len(positions))
 
 
+class ShiftMovesTheTokenAtEnd(CellEngine):
+    """shift moves the token at ``end`` too: its span taken as [start, end], not [start, end).
+
+    An off-by-one in ``seq_add``'s span (``p1`` taken inclusive): a shift to the end of a
+    sequence (``end`` None) is right, and so is every span whose end no token sits at; a
+    span that ends at a held token moves it with the rest, out of its place."""
+
+    def shift(self, sequence: int, start: int, end: int | None, delta: int) -> None:
+        super().shift(sequence, start, None if end is None else end + 1, delta)
+
+
 # Each mutant and the engine property that must catch it.
 ENGINE_MUTANTS = (
     (ShiftWithoutKShift, "engine shift"),
     (ShiftMovesSharedCells, "engine shift"),
+    (ShiftMovesTheTokenAtEnd, "engine shift"),
     (RemoveFreesSharedCells, "engine copy"),
     (MaskIgnoresSequences, "engine sequences"),
     (SearchTrustsHead, "engine remove"),
