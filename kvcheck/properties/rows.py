@@ -18,7 +18,7 @@ Events a cache does not offer (it has ``append_rows`` but no ``join``, say) are 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
@@ -470,12 +470,27 @@ def every_rows_plan(scope: kvscope.Scope) -> Iterator[RowsPlan]:
     shows first; the other poisons are the search's), and no ``truncate_rows``,
     ``select_rows``, ``join`` or restart events (each multiplies the plans by the lengths or
     rows held: the search draws them)."""
+    return every_plan_of_rows(scope, RowsPlan, row_feeds)
+
+
+def every_plan_of_rows(
+    scope: kvscope.Scope,
+    plan: type[P],
+    sequences: Callable[[int, int], Iterable[tuple]],
+    models: Iterable[tuple[kvscope.Layout, ModelConfig]] | None = None,
+) -> Iterator[P]:
+    """A plan of ``plan``'s kind (a ``RowsPlan``'s fields) for each sequence of events
+    ``sequences(tokens, batch)`` of 1 to ``scope.tokens`` tokens, fewest first, on each
+    (layout, model) of ``models`` (each layout of the scope on its own model where None), a
+    batch of 1 taken as 2 (rows of their own need two); the rows from 0, pads of nan, seed 0."""
+    if models is None:
+        models = ((layout, layout.config()) for layout in scope.layouts)
+    models = list(models)  # walked once per count of tokens
     for tokens in range(1, scope.tokens + 1):
-        for layout in scope.layouts:
+        for layout, config in models:
             batch = max(layout.batch, 2)
-            config = layout.config()
-            for events in row_feeds(tokens, batch):
-                yield RowsPlan(
+            for events in sequences(tokens, batch):
+                yield plan(
                     config=config, dtype=scope.dtype, batch=batch, events=events, token_seed=0
                 )
 

@@ -661,17 +661,8 @@ def every_shared_rows_plan(scope: kvscope.Scope) -> Iterator[SharedRowsPlan]:
     Fixed, and why: as ``kvrows.every_rows_plan``: rows at position 0, pads of nan, no
     ``truncate_rows`` or ``select_rows`` events (each multiplies the plans by the lengths or
     rows held: the search draws them), seed 0."""
-    for tokens in range(1, scope.tokens + 1):
-        for layout, config in every_shared_config(scope):
-            batch = max(layout.batch, 2)
-            for feeds in kvrows.row_feeds(tokens, batch):
-                yield SharedRowsPlan(
-                    config=config,
-                    dtype=scope.dtype,
-                    batch=batch,
-                    events=feeds,
-                    token_seed=0,
-                )
+    models = every_shared_config(scope)
+    return kvrows.every_plan_of_rows(scope, SharedRowsPlan, kvrows.row_feeds, models)
 
 
 TREE_ENUMERATED_NODES = 3  # the most nodes of an enumerated tree

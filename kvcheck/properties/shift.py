@@ -51,6 +51,7 @@ from kvcheck.properties.rows import (
     FIRST_POSITIONS,
     RowsRun,
     drawn_rows_plan,
+    every_plan_of_rows,
     prompt_counts,
     row_feed_moves,
     rows_engine,
@@ -682,18 +683,7 @@ def every_row_shift_plan(scope: kvscope.Scope) -> Iterator[RowShiftPlan]:
     way).
     Fixed as for ``every_shift_plan``, and the rows start at 0 and pads are nan (as
     ``rows.every_rows_plan``)."""
-    for tokens in range(1, scope.tokens + 1):
-        for layout in scope.layouts:
-            batch = max(layout.batch, 2)
-            config = layout.config()
-            for events in row_shifted_feeds(tokens, batch):
-                yield RowShiftPlan(
-                    config=config,
-                    dtype=scope.dtype,
-                    batch=batch,
-                    events=events,
-                    token_seed=0,
-                )
+    return every_plan_of_rows(scope, RowShiftPlan, row_shifted_feeds)
 
 
 # Tried first on every run: three rows from positions 8180, 0 and 255 (row 0 across the end
