@@ -30,6 +30,7 @@ from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
+from kvcheck.plan_events import Reorder, Truncate
 from kvcheck.session import Engine
 from kvref import CacheFactory, ModelConfig
 from kvref.reprs import short_repr
@@ -42,18 +43,16 @@ SINK_WINDOWS = st.one_of(
 
 @dataclasses.dataclass(frozen=True)
 class SinkEdit:
-    """After chunk ``chunk`` of session ``session``: forget the last ``back`` tokens (a
-    rollback, into the sinks where it goes past them), or with ``indices`` reorder the rows
-    (beam search): where the cache offers it."""
+    """After chunk ``chunk`` of session ``session``, ``event`` on it (the session's request
+    is ``r<session>``): a truncate (a rollback, into the sinks where it goes past them) or a
+    reorder of the rows (beam search), where the cache offers it."""
 
     session: int
     chunk: int
-    back: int = 0
-    indices: tuple[int, ...] = ()
+    event: Truncate | Reorder
 
     def describe(self) -> str:
-        what = f"reorder {list(self.indices)}" if self.indices else f"truncate by {self.back}"
-        return f"{what} after chunk #{self.chunk} of session #{self.session}"
+        return f"{self.event.describe()} after chunk #{self.chunk} of session #{self.session}"
 
 
 @short_repr
@@ -107,12 +106,12 @@ def sink_edits(draw, scenario: kvst.Scenario, sinks: int) -> SinkEdit:
     if scenario.batch > 1 and draw(st.booleans(), label="reorder"):
         rows = st.integers(0, scenario.batch - 1)
         indices = draw(st.lists(rows, min_size=scenario.batch, max_size=scenario.batch))
-        return SinkEdit(session, chunk, indices=tuple(indices))
+        return SinkEdit(session, chunk, Reorder(session, tuple(indices)))
     held = sum(chunks[: chunk + 1])
     few = st.integers(1, min(held, 4))
     into_the_sinks = st.integers(max(held - sinks + 1, 1), held) if sinks else few  # to < S
     back = draw(st.one_of(into_the_sinks, few), label="truncate by")
-    return SinkEdit(session, chunk, back=back)
+    return SinkEdit(session, chunk, Truncate(session, back))
 
 
 ONE_SINK = "1 sink"
@@ -191,11 +190,12 @@ def run_edit(engine: Engine, request, edit: SinkEdit, sinks: int, kept: int, whe
     """``edit`` on ``request`` where its caches offer it; the edges it reaches noted."""
     held, at = request.held, f" ({edit.describe()})"
     wrapped = sinks > 0 and held > kept
-    if edit.indices and "reorder" in request.offered:
-        engine.reorder(request, torch.tensor(edit.indices), at=at)
+    event = edit.event
+    if isinstance(event, Reorder) and "reorder" in request.offered:
+        engine.reorder(request, torch.tensor(event.indices), at=at)
         note_where({REORDER_BOTH: held > sinks > 0, REORDER_WRAPPED: wrapped})
-    elif not edit.indices and "truncate" in request.offered:
-        target = max(held - edit.back, 0)
+    elif isinstance(event, Truncate) and "truncate" in request.offered:
+        target = event.target(held)
         engine.truncate(request, target, at=at)  # done, or refused as a window may
         note_where({TRUNCATE_INTO: target < sinks, TRUNCATE_WRAPPED: wrapped})
     else:
@@ -263,7 +263,9 @@ WRAPS = kvst.Scenario(
 # And the same with edits where the cache offers them: a reorder after the ring wrapped
 # (the sinks must move with their rows), then a truncate back into the sinks and chunks that
 # fill them again, one crossing the last sink (a truncate that shortens the ring alone).
-EDITED_WRAPS = SinkPlan(WRAPS, edits=(SinkEdit(0, 8, indices=(1, 0)), SinkEdit(0, 9, back=12)))
+EDITED_WRAPS = SinkPlan(
+    WRAPS, edits=(SinkEdit(0, 8, Reorder(0, (1, 0))), SinkEdit(0, 9, Truncate(0, 12)))
+)
 
 SINK_EDGES = (
     reach.Edge(ONE_SINK, needs=("sinks",)),

@@ -54,6 +54,7 @@ from kvcheck import tensors as kvtensors
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS, Recorder
 from kvcheck.kit import KitTests, Property, path_for, property_test
+from kvcheck.plan_events import Fork, Reorder, Reset, Truncate
 from kvcheck.session import Engine, Request
 from kvcheck.session.tree_tap import NODES_IN_CODES
 from kvref import CacheFactory, ModelConfig
@@ -83,12 +84,16 @@ PREFIX_CHUNKS = st.lists(
 STEPS_AFTER = {last: st.lists(st.integers(1, 3), min_size=last, max_size=2) for last in (0, 1)}
 # In bfloat16, 1e30 alone (``TreePlan.poison_held``).
 POISON_DRAWS = {False: st.sampled_from(POISONS), True: st.just("huge")}
-# After a commit, where the cache offers them (TreeRound.then).
+# After a commit, where the cache offers them (TreeRound.then): a truncate BACK tokens back,
+# the rows reversed, a fork the round goes on with, a reset.
 LATER_EVENTS = ("truncate", "reorder", "fork", "reset")
 THEN = st.lists(st.sampled_from(LATER_EVENTS), max_size=2)
 BACK = st.integers(1, MAX_DEPTH)
 BAD_CALLS = {case.name: case for case in kvbad.BAD_TREE_CALLS}
 BAD = st.lists(st.sampled_from(tuple(BAD_CALLS)), max_size=5, unique=True)
+
+
+Later = Truncate | Reorder | Fork | Reset  # an event after a commit
 
 
 @dataclass(frozen=True)
@@ -101,12 +106,11 @@ class TreeRound:
     accepted: tuple[tuple[int, ...], ...]
     poisoned: tuple[tuple[int, ...], ...]
     after: tuple[int, ...]
-    then: tuple[str, ...] = ()  # LATER_EVENTS after the commit, before the feeds
-    back: int = 1  # the tokens a truncate in ``then`` goes back
+    then: tuple[Later, ...] = ()  # after the commit, before the feeds (plan events of r0)
     bad: tuple[str, ...] = ()  # names of BAD_TREE_CALLS, each sent at its moment
 
     def describe(self) -> str:
-        then = f", then {list(self.then)} (a truncate {self.back} back)" if self.then else ""
+        then = f", then {[event.describe() for event in self.then]}" if self.then else ""
         bad = f", bad calls {list(self.bad)}" if self.bad else ""
         return (
             f"a tree of parents {list(self.parents)}, accepted per row "
@@ -238,10 +242,21 @@ def tree_rounds(draw, batch: int, last: bool) -> TreeRound:
     accepted = draw(accepted_paths(parents, batch), label="accepted paths")
     poisoned = tuple(draw(poisoned_nodes(parents, path), label="row's poison") for path in accepted)
     steps = draw(STEPS_AFTER[int(last)], label="feeds after")
-    then = draw(THEN, label="events after the commit")
+    names = draw(THEN, label="events after the commit")
     back = draw(BACK, label="tokens a truncate goes back")
+    then = tuple(later_event(name, back, batch) for name in names)
     bad = draw(BAD, label="bad tree calls")
-    return TreeRound(parents, accepted, poisoned, tuple(steps), tuple(then), back, tuple(bad))
+    return TreeRound(parents, accepted, poisoned, tuple(steps), then, tuple(bad))
+
+
+def later_event(name: str, back: int, batch: int) -> Later:
+    """The plan event of ``name`` (one of ``LATER_EVENTS``) after a commit: a truncate
+    ``back`` tokens back, the ``batch`` rows reversed, a fork, a reset."""
+    if name == "truncate":
+        return Truncate(0, back)
+    if name == "reorder":
+        return Reorder(0, tuple(reversed(range(batch))))
+    return Fork(0, 1) if name == "fork" else Reset(0)
 
 
 @st.composite
@@ -393,21 +408,20 @@ def after_the_commit(
     request the round goes on with (a fork's child)."""
     for event in tree.then:
         at = f" (after {label}'s commit)"
-        if event == "truncate":
-            truncate_back(engine, request, tree.back, at)
-        elif event == "reorder" and request.rows is None and "reorder" in request.offered:
-            flipped = torch.arange(request.batch - 1, -1, -1)
-            engine.reorder(request, flipped, at=at)
+        if isinstance(event, Truncate):
+            truncate_back(engine, request, event.back, at)
+        elif isinstance(event, Reorder) and request.rows is None and "reorder" in request.offered:
+            engine.reorder(request, torch.tensor(event.indices), at=at)
             if request.batch > 1:
                 reach.note("reorder after a commit")
-        elif event == "fork" and request.rows is None and "fork" in request.offered:
+        elif isinstance(event, Fork) and request.rows is None and "fork" in request.offered:
             # Named after its parent: each of several forks after a commit has its own name
             # (the engine's drop goes by name).
             child = engine.fork(request, f"the fork of {request.name}", at=at)
             engine.drop(request)  # its blocks now the child's alone
             request = child
             reach.note("fork after a commit")
-        elif event == "reset":
+        elif isinstance(event, Reset):
             engine.reset(request)
             request.rows = None
             reach.note("reset after a commit")
@@ -572,8 +586,7 @@ PINNED = (
                 accepted=((1, 4), (0, 2, 6)),
                 poisoned=((0, 2, 3, 5, 6), (1, 3, 4, 5)),
                 after=(1,),
-                then=("truncate",),
-                back=2,
+                then=(Truncate(0, 2),),
                 bad=ALL_BAD,
             ),
             TreeRound(
@@ -581,7 +594,7 @@ PINNED = (
                 accepted=((0, 2, 4), (0, 2)),
                 poisoned=((1, 3), (1, 3, 4)),
                 after=(1, 2),
-                then=("reorder",),
+                then=(Reorder(0, (1, 0)),),
             ),
         ),
         token_seed=7,
@@ -597,15 +610,14 @@ PINNED = (
                 accepted=((0, 1), (0, 3)),
                 poisoned=((2, 3), (1, 2)),
                 after=(),
-                then=("fork", "reset"),
+                then=(Fork(0, 1), Reset(0)),
             ),
             TreeRound(
                 parents=(-1, -1, 1),
                 accepted=((1, 2), (1, 2)),
                 poisoned=((0,), (0,)),
                 after=(1,),
-                then=("reorder", "truncate"),
-                back=1,
+                then=(Reorder(0, (1, 0)), Truncate(0, 1)),
             ),
         ),
         token_seed=5,
