@@ -146,7 +146,8 @@ class EdgeNotes:
                 if last.end is not None and -event.delta > last.end - last.start:
                     reach.note("a context shift closing an earlier gap")
             elif event.end is not None:
-                reach.note("a span moved on within a gap, a token held at its end")
+                if event.end in held[event.sequence]:  # the token the span stops before
+                    reach.note("a span moved on within a gap, a token held at its end")
             elif event.delta > 0:
                 reach.note("a suffix moved on")
             if event.sequence in self.sharing:
@@ -572,7 +573,8 @@ class _Every:
         """Every shift of every held sequence: a context shift at every span (a span removed,
         what follows moved back over it, or over it and the gap before it) where remove
         takes middle spans; every suffix moved on by each of ``EVERY_DELTA``; every suffix
-        after a gap moved back to close it."""
+        after a gap moved back to close it; every span before a gap moved on within it (an
+        explicit end, a token held there), by one and by the whole gap."""
         for sequence in self.held(p):
             held, n = p.held[sequence], len(p.held[sequence])
             if self.drawing.removes("middle"):

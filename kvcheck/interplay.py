@@ -564,10 +564,10 @@ def every_walk(
     Their count: of the kinds every cache runs (prefill, decode, chunk, reset), P(tokens + 1)
     - 1, P the Pell numbers (0, 1, 2, 5, 12, 29, ...): a walk is sessions of 2^(w - 1)
     splits of w tokens each, between resets (tests/test_exhaustive_interactions.py)."""
-    called = [kind for kind in kinds_offered(offered, batch) if kinds is None or kind.name in kinds]
+    taken = [kind for kind in kinds_offered(offered, batch) if kinds is None or kind.name in kinds]
 
     def moves(here: Step | None, left: int):
-        for step in _every_move(here, called, tokens, batch):
+        for step in _every_move(here, taken, tokens, batch):
             if (cost := step.weight(here)) <= left:
                 yield (step,), step, cost
 

@@ -121,6 +121,8 @@ def play(
             indices = torch.tensor(event.indices, device=kvdevices.current())
             engine.reorder(request, indices, at=at)
         elif isinstance(event, Fork):
+            if event.child != len(requests):
+                raise ValueError(f"{event.describe()}: a script's forks are r1, r2, ... in turn")
             requests.append(engine.fork(request, f"r{event.child}", at=at))
         elif isinstance(event, Reset):
             engine.reset(request)

@@ -157,9 +157,9 @@ def shift_count(n: int, most: int) -> int:
     return sum(after_feed(n - prompt, prompt, 0) for prompt in range(1, n + 1))
 
 
-def test_shifted_chunks_count():
+def test_shifted_feeds_count():
     for n in range(1, 8):
-        one = len(shift.shifted_feeds(n, most=1))
+        one = len(list(shift.shifted_feeds(n, most=1)))
         assert one == shift_count(n, 1) == 2**n * (n - 1) * n * (n + 1) // 24
     assert [shift_count(n, 2) for n in range(2, 7)] == [1, 9, 62, 388, 2184]
 

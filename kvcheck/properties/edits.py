@@ -215,10 +215,9 @@ def edited_feeds(
         held, edited = state
         for size in range(1, left + 1):
             yield (Feed(0, size),), (held + size, edited), size
-        if held and not edited:
+        if held and not edited:  # the moment's edits after the feeds so far
             for moment in moments(held, batch):
-                kept = [step.target(held) for step in moment if isinstance(step, TruncateTo)]
-                yield moment, (kept[0] if kept else held, True), 0
+                yield moment, (held, True), 0
 
     return grammar.sentences(tokens, (0, False), moves, lambda state: state[1])
 

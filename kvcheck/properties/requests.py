@@ -389,7 +389,6 @@ def _request_streams(
     maps = maps if reorders else []
 
     def moves(state: _Stream, left: int):
-        live = dict(state.live)
         if left and state.started < most:  # a request starts, fed its first chunk at once
             for reuse in (None, *state.reusable):
                 start = Start(state.started, batch, reuse)
@@ -409,12 +408,12 @@ def _request_streams(
                     yield from _fed(after, request, kept, left, before=(edit,))
             if forks and state.started < most and special:
                 child = state.started
-                grown = tuple(sorted({**live, child: length}.items()))
+                grown = tuple(sorted({**dict(state.live), child: length}.items()))
                 fork = Fork(request, child)
                 after = state.but(
                     live=grown, started=child + 1, spare=state.spare - 1, last=(request, child)
                 )
-                yield (fork,), dataclasses.replace(after, forked=True), 0
+                yield (fork,), after.but(forked=True), 0
             if request not in state.last:
                 continue  # it finishes right after a step of its own
             finishes = [Finish(request, "drop")]
@@ -438,7 +437,7 @@ def _request_streams(
                     last=(request,),
                 )
                 unread = state.unread or finish.poison is not None
-                yield (finish,), dataclasses.replace(after, unread=unread), finish.poison_rows
+                yield (finish,), after.but(unread=unread), finish.poison_rows
 
     def ends(state: _Stream) -> bool:
         return not state.live and not state.unread and (state.forked or not fork_first)

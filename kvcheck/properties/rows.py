@@ -17,7 +17,6 @@ Events a cache does not offer (it has ``append_rows`` but no ``join``, say) are 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
@@ -42,7 +41,7 @@ from kvref.rope import ROPE_TABLE_POSITIONS
 RowEvent = FeedRows | TruncateRows | SelectRows | Join | ResetAt | ShiftRows
 
 MAX_LENGTH = 48  # per row: prompts and rollbacks drawn around the 16-row boundaries below it
-EVENTS = ("feed", "truncate", "select", "join", "restart")  # what the strategy draws
+EVENTS = ("feed", "truncate", "select", "join", "restart")  # drawn; "restart" is a ResetAt
 FIRST_POSITIONS = (0, 1, 47, 48, 49, 255, 256, 1023, 1025, 4095, 4096, 8191, 8192, 100_003)
 
 
@@ -449,14 +448,13 @@ def row_feed_moves(held: tuple[int, ...], left: int):
             yield (FeedRows(counts),), fed, size
 
 
-@functools.cache
-def row_feeds(tokens: int, batch: int) -> tuple[tuple[FeedRows, ...], ...]:
+def row_feeds(tokens: int, batch: int) -> Iterator[tuple[FeedRows, ...]]:
     """Every sequence of calls that feeds ``batch`` rows ``tokens`` tokens in all, each call
     a count per row, one at least not 0: the compositions of ``tokens`` into vectors of
     ``batch`` counts, sum over k calls of sum over j of (-1)^j C(k, j) C(tokens + (k - j)
     batch - 1, (k - j) batch - 1) (the calls with every row idle taken out); for 2 rows 2,
-    7, 24, 82, 280, 956 at 1 to 6 tokens (c(n) = 4 c(n-1) - 2 c(n-2))."""
-    return tuple(grammar.sentences(tokens, (0,) * batch, row_feed_moves, lambda _: True))
+    7, 24, 82, 280, 956 at 1 to 6 tokens (c(n) = 4 c(n-1) - 2 c(n-2)). Depth first."""
+    return grammar.sentences(tokens, (0,) * batch, row_feed_moves, lambda _: True)
 
 
 def every_rows_plan(scope: kvscope.Scope) -> Iterator[RowsPlan]:

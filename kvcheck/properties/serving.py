@@ -149,7 +149,12 @@ class ServingPlan:
 
     def describe(self, done: int | None = None) -> str:
         events = self.events if done is None else self.events[: done + 1]
-        said = "; ".join(f"#{index} {event.describe()}" for index, event in enumerate(events))
+        planned = planned_lengths(self.events)
+        said = "; ".join(
+            f"#{index} {event.describe()}"
+            + (f" (to {planned[index]})" if isinstance(event, Feed) else "")
+            for index, event in enumerate(events)
+        )
         left = 0 if done is None else len(self.events) - done - 1
         more = f" ({left} of {len(self.events)} events not yet run)" if left else ""
         systems = ", ".join(

@@ -17,7 +17,6 @@ to the unsharded uncached model and every rank must agree on every length.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -289,10 +288,9 @@ LAYOUTS_ON_TWO = tuple(
 
 
 # --- Every plan within a scope (kvcheck.scope), for the bounded-exhaustive mode ---
-@functools.cache
 def every_script(
     tokens: int, kinds: tuple[str, ...], batch: int, requests: int = 1
-) -> tuple[tuple[scripts.Event, ...], ...]:
+) -> Iterator[tuple[scripts.Event, ...]]:
     """Every script (``kvcheck.scripts``) that feeds exactly ``tokens`` tokens in all (over
     every request), in which an edit follows a feed (never another edit: each edit is read by
     the feed after it before the next), on a request that holds tokens: a truncate by each of
@@ -304,12 +302,13 @@ def every_script(
 
     def moves(state, left: int):
         held, after_feed, events = state
-        for request in range(len(held) if events else 1):  # r0 is fed first
-            for size in range(1, left + 1):
+        for request in range(len(held)):  # r0 first: it alone lives then
+            # The first feed leaves a token for the feed after it at least.
+            for size in range(1, left + 1 if events else left):
                 fed = (*held[:request], held[request] + size, *held[request + 1 :])
                 yield (Feed(request, size),), (fed, True, events + 1), size
-        if not after_feed:
-            return
+        if not after_feed or not left:
+            return  # an edit follows a feed, and a feed follows it
         for request, length in enumerate(held):
             if not length:
                 continue
@@ -332,7 +331,7 @@ def every_script(
         _, after_feed, events = state
         return after_feed and events > 1
 
-    return tuple(grammar.sentences(tokens, ((0,), False, 0), moves, ends))
+    return grammar.sentences(tokens, ((0,), False, 0), moves, ends)
 
 
 def shardable(layout: kvscope.Layout, world: int) -> kvscope.Layout | None:

@@ -27,7 +27,6 @@ model's over those rows (``Engine.shift``). Each shift run notes the edges it re
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -337,8 +336,7 @@ def spans_of(held: int) -> Iterator[tuple[int, int]]:
             yield start, count
 
 
-@functools.cache
-def shifted_feeds(tokens: int, most: int = MOST_SHIFTS) -> tuple[tuple[Feed | Shift, ...], ...]:
+def shifted_feeds(tokens: int, most: int = MOST_SHIFTS) -> Iterator[tuple[Feed | Shift, ...]]:
     """Every sequence of feeds of ``tokens`` tokens in all with 1 to ``most`` shifts, each
     after a feed and before another, of every span of the tokens then held."""
 
@@ -354,7 +352,7 @@ def shifted_feeds(tokens: int, most: int = MOST_SHIFTS) -> tuple[tuple[Feed | Sh
         _, shifts, after_feed = state
         return shifts > 0 and after_feed
 
-    return tuple(grammar.sentences(tokens, (0, 0, False), moves, ends))
+    return grammar.sentences(tokens, (0, 0, False), moves, ends)
 
 
 def most_held(events) -> int:
@@ -646,10 +644,9 @@ def row_spans(held: int) -> Iterator[tuple[int, int]]:
     yield from spans_of(held)
 
 
-@functools.cache
 def row_shifted_feeds(
     tokens: int, batch: int, most: int = MOST_ROW_SHIFTS
-) -> tuple[tuple[FeedRows | ShiftRows, ...], ...]:
+) -> Iterator[tuple[FeedRows | ShiftRows, ...]]:
     """Every sequence of calls with a count per row (``rows.row_feed_moves``) of ``tokens``
     tokens over all ``batch`` rows, with 1 to ``most`` shifts per row, each after a call and
     before another, of every span per row of the rows then held (one row moved at least)."""
@@ -671,7 +668,7 @@ def row_shifted_feeds(
         _, shifts, after_feed = state
         return shifts > 0 and after_feed
 
-    return tuple(grammar.sentences(tokens, ((0,) * batch, 0, False), moves, ends))
+    return grammar.sentences(tokens, ((0,) * batch, 0, False), moves, ends)
 
 
 def every_row_shift_plan(scope: kvscope.Scope) -> Iterator[RowShiftPlan]:
