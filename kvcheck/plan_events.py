@@ -15,11 +15,19 @@ context shifts a shift (``Shift``). A batch whose rows are requests of their own
 section 8: ``mixed lengths``, the shifts per row, the walks of ``interactions``) has events
 of its own, one per method, each with a value per row: ``FeedRows``, ``TruncateRows``,
 ``SelectRows``, ``Join``, ``ResetAt`` and ``ShiftRows``.
+
+Beside an event whose parameters every area draws alike, its strategy draws them over
+their whole domain (``reorder_indices``, ``truncate_backs``): one place where a form that
+finds bugs (a permutation of every row, a rollback to a page edge) is drawn for every plan.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from hypothesis import strategies as st
+
+PAGE = 16  # the page a truncate is drawn back to an edge of (kvcheck.strategies.EDGE)
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,33 @@ class Reorder:
 
     def describe(self) -> str:
         return f"r{self.request} reorders its rows as {list(self.indices)}"
+
+
+@st.composite
+def reorder_indices(draw, batch: int) -> tuple[int, ...]:
+    """The indices of a reorder of ``batch`` rows over their whole domain: any, repeats
+    too (the identity among them); a permutation of every row (random draws of 3 or 4 rows
+    seldom are one); the rows reversed; one row for all (a beam that won everywhere)."""
+    rows = st.integers(0, batch - 1)
+    return draw(
+        st.one_of(
+            st.lists(rows, min_size=batch, max_size=batch).map(tuple),
+            st.permutations(range(batch)).map(tuple),
+            st.just(tuple(reversed(range(batch)))),
+            rows.map(lambda row: (row,) * batch),
+        ),
+        label="reorder indices",
+    )
+
+
+@st.composite
+def truncate_backs(draw, held: int) -> int:
+    """The tokens a truncate of a request holding ``held`` goes back, over its whole domain:
+    none, one, any, back to the last page edge below (a rollback into a block written
+    full), or all of them."""
+    edge = held - (held - 1) // PAGE * PAGE if held > PAGE else held
+    forms = st.sampled_from(sorted({0, min(1, held), edge, held})) | st.integers(0, held)
+    return draw(forms, label="truncate back")
 
 
 @dataclass(frozen=True)

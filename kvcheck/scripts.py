@@ -23,7 +23,16 @@ from hypothesis import strategies as st
 
 from kvcheck import devices as kvdevices
 from kvcheck import strategies as kvst
-from kvcheck.plan_events import Feed, Fork, Move, Reorder, Reset, Truncate
+from kvcheck.plan_events import (
+    Feed,
+    Fork,
+    Move,
+    Reorder,
+    Reset,
+    Truncate,
+    reorder_indices,
+    truncate_backs,
+)
 from kvcheck.session import Engine, Request
 
 Event = Feed | Truncate | Reorder | Fork | Reset | Move
@@ -69,13 +78,11 @@ def events(
             script.append(Feed(request, tokens))
             held[request] += tokens
         elif kind == "truncate":
-            back = draw(st.integers(1, held[request]), label="truncate by")
+            back = draw(truncate_backs(held[request]), label="truncate by")
             script.append(Truncate(request, back))
             held[request] -= back
         elif kind == "reorder":
-            row = st.integers(0, batch - 1)
-            indices = draw(st.lists(row, min_size=batch, max_size=batch), label="indices")
-            script.append(Reorder(request, tuple(indices)))
+            script.append(Reorder(request, draw(reorder_indices(batch), label="indices")))
         elif kind == "fork":
             script.append(Fork(request, len(held)))
             held.append(held[request])

@@ -38,7 +38,14 @@ from kvcheck import tensors as kvtensors
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS, build
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
-from kvcheck.plan_events import Feed, Fork, Reorder, Truncate
+from kvcheck.plan_events import (
+    Feed,
+    Fork,
+    Reorder,
+    Truncate,
+    reorder_indices,
+    truncate_backs,
+)
 from kvcheck.reach import Edge
 from kvcheck.session import Engine, Request
 from kvref import BlockPool, CacheContractError, CacheFactory, ModelConfig, capabilities
@@ -201,14 +208,13 @@ def request_plans(
         elif kind == "finish":
             _finish(draw, state, request, poison)
         elif kind == "truncate":
-            back = draw(st.integers(0, state.live[request][1]), label="back")
+            back = draw(truncate_backs(state.live[request][1]), label="back")
             # The length drawn on stays the most the caches may hold (a window cache may
             # refuse), so that no later feed can overflow MAX_LENGTH.
             state.events.append(Truncate(request, back))
         elif kind == "reorder":
-            batch = state.live[request][0]
-            rows = st.lists(st.integers(0, batch - 1), min_size=batch, max_size=batch)
-            state.events.append(Reorder(request, tuple(draw(rows, label="indices"))))
+            indices = draw(reorder_indices(state.live[request][0]), label="indices")
+            state.events.append(Reorder(request, indices))
         elif kind == "fork":
             child = _fork(state, request)
             if draw(st.booleans(), label="feed the fork"):

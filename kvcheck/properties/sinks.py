@@ -30,7 +30,7 @@ from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
-from kvcheck.plan_events import Reorder, Truncate
+from kvcheck.plan_events import Reorder, Truncate, reorder_indices
 from kvcheck.session import Engine
 from kvref import CacheFactory, ModelConfig
 from kvref.reprs import short_repr
@@ -104,9 +104,8 @@ def sink_edits(draw, scenario: kvst.Scenario, sinks: int) -> SinkEdit:
     chunks = scenario.sessions[session].chunks
     chunk = draw(st.integers(0, len(chunks) - 1), label="edit after chunk")
     if scenario.batch > 1 and draw(st.booleans(), label="reorder"):
-        rows = st.integers(0, scenario.batch - 1)
-        indices = draw(st.lists(rows, min_size=scenario.batch, max_size=scenario.batch))
-        return SinkEdit(session, chunk, Reorder(session, tuple(indices)))
+        indices = draw(reorder_indices(scenario.batch), label="indices")
+        return SinkEdit(session, chunk, Reorder(session, indices))
     held = sum(chunks[: chunk + 1])
     few = st.integers(1, min(held, 4))
     into_the_sinks = st.integers(max(held - sinks + 1, 1), held) if sinks else few  # to < S
