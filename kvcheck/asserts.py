@@ -84,11 +84,25 @@ SHIFTED_BUDGETS = {dtype: Budget(factor=4.0, floor=4.0) for dtype in BUDGETS}
 LATENT_ATTEND_BUDGETS = {dtype: Budget(factor=8.0, floor=32.0) for dtype in BUDGETS}
 
 
+# A cache's own attend (contract 3.3) sums in float32 and rounds once, where the uncached
+# pass sums in float64: where one sum rounds the other way, the flip travels through the
+# later layers to the logits, a few roundings that no cache caused and that the uncached
+# run's error does not bound. Found by the soak tier's sharded plans (2026-12-07): three
+# correct caches' attends (sdpa, streaming, latent), equal to the uncached run bit for bit
+# at 23 of a prefill's 24 positions, 1.8 roundings of the position's largest value beyond
+# 2 x the uncached error at the last (float16, logits of magnitude 4.9). The measured tail
+# before (docs/half-precision.md, on the attend path): 1.94 x the uncached error.
+ATTEND_BUDGETS = {dtype: Budget(factor=2.0, floor=4.0) for dtype in BUDGETS}
+
+
 def budgets_for(caches: Sequence) -> dict:
     """The half-precision budgets for the logits of a model over ``caches`` (recorded): a
-    latent attend's where some cache computed MLA's absorbed attention itself."""
+    latent attend's where some cache computed MLA's absorbed attention itself, an attend's
+    where some cache computed attention itself."""
     if any(getattr(cache, "attended_latent", False) for cache in caches):
         return LATENT_ATTEND_BUDGETS
+    if any(getattr(cache, "attended", None) is not None for cache in caches):
+        return ATTEND_BUDGETS
     return BUDGETS
 
 
@@ -301,7 +315,11 @@ def assert_within_budget(
         )
     uncached = position_errors(expected, reference, position_axis)[first].item()
     name = dtype_name(expected.dtype)
-    tables = {id(BUDGETS): "BUDGETS", id(LATENT_ATTEND_BUDGETS): "LATENT_ATTEND_BUDGETS"}
+    tables = {
+        id(BUDGETS): "BUDGETS",
+        id(ATTEND_BUDGETS): "ATTEND_BUDGETS",
+        id(LATENT_ATTEND_BUDGETS): "LATENT_ATTEND_BUDGETS",
+    }
     table = tables.get(id(budgets), "SHIFTED_BUDGETS")
     raise failure(
         f"{what} differ beyond the {name} error budget\n  at {where}\n{located}"
