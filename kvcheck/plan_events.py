@@ -1,24 +1,22 @@
-"""The events of a plan of requests: one vocabulary for the areas whose plans interleave
-requests on one factory (``requests`` and ``fork``, serving pools) and for the edits of one
-request (``r0``: truncate, reorder and their mixes), drawn, shrunk and printed as the plan;
-each area's runner turns them into session events (``kvcheck.session.events``), which act on
-the caches and the oracle's books. A feed is a count of new tokens everywhere; a truncate
-counts back from the end (``Truncate``) or names the position it keeps up to
-(``TruncateTo``).
+"""The events plans are written in: one vocabulary, drawn, shrunk and printed as the plan,
+which each area's runner turns into session events (``kvcheck.session.events``) that act on
+the caches and the oracle's books.
+
+- On a request: ``Feed`` (a count of new tokens), ``Truncate`` (back from the end) and
+  ``TruncateTo`` (to a position), ``Reorder``, ``Fork``, ``Reset``, ``Move`` (to another
+  layout: ``sharded``, ``move``) and ``Shift`` (a context shift).
+- On a batch whose rows are requests of their own (contract, section 8), one per method, a
+  value per row: ``FeedRows``, ``TruncateRows``, ``SelectRows``, ``Join``, ``ResetAt`` and
+  ``ShiftRows``.
 
 A request is named by its number (``r0``, ``r1``, ...), never by an object, so that a plan
-is a value Hypothesis shrinks and a failure prints a constructor (``drawn=``). The events
-each area has alone stay in it: a request's start or arrival (what it is built from), a swap,
-a recompute, a finish, and the edits' forks that go on. The scripts of distributed inference
-(``kvcheck.scripts``: ``sharded``, ``move``) add a reset and a move to another layout, the
-context shifts a shift (``Shift``). A batch whose rows are requests of their own (contract,
-section 8: ``mixed lengths``, the shifts per row, the walks of ``interactions``) has events
-of its own, one per method, each with a value per row: ``FeedRows``, ``TruncateRows``,
-``SelectRows``, ``Join``, ``ResetAt`` and ``ShiftRows``.
+is a value Hypothesis shrinks and a failure prints a constructor (``drawn=``). The events an
+area has alone stay in it: a request's start or arrival (what it is built from), a swap, a
+recompute, a finish, the edits' forks that go on.
 
-Beside an event whose parameters every area draws alike, its strategy draws them over
-their whole domain (``reorder_indices``, ``truncate_backs``): one place where a form that
-finds bugs (a permutation of every row, a rollback to a page edge) is drawn for every plan.
+Where every area draws an event's parameters alike, their strategy is here, over their whole
+domain (``reorder_indices``, ``truncate_backs``): a form that finds bugs (a permutation of
+every row, a rollback to a page edge) is drawn for every plan that has the event.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-PAGE = 16  # the page a truncate is drawn back to an edge of (kvcheck.strategies.EDGE)
+from kvcheck.strategies import EDGE
 
 
 @dataclass(frozen=True)
@@ -109,7 +107,7 @@ def truncate_backs(draw, held: int) -> int:
     """The tokens a truncate of a request holding ``held`` goes back, over its whole domain:
     none, one, any, back to the last page edge below (a rollback into a block written
     full), or all of them."""
-    edge = held - (held - 1) // PAGE * PAGE if held > PAGE else held
+    edge = held - (held - 1) // EDGE * EDGE if held > EDGE else held
     forms = st.sampled_from(sorted({0, min(1, held), edge, held})) | st.integers(0, held)
     return draw(forms, label="truncate back")
 
