@@ -340,19 +340,34 @@ def shifted_feeds(tokens: int, most: int = MOST_SHIFTS) -> Iterator[tuple[Feed |
     """Every sequence of feeds of ``tokens`` tokens in all with 1 to ``most`` shifts, each
     after a feed and before another, of every span of the tokens then held."""
 
+    def feeds(held: int, left: int):
+        return ((Feed(0, size), held + size, size) for size in range(1, left + 1))
+
+    def shifts(held: int):
+        return ((Shift(0, start, count), held - count) for start, count in spans_of(held))
+
+    return interleaved_shifts(tokens, 0, feeds, shifts, most)
+
+
+def interleaved_shifts(tokens: int, empty, feeds, shifts, most: int) -> Iterator[tuple]:
+    """The grammar's sentences (``kvcheck.grammar``) of feeds of ``tokens`` tokens in all,
+    ``feeds(held, left)`` each feed with the lengths it leaves and the tokens it brings, with
+    1 to ``most`` shifts, ``shifts(held)`` each shift with the lengths it leaves, every shift
+    after a feed and before another (what it left is read back); from ``empty`` lengths."""
+
     def moves(state, left: int):
-        held, shifts, after_feed = state
-        for size in range(1, left + 1):
-            yield (Feed(0, size),), (held + size, shifts, True), size
-        if after_feed and shifts < most and left:
-            for start, count in spans_of(held):
-                yield (Shift(0, start, count),), (held - count, shifts + 1, False), 0
+        held, shifted, after_feed = state
+        for feed, fed, size in feeds(held, left):
+            yield (feed,), (fed, shifted, True), size
+        if after_feed and shifted < most and left:
+            for shift, kept in shifts(held):
+                yield (shift,), (kept, shifted + 1, False), 0
 
     def ends(state) -> bool:
-        _, shifts, after_feed = state
-        return shifts > 0 and after_feed
+        _, shifted, after_feed = state
+        return shifted > 0 and after_feed
 
-    return grammar.sentences(tokens, (0, 0, False), moves, ends)
+    return grammar.sentences(tokens, (empty, 0, False), moves, ends)
 
 
 def most_held(events) -> int:
@@ -651,24 +666,18 @@ def row_shifted_feeds(
     tokens over all ``batch`` rows, with 1 to ``most`` shifts per row, each after a call and
     before another, of every span per row of the rows then held (one row moved at least)."""
 
-    def moves(state, left: int):
-        held, shifts, after_feed = state
-        for (feed,), fed, size in row_feed_moves(held, left):
-            yield (feed,), (fed, shifts, True), size
-        if not (after_feed and shifts < most and left):
-            return
+    def feeds(held: tuple[int, ...], left: int):
+        return ((feed, fed, size) for (feed,), fed, size in row_feed_moves(held, left))
+
+    def shifts(held: tuple[int, ...]):
         for spans in itertools.product(*(row_spans(n) for n in held)):
             if not any(count for _, count in spans):
                 continue  # no row moved: no shift
             starts, discarded = zip(*spans, strict=True)
             kept = tuple(n - gone for n, gone in zip(held, discarded, strict=True))
-            yield (ShiftRows(starts, discarded),), (kept, shifts + 1, False), 0
+            yield ShiftRows(starts, discarded), kept
 
-    def ends(state) -> bool:
-        _, shifts, after_feed = state
-        return shifts > 0 and after_feed
-
-    return grammar.sentences(tokens, ((0,) * batch, 0, False), moves, ends)
+    return interleaved_shifts(tokens, (0,) * batch, feeds, shifts, most)
 
 
 def every_row_shift_plan(scope: kvscope.Scope) -> Iterator[RowShiftPlan]:
