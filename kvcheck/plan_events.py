@@ -3,8 +3,9 @@ which each area's runner turns into session events (``kvcheck.session.events``) 
 the caches and the oracle's books.
 
 - On a request: ``Feed`` (a count of new tokens), ``Truncate`` (back from the end) and
-  ``TruncateTo`` (to a position), ``Reorder``, ``Fork``, ``Reset``, ``Move`` (to another
-  layout: ``sharded``, ``move``) and ``Shift`` (a context shift).
+  ``TruncateTo`` (to a position), ``Reorder``, ``Fork``, ``Reset``, ``Poison`` (rows of
+  garbage left behind for a reset to shed), ``Move`` (to another layout: ``sharded``,
+  ``move``) and ``Shift`` (a context shift).
 - On a batch whose rows are requests of their own (contract, section 8), one per method, a
   value per row: ``FeedRows``, ``TruncateRows``, ``SelectRows``, ``Join``, ``ResetAt`` and
   ``ShiftRows``.
@@ -12,7 +13,8 @@ the caches and the oracle's books.
 A request is named by its number (``r0``, ``r1``, ...), never by an object, so that a plan
 is a value Hypothesis shrinks and a failure prints a constructor (``drawn=``). The events an
 area has alone stay in it: a request's start or arrival (what it is built from), a swap, a
-recompute, a finish, the edits' forks that go on.
+recompute, a finish, the edits' forks that go on. One runner turns a request's events into
+the session's (``kvcheck.session.Engine.play``), and one a batch's rows' (``RowsRun``).
 
 Where every area draws an event's parameters alike, their strategy is here, over their whole
 domain (``reorder_indices``, ``truncate_backs``): a form that finds bugs (a permutation of
@@ -137,6 +139,20 @@ class Reset:
 
     def describe(self) -> str:
         return f"r{self.request} is reset"
+
+
+@dataclass(frozen=True)
+class Poison:
+    """Request ``request`` is left ``rows`` rows of nan, inf, -inf or huge values (``kind``,
+    ``kvcheck.tensors.POISON_VALUES``) past its history, appended to every layer: garbage
+    the reset or the fresh caches after it must shed."""
+
+    request: int
+    kind: str
+    rows: int
+
+    def describe(self) -> str:
+        return f"r{self.request} is left {self.rows} {self.kind} row{'s' * (self.rows != 1)}"
 
 
 @dataclass(frozen=True)

@@ -118,24 +118,20 @@ def play(
         if progress is not None:
             progress(what)
         at = f" ({what})"
-        offered = request.offered
-        if isinstance(event, Feed) and request.held + event.size <= engine.max_length:
-            new = torch.randint(0, vocab, (batch, event.size), generator=generator)
-            engine.feed(request, new.to(kvdevices.current()), at=at)
-        elif isinstance(event, Truncate) and "truncate" in offered:
-            engine.truncate(request, event.target(request.held), at=at)
-        elif isinstance(event, Reorder) and "reorder" in offered:
-            indices = torch.tensor(event.indices, device=kvdevices.current())
-            engine.reorder(request, indices, at=at)
-        elif isinstance(event, Fork):
-            if event.child != len(requests):
-                raise ValueError(f"{event.describe()}: a script's forks are r1, r2, ... in turn")
-            requests.append(engine.fork(request, f"r{event.child}", at=at))
-        elif isinstance(event, Reset):
-            engine.reset(request)
-        elif isinstance(event, Move) and move is not None and "move" in offered:
+        if isinstance(event, Fork) and event.child != len(requests):
+            raise ValueError(f"{event.describe()}: a script's forks are r1, r2, ... in turn")
+        if isinstance(event, Move):
+            if move is None or "move" not in request.offered:
+                continue
             move(request, event.layout, at)
-        else:  # not offered, or a feed past max_length after a truncate a window refused
-            continue
+        elif isinstance(event, Feed):
+            if request.held + event.size > engine.max_length:
+                continue  # past max_length after a truncate a window refused
+            new = torch.randint(0, vocab, (batch, event.size), generator=generator)
+            engine.play(request, event, new=new.to(kvdevices.current()), at=at)
+        elif not engine.play(request, event, at=at):
+            continue  # not offered
+        if isinstance(event, Fork):
+            requests.append(engine.live[f"r{event.child}"])
         engine.check(what)
     engine.finish(blocks_back=False)

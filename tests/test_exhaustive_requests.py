@@ -15,7 +15,7 @@ import torch
 
 import kvimpl
 from kvcheck.properties import pool, requests
-from kvcheck.properties.requests import Feed, Finish, Fork, Reorder, Start, Truncate
+from kvcheck.properties.requests import Feed, Finish, Fork, Poison, Reorder, Start, Truncate
 from kvcheck.scope import LAYOUTS, Scope, first_use_order
 from tests import depth
 from tests.exhaustive_runs import assert_caught, by_property, run_every
@@ -29,12 +29,12 @@ KINDS = {
 
 
 def fed(plan: requests.RequestPlan) -> int:
-    """The tokens a plan feeds, as the docstring counts them: the Feeds' sizes and the rows a
-    poisoned Finish leaves (a fork feeds none)."""
+    """The tokens a plan feeds, as the docstring counts them: the Feeds' sizes and the rows
+    each Poison leaves (a fork feeds none)."""
     return sum(
-        event.size if isinstance(event, Feed) else event.poison_rows
+        event.size if isinstance(event, Feed) else event.rows
         for event in plan.events
-        if isinstance(event, Feed | Finish)
+        if isinstance(event, Feed | Poison)
     )
 
 
@@ -45,14 +45,14 @@ def alphabet(batch: int, tokens: int, most: int) -> list:
     """Every event a plan of ``tokens`` tokens with ``most`` requests could hold, valid or not."""
     names = range(most)
     maps = list(itertools.product(range(batch), repeat=batch))
-    ends = [(None, 0), *(("nan", rows) for rows in requests.POISON_ROWS)]
     return [
         *(Start(r, batch, reuse) for r in names for reuse in (None, *names)),
         *(Feed(r, size) for r in names for size in range(1, tokens + 1)),
         *(Fork(parent, child) for parent in names for child in names),
         *(Truncate(r, back) for r in names for back in range(tokens + 1)),
         *(Reorder(r, rows) for r in names for rows in maps),
-        *(Finish(r, how, *end) for r in names for how in ("drop", "reset") for end in ends),
+        *(Poison(r, "nan", rows) for r in names for rows in requests.POISON_ROWS),
+        *(Finish(r, how) for r in names for how in ("drop", "reset")),
     ]
 
 
@@ -68,6 +68,12 @@ def replay(events, batch, tokens, most, *, truncates, poison, specials, fork_fir
         # A start is fed its first chunk at once; a truncate or reorder comes before a feed.
         if isinstance(before, Start | Truncate | Reorder) and event != Feed(
             before.request, getattr(event, "size", 0)
+        ):
+            return None
+        # A poison is its request's last step but its finish.
+        if isinstance(before, Poison) and event not in (
+            Finish(before.request, "drop"),
+            Finish(before.request, "reset"),
         ):
             return None
         if isinstance(event, Start):
@@ -96,19 +102,24 @@ def replay(events, batch, tokens, most, *, truncates, poison, specials, fork_fir
             if event.request not in live or event.indices == identity:
                 return None
             used += 1
-        else:  # a Finish, right after a step of its own (its feed, or a fork it is in)
+        else:  # a poison and its finish, or a finish, right after a step of its own (a
+            # feed, a fork it is in)
             step = (before.parent, before.child) if isinstance(before, Fork) else ()
             if isinstance(before, Feed):
                 step = (before.request,)
+            if isinstance(before, Poison):  # its finish (checked above)
+                step = (before.request,)
             if event.request not in live or event.request not in step:
                 return None
-            if event.poison and not poison:
-                return None
-            used += (event.how, event.poison) != ("drop", None)
-            spent += event.poison_rows
-            del live[event.request]
-            if event.how == "reset":
-                reusable.append(event.request)
+            if isinstance(event, Poison):
+                if not poison:
+                    return None
+                spent += event.rows
+            else:
+                used += event.how != "drop" or isinstance(before, Poison)
+                del live[event.request]
+                if event.how == "reset":
+                    reusable.append(event.request)
         if used > specials or spent > tokens:
             return None
     return live, spent
@@ -120,7 +131,7 @@ def complete(events, tokens, fork_first) -> bool:
     the caller)."""
     for index, event in enumerate(events):
         read = any(isinstance(later, Feed) for later in events[index + 1 :])
-        if isinstance(event, Finish) and event.poison and not read:
+        if isinstance(event, Poison) and not read:
             return False
     return not fork_first or any(isinstance(event, Fork) for event in events)
 
@@ -217,8 +228,8 @@ def test_plans_run_fewest_tokens_first_each_once(kinds):
         assert named == sorted(named), (
             f"{kinds}: requests not numbered in the order they start or fork: {plan.events}"
         )
-        poisons = {(e.poison, e.poison_rows) for e in plan.events if isinstance(e, Finish)}
-        assert poisons <= {(None, 0), *(("nan", rows) for rows in requests.POISON_ROWS)}
+        poisons = {(e.kind, e.rows) for e in plan.events if isinstance(e, Poison)}
+        assert poisons <= {("nan", rows) for rows in requests.POISON_ROWS}
         if kinds == "fork":
             assert any(isinstance(event, Fork) for event in plan.events)
 

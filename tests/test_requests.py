@@ -22,7 +22,8 @@ def test_blocks_needed_is_the_busiest_moment_without_sharing():
             kvreq.Finish(0, "drop"),  # 4
             kvreq.Start(2, 1),
             kvreq.Feed(2, 5),  # 5
-            kvreq.Finish(1, "reset", "nan", 16),  # 2 rows x 3 blocks + 1: 7
+            kvreq.Poison(1, "nan", 16),  # 2 rows x 3 blocks + 1: 7
+            kvreq.Finish(1, "reset"),
             kvreq.Finish(2, "drop"),
         ),
         token_seed=0,

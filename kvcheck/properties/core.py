@@ -1,8 +1,9 @@
 """Core: cached decoding computes what the uncached model computes, step by step.
 
 A ``Scenario`` (``kvcheck.strategies``) is a model, a batch, a dtype and sessions, each a
-prompt and decode chunks on fresh or reset caches. ``run`` feeds them through the session
-engine and yields each step beside the uncached model's answer over the whole session:
+prompt and decode chunks on fresh or reset caches. ``run`` plays each session's events
+(``session_events``: the plans' one vocabulary) through the session engine and yields each
+feed beside the uncached model's answer over the whole session:
 
 - ``logits``: every new position's cached logits equal the uncached model's (on both paths
   of the model through a cache: append, and attend where the cache offers it);
@@ -24,6 +25,7 @@ from kvcheck import scope as kvscope
 from kvcheck import strategies as kvst
 from kvcheck import tensors as kvtensors
 from kvcheck.kit import KitTests, Property, edge_test, property_test
+from kvcheck.plan_events import Feed, Poison, Reset
 from kvcheck.reach import Edge
 from kvcheck.session import Engine, Request, assert_logits, diagnose
 from kvcheck.session.checks import check_returned
@@ -157,6 +159,17 @@ def note_step(step_index: int, size: int, end: int) -> None:
         reach.note(f"a length {offset} a {kvst.EDGE}-row edge")
 
 
+def session_events(session: kvst.Session) -> tuple[Reset | Feed | Poison, ...]:
+    """``session`` as plan events of its one request, ``r0``: a reset of the caches the
+    session before left, where it starts on them (else fresh caches, the request's start), a
+    feed per chunk, then the poisoned rows it leaves the next session."""
+    events: list[Reset | Feed | Poison] = [Reset(0)] if session.start == "reset" else []
+    events += [Feed(0, size) for size in session.chunks]
+    if session.poison:
+        events.append(Poison(0, session.poison, session.poison_rows))
+    return tuple(events)
+
+
 def run(factory: CacheFactory, scenario: kvst.Scenario, path: str = "append") -> Iterator[Step]:
     """Run every session of ``scenario`` on caches from ``factory``, yielding each step."""
     model = scenario.model()
@@ -171,9 +184,6 @@ def run(factory: CacheFactory, scenario: kvst.Scenario, path: str = "append") ->
             if request is not None:
                 engine.drop(request)
             request = engine.start(name, scenario.batch)
-        else:
-            engine.reset(request)
-            request = engine.start(name, scenario.batch, reuse=request)
         tokens = scenario.tokens(session)
         stored = keys_stored(request.caches[0])  # what a layer holds: rotated keys, or not
         expected_logits, oracle_kv = model.forward_with_kv(tokens, keys=stored)
@@ -183,30 +193,34 @@ def run(factory: CacheFactory, scenario: kvst.Scenario, path: str = "append") ->
             if kvassert.needs_reference(scenario.dtype)
             else None
         )
-        start = 0
         note_session(scenario, session_index)
-        for step_index, size in enumerate(session.chunks):
+        start = step_index = 0
+        for event in session_events(session):
+            if not isinstance(event, Feed):  # a reset (its caches then the session's) or poison
+                engine.play(request, event)
+                if isinstance(event, Reset):
+                    request = engine.start(name, scenario.batch, reuse=request)
+                continue
+            end = start + event.size
             lengths_before = [cache.length for cache in request.caches]
-            logits = engine.feed(request, tokens[:, start : start + size], compare=False)
-            note_step(step_index, size, start + size)
-            step = Step(
+            # Its logits are compared by the caller, at the step's positions.
+            logits = engine.feed(request, tokens[:, start:end], compare=False)
+            note_step(step_index, event.size, end)
+            yield Step(
                 scenario=scenario,
                 session_index=session_index,
                 step_index=step_index,
                 start=start,
-                end=start + size,
+                end=end,
                 logits=logits,
-                expected_logits=expected_logits[:, start : start + size],
+                expected_logits=expected_logits[:, start:end],
                 request=request,
                 lengths_before=lengths_before,
                 oracle_kv=oracle_kv,
                 reference=reference,
             )
-            yield step
             engine.check(f"step #{step_index} of {name}")
-            start += size
-        if session.poison:
-            engine.poison(request, session.poison, session.poison_rows)
+            start, step_index = end, step_index + 1
     engine.finish(blocks_back=False)  # the caller's loop may still hold the last step
 
 

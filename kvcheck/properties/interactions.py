@@ -27,7 +27,20 @@ from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck import tensors as kvtensors
 from kvcheck.kit import KitTests, Property, offered, probe_spec, property_test
-from kvcheck.plan_events import FeedRows, Join, ResetAt, SelectRows, ShiftRows, TruncateRows
+from kvcheck.plan_events import (
+    Feed,
+    FeedRows,
+    Fork,
+    Join,
+    Reorder,
+    Reset,
+    ResetAt,
+    SelectRows,
+    Shift,
+    ShiftRows,
+    TruncateRows,
+    TruncateTo,
+)
 from kvcheck.properties.rows import RowEvent, RowsRun, token_source
 from kvcheck.session import Engine, Request
 from kvref import CacheFactory, ModelConfig
@@ -208,33 +221,21 @@ def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str, 
     tokens = 0  # every feed brings new tokens: the seed of the next ones
     for index, step in enumerate(walk):
         done.append(step.describe())
-        if step.kind in interplay.FEEDS:
+        event = batch_event(step, request.held, index, batch, len(forks))
+        if isinstance(event, Feed):
             tokens += 1
-            new = kvtensors.random_tokens(model.config, batch, step.length - request.held, tokens)
-            engine.feed(request, new)
-        elif step.kind == "reset":
-            engine.reset(request)
-        elif step.kind == "truncate":
-            if not engine.truncate(request, step.length):
+            new = kvtensors.random_tokens(model.config, batch, event.size, tokens)
+            engine.play(request, event, new=new)
+        elif event is not None:
+            ran = engine.play(request, event)  # the walk's events are all offered
+            if not ran and isinstance(event, TruncateTo | Shift):
                 break  # a window refused as it may: the rest was planned for what it would leave
-        elif step.kind == "shift":
-            # The span discarded alternates between the head and the middle: every later key
-            # moves (keys kept before it too, in the middle).
-            count = request.held - step.length
-            start = step.start if step.start is not None else step.length // 2 * (index % 2)
-            if not engine.shift(request, start, count):
-                break  # as a truncate's refusal
+            if isinstance(event, Fork):
+                forks.append(engine.live[f"r{event.child}"])
         elif step.kind == interplay.TREE:
             tokens += 1
             new = kvtensors.random_tokens(model.config, batch, 3, tokens)
             draft_and_commit(engine, request, new, step.length - request.held)
-        elif step.kind == "reorder":
-            # Reversed, then every row the last one's: a repeat shares a row two ways.
-            order = list(range(batch))[::-1] if index % 2 else [batch - 1] * batch
-            order = list(step.order) if step.order is not None else order
-            engine.reorder(request, torch.tensor(order, device=request.history.device))
-        elif step.kind == "fork":
-            forks.append(engine.fork(request, f"r{len(forks) + 1}, a fork at step #{index}"))
         elif step.kind == "offload and restore":
             engine.offload(request)
             engine.restore(request)
@@ -247,6 +248,30 @@ def run_walk(factory, model, walk, most: int, batch: int, path: str, name: str, 
         new = kvtensors.random_tokens(model.config, batch, 1, tokens + 1)
         engine.feed(request, new, at=" (the walk's last feed)")
     engine.finish()
+
+
+def batch_event(step: interplay.Step, held: int, index: int, batch: int, forks: int):
+    """``step`` of a walk on a batch fed as one as the plan event ``Engine.play`` runs on
+    ``r0``, which holds ``held`` tokens before it (``forks`` of it made so far); None for the
+    walk's own (a tree, an offload and restore, a move)."""
+    if step.kind in interplay.FEEDS:
+        return Feed(0, step.length - held)
+    if step.kind == "reset":
+        return Reset(0)
+    if step.kind == "truncate":
+        return TruncateTo(0, step.length)
+    if step.kind == "shift":
+        # The span discarded alternates between the head and the middle: every later key
+        # moves (keys kept before it too, in the middle).
+        start = step.start if step.start is not None else step.length // 2 * (index % 2)
+        return Shift(0, start, held - step.length)
+    if step.kind == "reorder":
+        # Reversed, then every row the last one's: a repeat shares a row two ways.
+        order = list(range(batch))[::-1] if index % 2 else [batch - 1] * batch
+        return Reorder(0, tuple(step.order if step.order is not None else order))
+    if step.kind == "fork":
+        return Fork(0, forks + 1)
+    return None
 
 
 def run_rows_walk(

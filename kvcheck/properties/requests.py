@@ -41,6 +41,7 @@ from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_te
 from kvcheck.plan_events import (
     Feed,
     Fork,
+    Poison,
     Reorder,
     Truncate,
     reorder_indices,
@@ -70,20 +71,17 @@ class Start:
 
 @dataclass(frozen=True)
 class Finish:
-    """Request ``request`` ends: its caches are reset (kept for a later request) or dropped;
-    with ``poison``, after ``poison_rows`` rows of nan, inf, -inf or huge values."""
+    """Request ``request`` ends: its caches are reset (kept for a later request) or dropped,
+    some right after it was left rows of garbage (a ``Poison`` before it)."""
 
     request: int
     how: Literal["reset", "drop"]
-    poison: str | None = None
-    poison_rows: int = 0
 
     def describe(self) -> str:
-        poisoned = f" after {self.poison_rows} {self.poison} rows" if self.poison else ""
-        return f"r{self.request} finishes: {self.how}{poisoned}"
+        return f"r{self.request} finishes: {self.how}"
 
 
-Event = Start | Feed | Fork | Truncate | Reorder | Finish
+Event = Start | Feed | Fork | Truncate | Reorder | Poison | Finish
 
 
 @short_repr
@@ -142,10 +140,10 @@ class RequestPlan:
             elif isinstance(event, Fork):
                 batch[event.child] = batch[event.parent]
                 length[event.child] = length[event.parent]
-            elif isinstance(event, Truncate | Reorder):
-                pass  # the count after either is no higher (a refused truncate keeps all)
-            else:
-                length[event.request] += event.poison_rows
+            elif isinstance(event, Poison):
+                length[event.request] += event.rows
+            # (a truncate or a reorder: the count after either is no higher; a refused
+            # truncate keeps all)
             held = sum(batch[r] * math.ceil(length[r] / block_size) for r in length)
             busiest = max(busiest, held * self.config.num_layers)
             if isinstance(event, Finish):
@@ -292,10 +290,11 @@ def _fork(state: _Drawing, parent: int) -> int:
 
 def _finish(draw, state: _Drawing, request: int, poison: bool) -> None:
     how = draw(st.sampled_from(("drop", "reset")), label="finish by")
-    kind, rows = None, min(draw(st.integers(1, 3), label="poison rows"), state.room(request))
+    rows = min(draw(st.integers(1, 3), label="poison rows"), state.room(request))
     if poison and rows and draw(st.booleans(), label="poisoned"):
         kind = draw(st.sampled_from(sorted(kvtensors.POISON_VALUES)), label="poison")
-    state.events.append(Finish(request, how, kind, rows if kind else 0))
+        state.events.append(Poison(request, kind, rows))
+    state.events.append(Finish(request, how))
     batch, _ = state.live.pop(request)
     if how == "reset":
         state.reusable[request] = batch
@@ -319,7 +318,7 @@ def every_request_plan(
 ) -> Iterator[RequestPlan]:
     """Every ``RequestPlan`` of 1 to ``scope.tokens`` tokens on each model of the scope
     within the bounds below, fewest tokens first, each once. Its tokens are every row it
-    feeds: the Feeds' sizes and the rows a poisoned Finish leaves (a fork feeds none).
+    feeds: the Feeds' sizes and the rows each Poison leaves (a fork feeds none).
 
     A plan is a stream of steps, ended whenever no request is live:
 
@@ -422,28 +421,29 @@ def _request_streams(
                 yield (fork,), after.but(forked=True), 0
             if request not in state.last:
                 continue  # it finishes right after a step of its own
-            finishes = [Finish(request, "drop")]
+            finishes: list[tuple[Event, ...]] = [(Finish(request, "drop"),)]
             if special:
-                finishes.append(Finish(request, "reset"))
+                finishes.append((Finish(request, "reset"),))
                 if poison:
                     finishes += [
-                        Finish(request, how, POISON, rows)
+                        (Poison(request, POISON, rows), Finish(request, how))
                         for how in ("drop", "reset")
                         for rows in POISON_ROWS
                         if rows <= left
                     ]
-            for finish in finishes:
+            for run in finishes:
+                finish, poisoned = run[-1], run[0] if len(run) > 1 else None
                 reusable = state.reusable
                 if finish.how == "reset":
                     reusable = tuple(sorted((*reusable, request)))
                 after = state.but(
                     live=tuple((r, n) for r, n in state.live if r != request),
                     reusable=reusable,
-                    spare=state.spare - (finish != Finish(request, "drop")),
+                    spare=state.spare - (run != (Finish(request, "drop"),)),
                     last=(request,),
                 )
-                unread = state.unread or finish.poison is not None
-                yield (finish,), after.but(unread=unread), finish.poison_rows
+                unread = state.unread or poisoned is not None
+                yield run, after.but(unread=unread), 0 if poisoned is None else poisoned.rows
 
     def ends(state: _Stream) -> bool:
         return not state.live and not state.unread and (state.forked or not fork_first)
@@ -612,36 +612,32 @@ def run_event(engine: Engine, event: Event, index: int, served: Served, plan, at
             reach.note("a request on the reset caches of a finished one")
         if event.batch >= 2:
             reach.note("a request of batch 2 or more")
-    elif isinstance(event, Feed):
-        request = live[f"r{event.request}"]
-        engine.feed(request, plan.tokens(index, request.batch), at=at)
+        return
+    if isinstance(event, Fork):
+        parent = live[f"r{event.parent}"]
+        engine.play(parent, event, at=at)
+        reach.note("a fork", *(("a fork of a fork",) if parent.name in served.parents else ()))
+        served.parents[f"r{event.child}"] = (parent.name, parent.held)
+        return
+    request = live[f"r{event.request}"]
+    if isinstance(event, Feed):
+        engine.play(request, event, new=plan.tokens(index, request.batch), at=at)
         if len(live) >= 2:
             reach.note("2 or more requests fed in turns")
         if served.is_parent(request, live):
             reach.note("a parent fed after its fork")
-    elif isinstance(event, Fork):
-        parent = live[f"r{event.parent}"]
-        engine.fork(parent, f"r{event.child}", at=at)
-        reach.note("a fork", *(("a fork of a fork",) if parent.name in served.parents else ()))
-        served.parents[f"r{event.child}"] = (parent.name, parent.held)
     elif isinstance(event, Truncate):
-        request = live[f"r{event.request}"]
-        if "truncate" in request.offered:
-            target = event.target(request.held)
-            engine.truncate(request, target, at=at)
+        if engine.play(request, event, at=at):
             reach.note("a truncate of a live request")
-            if target < served.parents.get(request.name, ("", -1))[1]:
+            if request.held < served.parents.get(request.name, ("", -1))[1]:
                 reach.note("a fork truncated below where it forked")
     elif isinstance(event, Reorder):
-        request = live[f"r{event.request}"]
-        if "reorder" in request.offered:
-            engine.reorder(request, torch.tensor(event.indices), at=at)
+        if engine.play(request, event, at=at):
             reach.note("a reorder of a live request")
+    elif isinstance(event, Poison):
+        engine.play(request, event, at=at)
+        reach.note("a request finished after poisoned rows")
     else:
-        request = live[f"r{event.request}"]
-        if event.poison:
-            engine.poison(request, event.poison, event.poison_rows)
-            reach.note("a request finished after poisoned rows")
         if served.is_parent(request, live):
             reach.note("a parent finished while its fork lives")
         if event.how == "reset":

@@ -190,15 +190,12 @@ def run_edit(engine: Engine, request, edit: SinkEdit, sinks: int, kept: int, whe
     held, at = request.held, f" ({edit.describe()})"
     wrapped = sinks > 0 and held > kept
     event = edit.event
-    if isinstance(event, Reorder) and "reorder" in request.offered:
-        engine.reorder(request, torch.tensor(event.indices), at=at)
+    if not engine.play(request, event, at=at):
+        return  # not offered, or a truncate refused as a window may
+    if isinstance(event, Reorder):
         note_where({REORDER_BOTH: held > sinks > 0, REORDER_WRAPPED: wrapped})
-    elif isinstance(event, Truncate) and "truncate" in request.offered:
-        target = event.target(held)
-        engine.truncate(request, target, at=at)  # done, or refused as a window may
-        note_where({TRUNCATE_INTO: target < sinks, TRUNCATE_WRAPPED: wrapped})
     else:
-        return
+        note_where({TRUNCATE_INTO: event.target(held) < sinks, TRUNCATE_WRAPPED: wrapped})
     engine.check(f"{where}, {edit.describe()}")
 
 

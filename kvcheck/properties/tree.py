@@ -410,9 +410,8 @@ def after_the_commit(
         at = f" (after {label}'s commit)"
         if isinstance(event, Truncate):
             truncate_back(engine, request, event.back, at)
-        elif isinstance(event, Reorder) and request.rows is None and "reorder" in request.offered:
-            engine.reorder(request, torch.tensor(event.indices), at=at)
-            if request.batch > 1:
+        elif isinstance(event, Reorder) and request.rows is None:
+            if engine.play(request, event, at=at) and request.batch > 1:
                 reach.note("reorder after a commit")
         elif isinstance(event, Fork) and request.rows is None and "fork" in request.offered:
             # Named after its parent: each of several forks after a commit has its own name
@@ -422,7 +421,7 @@ def after_the_commit(
             request = child
             reach.note("fork after a commit")
         elif isinstance(event, Reset):
-            engine.reset(request)
+            engine.play(request, event)
             request.rows = None
             reach.note("reset after a commit")
         engine.check(f"{event}{at}")

@@ -20,12 +20,12 @@ if TYPE_CHECKING:
 
 
 def check_lengths(engine: Session, request: Request, what: str) -> None:
-    """Every layer holds as many tokens as the history."""
+    """Every layer holds as many tokens as the history (and the poisoned rows past it)."""
     where = engine.where(f"{request.name}, after {what}")
     for layer, cache in enumerate(request.caches):
         who = f"{request.name}'s layer {layer}"
         try:
-            kvassert.assert_length(cache, request.held, who=who, where=where)
+            kvassert.assert_length(cache, request.held + request.poisoned, who=who, where=where)
         except failures.PropertyFailure as error:  # raised reading it (the kit's shards)
             if where not in str(error):
                 error.add_note(f"  at {where}")

@@ -5,7 +5,8 @@ it (``kvcheck.session.request``). A plan is a sequence of events, each a unit of
 ``kvcheck.session.events``: the calls it makes on the caches, what the engine's books (the
 oracle) learn from it, and what must hold after it (``kvcheck.session.events.base``). The
 engine starts requests, runs events (``apply``; each event also has a method of its own
-name, which builds it and runs it), and checks what holds after every event whatever the
+name, which builds it and runs it; ``play`` runs a plan's event, ``kvcheck.plan_events``, on
+a request), and checks what holds after every event whatever the
 plan (``check``, ``finish``):
 
 - every layer's length is the history's;
@@ -32,6 +33,7 @@ from torch import Tensor
 from kvcheck import asserts as kvassert
 from kvcheck import devices as kvdevices
 from kvcheck import failures, pool_books
+from kvcheck import plan_events as plan
 from kvcheck import tensors as kvtensors
 from kvcheck.harness import assert_views_kept, builder, record
 from kvcheck.prefix_books import PrefixBooks
@@ -140,7 +142,19 @@ class Engine:
 
     def apply(self, event: Event) -> Any:
         """Run ``event`` on this engine's caches and books (``Event.run``), and note the
-        pair of events it completes on its request (``kvcheck.session.pairs``)."""
+        pair of events it completes on its request (``kvcheck.session.pairs``). A request
+        left poisoned rows (``Poison``) takes a reset, more poison or its end only: its
+        history is over, and the oracle knows nothing of what follows the garbage."""
+        request = getattr(event, "request", getattr(event, "parent", None))
+        if (
+            request is not None
+            and request.poisoned
+            and not isinstance(event, Reset | Drop | Poison)
+        ):
+            raise TypeError(
+                f"{type(event).__name__} on {request.name}, which holds {request.poisoned} "
+                "poisoned rows past its history: only a reset or its end may follow them"
+            )
         result = event.run(self)
         pairs.noted(event, self, result)
         return result
@@ -236,6 +250,58 @@ class Engine:
         label: str,
     ) -> None:
         self.apply(CommitTree(request, handed, new, accepted, label))
+
+    # --- a plan's events --------------------------------------------------------------------
+    def play(
+        self,
+        request: Request,
+        event: plan.Feed
+        | plan.Truncate
+        | plan.TruncateTo
+        | plan.Reorder
+        | plan.Shift
+        | plan.Fork
+        | plan.Reset
+        | plan.Poison,
+        *,
+        new: Tensor | None = None,
+        compare: bool = True,
+        at: str = "",
+    ) -> bool:
+        """Run a plan's event on ``request`` (``kvcheck.plan_events``: what ``r0 forgets its
+        last 3 tokens`` calls and books) where its caches offer it: whether it ran (False:
+        not offered, or a truncate or shift a window refused, as section 8.4 allows), so
+        that an area notes only what ran. A feed brings ``new``, its tokens (compared with
+        the oracle's logits unless ``compare`` is False: the caller compares them); a
+        fork's child is named ``r<child>``. The one translation every area whose plans name
+        requests shares; events that need more than the plan says (a move's factory, a
+        tree's tokens) are the area's."""
+        if isinstance(event, plan.Feed):
+            if new is None or new.shape[1] != event.size:
+                raise ValueError(f"{event.describe()}: play needs its {event.size} new tokens")
+            self.feed(request, new, compare=compare, at=at)
+            return True
+        if isinstance(event, plan.Truncate | plan.TruncateTo):
+            target = event.target(request.held)
+            return "truncate" in request.offered and self.truncate(request, target, at=at)
+        if isinstance(event, plan.Shift):
+            offered = "shift" in request.offered
+            return offered and self.shift(request, event.start, event.count, at=at)
+        if isinstance(event, plan.Reorder):
+            if "reorder" not in request.offered:
+                return False
+            self.reorder(request, torch.tensor(event.indices, device=request.history.device), at=at)
+            return True
+        if isinstance(event, plan.Fork):  # where fork is not offered, fresh caches fed the history
+            self.fork(request, f"r{event.child}", at=at)
+            return True
+        if isinstance(event, plan.Reset):
+            self.reset(request)
+            return True
+        if isinstance(event, plan.Poison):
+            self.poison(request, event.kind, event.rows)
+            return True
+        raise ValueError(f"{event!r} is no event a request plays alone")
 
     # --- what holds after every event -----------------------------------------------------
     def check(self, event: str) -> None:

@@ -34,6 +34,9 @@ class Request:
     # After a shift per row (section 8.4): for each row, alone at batch 1, what each layer
     # should hold, in the model's dtype and in float64, as ``shifted`` is for the batch.
     row_shifted: list[tuple[list[tuple[Tensor, Tensor]], list[tuple[Tensor, Tensor]]]] | None = None
+    # Rows of garbage appended past its history (``Poison``): its history is over, and only
+    # a reset, which sheds them, or its end may come next.
+    poisoned: int = 0
     salt: object = None  # its tenant, for a prefix-caching pool (section 9.1)
     looked_up: int = 0  # the tokens its last prefix lookup declared
     # Its last event's kind and the state it left (kvcheck.interplay): the next event on it

@@ -1,6 +1,7 @@
 """The end of a history: poison (rows of garbage left behind), reset (every layer emptied, the
 caches kept for a later request) and drop (the request and its caches gone).
 
+A poisoned request's history is over: the engine lets only a reset or its end follow.
 Their checks come after them, not in them: a reset cache must start the next request empty
 (``Engine.start`` holds it to that) and must shed every poisoned row, which the next
 request's logits show, a nan or a huge value being far from any tolerance; a dropped request's
@@ -32,6 +33,9 @@ class Poison(Event):
         for cache in self.request.caches:
             cache.append(bad, kvtensors.as_values(spec, bad))
 
+    def update(self, engine: Session) -> None:
+        self.request.poisoned += self.rows
+
 
 @dataclass
 class Reset(Event):
@@ -47,6 +51,7 @@ class Reset(Event):
         request = self.request
         request.history = request.history[:, :0]
         request.steps, request.shifted, request.looked_up = 0, None, 0
+        request.poisoned = 0
 
 
 @dataclass
