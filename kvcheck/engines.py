@@ -33,7 +33,7 @@ import torch
 from hypothesis import strategies as st
 
 from kvcheck import asserts as kvassert
-from kvcheck import engine_interplay, failures, reach
+from kvcheck import engine_interplay, exhaustive, failures, reach
 from kvcheck import sizes as kvsizes
 from kvcheck.engine_books import CacheBooks
 from kvcheck.engine_events import (
@@ -54,7 +54,7 @@ from kvcheck.engine_events import (
     span_removed,
 )
 from kvcheck.kit import NOT_OFFERED, Property, search
-from kvcheck.scope import Scope, first_use_order
+from kvcheck.scope import Layout, Scope, first_use_order
 from kvref import ModelConfig, ReferenceTransformer
 from kvref.engine import (
     ENGINE_OPERATIONS,
@@ -624,9 +624,11 @@ class _Every:
             return self.runs(p, 2)
         if focus == "clear":
             return chain(p, batch, self.clears, batch)
-        if focus == "mixed":
-            rounds = [optional(self.operations, batch)] * MIXED_OPERATIONS
-            return chain(p, batch, *rounds)
+        if focus == "mixed":  # up to MIXED_OPERATIONS rounds, each once (not a 2nd alone)
+            rounds = optional(self.operations, batch)
+            for _ in range(MIXED_OPERATIONS - 1):
+                rounds = optional(self.operations, batch, rounds)
+            return chain(p, batch, rounds)
         if focus == "remove":
             middle: tuple[Phase, ...] = (self.removes,)
         elif focus == "copy":
@@ -663,6 +665,17 @@ def optional(*phases: Phase) -> Phase:
         yield from chain(p, *phases)
 
     return phase
+
+
+def engine_scope(drawing: Drawing, tokens: int, dtype: torch.dtype) -> Scope:
+    """The scope of an exhaustive engine run to ``tokens`` tokens: the layouts whose models
+    differ at the engine level (``engine_models``) once each, in the dtype the engine
+    computes in, so that the verdict counts the models that ran."""
+    plain: dict[ModelConfig, Layout] = {}
+    for layout in Scope(tokens).layouts:
+        moved = dataclasses.replace(layout, window=None, head_dim=min(drawing.head_dims), batch=1)
+        plain.setdefault(moved.config(ffn=drawing.ffn), moved)
+    return Scope(tokens, layouts=tuple(plain.values()), dtype=dtype)
 
 
 def engine_models(drawing: Drawing, scope: Scope) -> list[ModelConfig]:
@@ -713,7 +726,8 @@ def every_engine_plan(focus: str, drawing: Drawing, scope: Scope) -> Iterator[En
 
     The count has no closed form but for decode: ``len(EVERY_START) x (2^N - 1)`` per model
     where the engine starts anywhere, ``2^N - 1`` where at 0 alone (a feed of each
-    composition of 1 to N tokens); the others are counted by brute force in the tests."""
+    composition of 1 to N tokens), which tests/test_engine_exhaustive.py holds, with the
+    others' counts as measured (docs/exhaustive.md)."""
     if focus in ENGINE_OPERATIONS and focus not in drawing.offered:
         return  # not offered: the property is skipped, as its test is
     # One sequence for decode (its plans are one sequence's, the first named: 0).
@@ -727,6 +741,36 @@ def every_engine_plan(focus: str, drawing: Drawing, scope: Scope) -> Iterator[En
             for plan in every.plans(focus, start):
                 if plan is not None and plan.left == 0:
                     yield EnginePlan(config, plan.events, 0)
+
+
+@dataclass(frozen=True)
+class EnginePlans:
+    """``every_engine_plan`` of one focus and ``Drawing``, as a property's ``every_plan``
+    (a function of the scope alone, ``kvcheck.exhaustive``): a value, so that the plans of
+    one test class are enumerated once per process whichever block asks."""
+
+    focus: str
+    drawing: Drawing
+
+    def __call__(self, scope: Scope) -> Iterator[EnginePlan]:
+        return every_engine_plan(self.focus, self.drawing, scope)
+
+
+# The tokens the bounded-exhaustive mode enumerates each property to by default
+# (``--kv-exhaustive auto``): 14,307 plans in all, a minute on 2 cores against the
+# built-in cell engine (docs/exhaustive.md). clear and remove go to 4: a clear that misses the
+# last sequence needs three sequences fed before it and one after, a slot search that trusts
+# ``head`` a removal and three feeds (tests/test_engine_exhaustive.py measures which mutant
+# each enumeration catches). shift's 4 would be 130,275 plans, mixed's 3 10,347.
+EXHAUSTIVE_TOKENS = {
+    "engine decode": 6,
+    "engine sequences": 4,
+    "engine clear": 4,
+    "engine remove": 4,
+    "engine copy": 3,
+    "engine shift": 3,
+    "engine mixed": 2,
+}
 
 
 # --- the properties --------------------------------------------------------------------
@@ -831,6 +875,7 @@ ENGINE_PROPERTIES = tuple(
         since="1.8" if name == INTERACTIONS else "1.7",
         holds=HOLDS[name],
         reaches=EDGES[name],
+        exhaustive_tokens=EXHAUSTIVE_TOKENS.get(name, 0),  # the interactions: not enumerated
     )
     for name, title in TITLES.items()
 )
@@ -847,7 +892,7 @@ PAIRS_OFFERED = pytest.StashKey[list]()
 def engine_test(prop: Property):
     focus = prop.name.removeprefix("engine ")
 
-    def test(self, engine_factory, request):
+    def test(self, engine_factory, request, kv_block):
         if not engine_factory:
             pytest.skip("no engine: set `engine` on the class")
         drawing = self.drawing(engine_factory)
@@ -861,13 +906,23 @@ def engine_test(prop: Property):
             run_every_pair(self, engine_factory, drawing, request)
             return
         drawn = dataclasses.replace(prop, strategy=plans(focus, drawing))
-        search(
-            drawn,
-            lambda plan: run_plan(engine_factory, plan, drawing.spec, self.dtype),
-            self.pinned,
-            kvsizes.NONE,
-            self.examples_scale,
-        )
+
+        def check(plan: EnginePlan) -> None:
+            run_plan(engine_factory, plan, drawing.spec, self.dtype)
+
+        if kv_block is not None:  # the bounded-exhaustive mode: every plan of one block
+            exhaustive.run_block(
+                dataclasses.replace(prop, every_plan=EnginePlans(focus, drawing)),
+                kv_block,
+                check,
+                lambda plan: search(drawn, check, {prop.name: (plan,)}, pinned_only=True),
+                factory=engine_factory,
+                test_id=f"{type(self).__qualname__}.{prop.name}",
+            )
+            return
+        if exhaustive.setting_for(type(self)) is not None:  # an exhaustive run searches it
+            exhaustive.note_searched()
+        search(drawn, check, self.pinned, kvsizes.NONE, self.examples_scale)
 
     test.__doc__ = prop.title
     return pytest.mark.kv_property(prop.name, prop.since)(test)
@@ -934,6 +989,25 @@ class EngineTests:
         name = f"{getattr(factory, '__module__', '?')}:{label}"
         mark = pytest.mark.kv_cache(label, name, kind="engine")
         metafunc.parametrize("engine_factory", [pytest.param(factory, id=label, marks=mark)])
+
+    def exhaustive_blocks(self, metafunc) -> list | None:
+        """In the bounded-exhaustive mode (``kvcheck.exhaustive``), the blocks of plans an
+        engine property's test runs (the plugin parametrizes ``kv_block`` with them): its
+        enumeration for what this engine offers (a probe engine is built to ask, at
+        collection); ``[None]``, a search, for the interactions (their plans are built per
+        pair) and an operation the engine does not offer. None outside the mode."""
+        setting, factory = exhaustive.setting_for(type(self)), type(self).engine
+        mark = metafunc.definition.get_closest_marker("kv_property")
+        if setting is None or mark is None or not factory:
+            return None
+        prop = BY_NAME[mark.args[0]]
+        drawing = self.drawing(factory)
+        if prop.name == INTERACTIONS or not set(prop.requires) <= drawing.offered:
+            return [None]
+        focus = prop.name.removeprefix("engine ")
+        enumerated = dataclasses.replace(prop, every_plan=EnginePlans(focus, drawing))
+        tokens = exhaustive.tokens_for(enumerated, setting)
+        return exhaustive.blocks(enumerated, engine_scope(drawing, tokens, self.dtype))
 
 
 for _prop in ENGINE_PROPERTIES:

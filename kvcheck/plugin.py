@@ -446,8 +446,11 @@ def selected(config: pytest.Config) -> dict[str, selection.Selected]:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     # A kit class's module has imported kvcheck.kit: a run without one never does here.
-    kit = sys.modules.get("kvcheck.kit")
+    kit, engines = sys.modules.get("kvcheck.kit"), sys.modules.get("kvcheck.engines")
     cls = metafunc.cls
+    if engines is not None and cls is not None and issubclass(cls, engines.EngineTests):
+        engine_blocks(metafunc, cls)
+        return
     if kit is None or cls is None or not issubclass(cls, kit.KitTests):
         return
     if "cache_factory" not in metafunc.fixturenames:
@@ -497,6 +500,22 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             for values, ident, marks in params
         ],
     )
+
+
+def engine_blocks(metafunc: pytest.Metafunc, cls: type) -> None:
+    """The kit's settings applied for an engine class too, and in the bounded-exhaustive
+    mode each engine property's test parametrized with its blocks of plans
+    (``EngineTests.exhaustive_blocks``)."""
+    if "engine_factory" not in metafunc.fixturenames:
+        return
+    try:
+        prepare(metafunc.config)
+    except pytest.UsageError as error:
+        metafunc.config.stash[RUN].error = str(error)
+        raise pytest.Collector.CollectError(str(error)) from None
+    blocks = cls().exhaustive_blocks(metafunc)
+    if blocks not in (None, [None]):  # else the plugin's kv_block fixture: None, a search
+        metafunc.parametrize("kv_block", blocks, ids=str)
 
 
 def exhaustive_blocks(metafunc: pytest.Metafunc, declared: dict, caches: list) -> dict | None:
