@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvcheck import plan_events as plan
 from kvcheck import session
 from kvcheck import tensors as kvtensors
 from kvcheck.session.events.base import Event
@@ -94,3 +95,38 @@ def test_each_event_a_plan_calls_runs_as_its_own_unit(monkeypatch):
 def test_what_callers_import_from_the_session_is_there(name):
     # What kvcheck.session gave before it was a package: properties and tests import these.
     assert getattr(session, name) is not None
+
+
+def tiny_engine(factory=ChunkedCache) -> session.Engine:
+    config = ModelConfig(vocab_size=17, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4)
+    return session.Engine(factory, kvtensors.build_model(config, torch.float32), max_length=16)
+
+
+def test_a_plan_event_plays_where_the_caches_offer_it_and_says_whether_it_ran():
+    engine = tiny_engine()
+    request = engine.start("r0", batch=2)
+    new = torch.randint(0, 17, (2, 5), device=engine.model.device)
+    assert engine.play(request, plan.Feed(0, 5), new=new)
+    assert engine.play(request, plan.Truncate(0, 2)) is ("truncate" in request.offered)
+    assert engine.play(request, plan.Shift(0, 0, 1)) is ("shift" in request.offered)
+    assert engine.play(request, plan.Fork(0, 1))
+    assert engine.live["r1"].held == request.held
+    with pytest.raises(ValueError, match="needs its 5 new tokens"):
+        engine.play(request, plan.Feed(0, 5), new=new[:, :2])
+    engine.check("the plan")
+    engine.finish()
+
+
+def test_a_poisoned_request_takes_only_a_reset_or_its_end():
+    engine = tiny_engine()
+    request = engine.start("r0", batch=1)
+    engine.play(request, plan.Feed(0, 4), new=torch.randint(0, 17, (1, 4)))
+    engine.play(request, plan.Poison(0, "nan", 3))
+    engine.check("the poison")  # the caches hold the history and the 3 rows past it
+    with pytest.raises(TypeError, match="3 poisoned rows past its history"):
+        engine.play(request, plan.Feed(0, 1), new=torch.randint(0, 17, (1, 1)))
+    assert request.held == 4  # the refused feed changed nothing
+    engine.play(request, plan.Reset(0))
+    engine.play(request, plan.Feed(0, 2), new=torch.randint(0, 17, (1, 2)))  # judged
+    engine.check("the plan")
+    engine.finish()

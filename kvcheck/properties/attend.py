@@ -14,7 +14,6 @@ where the reference does not.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from hypothesis import strategies as st
 
 from kvcheck import asserts as kvassert
 from kvcheck import devices as kvdevices
-from kvcheck import failures, reach
+from kvcheck import failures, grammar, reach
 from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
@@ -284,13 +283,17 @@ def assert_attend_within_codes(
 
 # --- Every plan within a scope (kvcheck.scope), for the bounded-exhaustive mode ---
 def every_calls(tokens: int, last: str) -> Iterator[tuple[tuple[str, int], ...]]:
-    """Every sequence of calls giving ``tokens`` rows in all: each split of them into calls
-    (``kvscope.compositions``), each call but the last an append or an attend of ``last``'s
-    kind, the last one ``last`` (every plan attends on a warm cache at least once): 3^(T - 1)
-    of them (sum over the 2^(T-1) splits of 2^(calls - 1) kinds)."""
-    for sizes in kvscope.compositions(tokens):
-        for kinds in itertools.product((last, "append"), repeat=len(sizes) - 1):
-            yield tuple(zip((*kinds, last), sizes, strict=True))
+    """Every sequence of calls giving ``tokens`` rows in all (``kvcheck.grammar``): calls of
+    every size, each an append or an attend of ``last``'s kind, the last one ``last`` (every
+    plan attends on a warm cache at least once): 3^(T - 1) of them (sum over the 2^(T-1)
+    splits of 2^(calls - 1) kinds)."""
+
+    def moves(ended_by_last: bool, left: int):
+        for size in range(1, left + 1):
+            for kind in (last, "append"):
+                yield ((kind, size),), kind == last, size
+
+    return grammar.sentences(tokens, False, moves, lambda ended_by_last: ended_by_last)
 
 
 def scope_spec(layout: kvscope.Layout, scope: kvscope.Scope, tokens: int, **fields) -> CacheSpec:
