@@ -2,6 +2,11 @@
 sequences' tokens, ``Remove`` a span, ``Copy`` a sequence, ``Shift`` positions, ``Clear``),
 the plan, and the ``Mirror`` of the positions each sequence holds after them: the vocabulary
 ``kvcheck.engines`` draws and runs and ``kvcheck.engine_interplay`` pairs, below both.
+
+They are the plans' events (``kvcheck.plan_events``) at the level an engine is driven: a
+sequence addresses its tokens by position (llama.cpp's ``seq_rm``, ``seq_cp``, ``seq_add``),
+not by how many it holds, so a feed says where it starts and a removal or a shift a span of
+positions. Each says itself (``describe()``) as a plan event does.
 """
 
 from __future__ import annotations
@@ -25,12 +30,18 @@ class Feed:
     first: int
     count: int
 
+    def describe(self) -> str:
+        return f"sequence {self.sequence} at {self.first}..{self.first + self.count - 1}"
+
 
 @dataclass(frozen=True)
 class Decode:
     """One batch: a ``Feed`` per sequence in it, evaluated together."""
 
     feeds: tuple[Feed, ...]
+
+    def describe(self) -> str:
+        return f"decode [{', '.join(feed.describe() for feed in self.feeds)}]"
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,9 @@ class Remove:
     start: int
     end: int | None
 
+    def describe(self) -> str:
+        return f"remove(sequence {self.sequence}, {self.start}, {self.end})"
+
 
 @dataclass(frozen=True)
 class Copy:
@@ -48,6 +62,9 @@ class Copy:
 
     source: int
     target: int
+
+    def describe(self) -> str:
+        return f"copy(sequence {self.source} to {self.target})"
 
 
 @dataclass(frozen=True)
@@ -59,10 +76,16 @@ class Shift:
     end: int | None
     delta: int
 
+    def describe(self) -> str:
+        return f"shift(sequence {self.sequence}, {self.start}, {self.end}, {self.delta:+d})"
+
 
 @dataclass(frozen=True)
 class Clear:
     """Every sequence forgotten."""
+
+    def describe(self) -> str:
+        return "clear()"
 
 
 # The spans an engine's ``remove`` may be given (``EngineTests.removes``): some engines drop
@@ -156,21 +179,6 @@ def span_removed(event: Remove, positions: list[int]) -> str:
     if reaches_end:
         return "tail"
     return "head" if event.start <= first else "middle"
-
-
-def describe(event: object) -> str:
-    if isinstance(event, Decode):
-        feeds = ", ".join(
-            f"sequence {f.sequence} at {f.first}..{f.first + f.count - 1}" for f in event.feeds
-        )
-        return f"decode [{feeds}]"
-    if isinstance(event, Remove):
-        return f"remove(sequence {event.sequence}, {event.start}, {event.end})"
-    if isinstance(event, Copy):
-        return f"copy(sequence {event.source} to {event.target})"
-    if isinstance(event, Shift):
-        return f"shift(sequence {event.sequence}, {event.start}, {event.end}, {event.delta:+d})"
-    return "clear()"
 
 
 def describe_held(held: Held) -> str:

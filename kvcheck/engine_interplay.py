@@ -241,7 +241,7 @@ def run_every_pair(run: Callable[[tuple], None], plans: list[PairPlan]) -> None:
         try:
             run(plan.events)
         except Exception as error:  # a failure, or the engine's own crash
-            words = "; ".join(e.describe(event) for event in plan.events)
+            words = "; ".join(event.describe() for event in plan.events)
             error.add_note(f"  engine interactions, the pair {plan.pair}: {words}")
             raise
 

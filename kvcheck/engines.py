@@ -49,7 +49,6 @@ from kvcheck.engine_events import (
     Mirror,
     Remove,
     Shift,
-    describe,
     describe_held,
     span_removed,
 )
@@ -77,7 +76,7 @@ def run_plan(factory: EngineFactory, plan: EnginePlan, spec: EngineSpec, dtype) 
     books = CacheBooks(truth, spec.sequences)  # what a KV cache holds (kvcheck.engine_books)
     edges, pairs = EdgeNotes(), engine_interplay.PairNotes(spec.sequences)
     for index, event in enumerate(plan.events):
-        where = f"event {index + 1} of {len(plan.events)}, {describe(event)}"
+        where = f"event {index + 1} of {len(plan.events)}, {event.describe()}"
         edges.before(event, mirror)
         pairs.before(event, [held.positions for held in mirror.held])
         if isinstance(event, Decode):

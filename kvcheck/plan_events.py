@@ -9,6 +9,9 @@ the caches and the oracle's books.
 - On a batch whose rows are requests of their own (contract, section 8), one per method, a
   value per row: ``FeedRows``, ``TruncateRows``, ``SelectRows``, ``Join``, ``ResetAt`` and
   ``ShiftRows``.
+- On an engine's sequences (contract, section 13), which address their tokens by position:
+  ``kvcheck.engine_events`` (a ``Decode`` of feeds at positions, ``Remove`` and ``Shift`` of
+  a span of positions, ``Copy``, ``Clear``), below ``kvcheck.engines``.
 
 A request is named by its number (``r0``, ``r1``, ...), never by an object, so that a plan
 is a value Hypothesis shrinks and a failure prints a constructor (``drawn=``). The events an

@@ -43,7 +43,7 @@ def fed(plan) -> int:
         return sum(plan.prefix) + len(plan.parents) + plan.after
     if isinstance(plan, tree.TreePlan):
         (round_,) = plan.rounds
-        return sum(plan.prefix) + len(round_.parents) + sum(round_.after)
+        return sum(plan.prefix) + len(round_.parents) + round_.fed_after
     return sum(event.size for event in plan.events if isinstance(event, Feed))  # sharded
 
 

@@ -54,7 +54,7 @@ from kvcheck import tensors as kvtensors
 from kvcheck.devices import dtype_name
 from kvcheck.harness import PATHS, Recorder
 from kvcheck.kit import KitTests, Property, path_for, property_test
-from kvcheck.plan_events import Fork, Reorder, Reset, Truncate
+from kvcheck.plan_events import Feed, Fork, Reorder, Reset, Truncate
 from kvcheck.session import Engine, Request
 from kvcheck.session.tree_tap import NODES_IN_CODES
 from kvref import CacheFactory, ModelConfig
@@ -99,15 +99,19 @@ Later = Truncate | Reorder | Fork | Reset  # an event after a commit
 @dataclass(frozen=True)
 class TreeRound:
     """One draft tree: node i's parent ``parents[i]`` (-1: the last committed token); per
-    batch row the path it accepts and the nodes whose rows it poisons (subtrees whole); the
-    tokens fed after the commit."""
+    batch row the path it accepts and the nodes whose rows it poisons (subtrees whole); then
+    the plan events of its request after the commit (``Later`` events, then the feeds)."""
 
     parents: tuple[int, ...]
     accepted: tuple[tuple[int, ...], ...]
     poisoned: tuple[tuple[int, ...], ...]
-    after: tuple[int, ...]
-    then: tuple[Later, ...] = ()  # after the commit, before the feeds (plan events of r0)
+    then: tuple[Later | Feed, ...] = ()
     bad: tuple[str, ...] = ()  # names of BAD_TREE_CALLS, each sent at its moment
+
+    @property
+    def fed_after(self) -> int:
+        """The tokens its feeds after the commit bring."""
+        return sum(event.size for event in self.then if isinstance(event, Feed))
 
     def describe(self) -> str:
         then = f", then {[event.describe() for event in self.then]}" if self.then else ""
@@ -115,8 +119,7 @@ class TreeRound:
         return (
             f"a tree of parents {list(self.parents)}, accepted per row "
             f"{[list(path) for path in self.accepted]}, poisoned per row "
-            f"{[list(nodes) for nodes in self.poisoned]}{bad}{then}, then feeds of "
-            f"{list(self.after)}"
+            f"{[list(nodes) for nodes in self.poisoned]}{bad}{then}"
         )
 
 
@@ -149,7 +152,7 @@ class TreePlan:
         """The most a cache holds: the prefix, every tree whole, the rows fed up to the
         longest (at most a path) and the steps after."""
         return sum(self.prefix) + sum(
-            len(tree.parents) + MAX_DEPTH + sum(tree.after) for tree in self.rounds
+            len(tree.parents) + MAX_DEPTH + tree.fed_after for tree in self.rounds
         )
 
     def describe(self) -> str:
@@ -164,7 +167,7 @@ class TreePlan:
 
     def summary(self) -> tuple[str, str, str]:
         nodes = "+".join(str(len(tree.parents)) for tree in self.rounds)
-        fed = sum(self.prefix) + sum(sum(tree.after) for tree in self.rounds)
+        fed = sum(self.prefix) + sum(tree.fed_after for tree in self.rounds)
         return f"{fed} (trees of {nodes} nodes)", str(self.config.num_layers), str(self.batch)
 
 
@@ -244,9 +247,10 @@ def tree_rounds(draw, batch: int, last: bool) -> TreeRound:
     steps = draw(STEPS_AFTER[int(last)], label="feeds after")
     names = draw(THEN, label="events after the commit")
     back = draw(BACK, label="tokens a truncate goes back")
-    then = tuple(later_event(name, back, batch) for name in names)
+    later = tuple(later_event(name, back, batch) for name in names)
     bad = draw(BAD, label="bad tree calls")
-    return TreeRound(parents, accepted, poisoned, tuple(steps), then, tuple(bad))
+    feeds = tuple(Feed(0, size) for size in steps)
+    return TreeRound(parents, accepted, poisoned, (*later, *feeds), tuple(bad))
 
 
 def later_event(name: str, back: int, batch: int) -> Later:
@@ -402,13 +406,18 @@ class BadCalls:
 
 
 def after_the_commit(
-    engine: Engine, request: Request, tree: TreeRound, accepted, label: str
+    engine: Engine, request: Request, tree: TreeRound, accepted, label: str, tokens
 ) -> Request:
-    """``tree.then``'s events, each where the cache offers it (and the rows allow); the
-    request the round goes on with (a fork's child)."""
+    """``tree.then``'s events, each where the cache offers it (and the rows allow), a feed's
+    tokens from ``tokens(*shape)``; the request the round goes on with (a fork's child)."""
     for event in tree.then:
-        at = f" (after {label}'s commit)"
-        if isinstance(event, Truncate):
+        at = f" (after {label}'s commit_tree({[list(path) for path in accepted]}))"
+        if isinstance(event, Feed):  # rows of their own after the commit: fed by row
+            if request.rows is None:
+                engine.play(request, event, new=tokens(request.batch, event.size), at=at)
+            else:
+                engine.feed_rows(request, [tokens(event.size) for _ in request.rows], at=at)
+        elif isinstance(event, Truncate):
             truncate_back(engine, request, event.back, at)
         elif isinstance(event, Reorder) and request.rows is None:
             if engine.play(request, event, at=at) and request.batch > 1:
@@ -424,7 +433,7 @@ def after_the_commit(
             engine.play(request, event)
             request.rows = None
             reach.note("reset after a commit")
-        engine.check(f"{event}{at}")
+        engine.check(f"{label}: {event.describe()}{at}")
     return request
 
 
@@ -480,14 +489,7 @@ def check_tree_drafts(factory: CacheFactory, plan: TreePlan) -> None:
             bad.send("waiting", handed=handed, accepted=accepted)
             commit(engine, request, handed, new, accepted, label)
             bad.send("after", handed=handed, accepted=accepted)
-            request = after_the_commit(engine, request, tree, accepted, label)
-        for step, size in enumerate(tree.after):
-            at = f" (step #{step} after {label}'s commit_tree({[list(p) for p in accepted]}))"
-            if request.rows is None:
-                engine.feed(request, tokens(plan.batch, size), at=at)
-            else:
-                engine.feed_rows(request, [tokens(size) for _ in request.rows], at=at)
-            engine.check(f"{label}, step #{step} after the commit")
+            request = after_the_commit(engine, request, tree, accepted, label, tokens)
     engine.finish()
 
 
@@ -554,7 +556,8 @@ def every_tree_plan(scope: kvscope.Scope) -> Iterator[TreePlan]:
                                     poisons.append(off)
                                 for poisoned in poisons:
                                     for after in kvscope.compositions(room - nodes):
-                                        tree = TreeRound(parents, accepted, poisoned, after)
+                                        feeds = tuple(Feed(0, size) for size in after)
+                                        tree = TreeRound(parents, accepted, poisoned, feeds)
                                         yield TreePlan(
                                             config=config,
                                             dtype=scope.dtype,
@@ -584,16 +587,14 @@ PINNED = (
                 parents=(-1, -1, 0, 1, 1, 3, 2),
                 accepted=((1, 4), (0, 2, 6)),
                 poisoned=((0, 2, 3, 5, 6), (1, 3, 4, 5)),
-                after=(1,),
-                then=(Truncate(0, 2),),
+                then=(Truncate(0, 2), Feed(0, 1)),
                 bad=ALL_BAD,
             ),
             TreeRound(
                 parents=(-1, 0, 0, 1, 2),
                 accepted=((0, 2, 4), (0, 2)),
                 poisoned=((1, 3), (1, 3, 4)),
-                after=(1, 2),
-                then=(Reorder(0, (1, 0)),),
+                then=(Reorder(0, (1, 0)), Feed(0, 1), Feed(0, 2)),
             ),
         ),
         token_seed=7,
@@ -608,15 +609,13 @@ PINNED = (
                 parents=(-1, 0, 1, 0),
                 accepted=((0, 1), (0, 3)),
                 poisoned=((2, 3), (1, 2)),
-                after=(),
                 then=(Fork(0, 1), Reset(0)),
             ),
             TreeRound(
                 parents=(-1, -1, 1),
                 accepted=((1, 2), (1, 2)),
                 poisoned=((0,), (0,)),
-                after=(1,),
-                then=(Reorder(0, (1, 0)), Truncate(0, 1)),
+                then=(Reorder(0, (1, 0)), Truncate(0, 1), Feed(0, 1)),
             ),
         ),
         token_seed=5,
