@@ -2,7 +2,8 @@
 which each area's runner turns into session events (``kvcheck.session.events``) that act on
 the caches and the oracle's books.
 
-- On a request: ``Feed`` (a count of new tokens), ``Truncate`` (back from the end) and
+- On a request: ``Start`` (on fresh caches, or on a finished request's reset ones),
+  ``Feed`` (a count of new tokens), ``Truncate`` (back from the end) and
   ``TruncateTo`` (to a position), ``Reorder``, ``Fork``, ``Reset``, ``Poison`` (rows of
   garbage left behind for a reset to shed), ``Move`` (to another layout: ``sharded``,
   ``move``) and ``Shift`` (a context shift).
@@ -15,7 +16,7 @@ the caches and the oracle's books.
 
 A request is named by its number (``r0``, ``r1``, ...), never by an object, so that a plan
 is a value Hypothesis shrinks and a failure prints a constructor (``drawn=``). The events an
-area has alone stay in it: a request's start or arrival (what it is built from), a swap, a
+area has alone stay in it: a serving request's arrival (what it is built from), a swap, a
 recompute, a finish, the edits' forks that go on. One runner turns a request's events into
 the session's (``kvcheck.session.Engine.play``), and one a batch's rows' (``RowsRun``).
 
@@ -31,6 +32,21 @@ from dataclasses import dataclass
 from hypothesis import strategies as st
 
 from kvcheck.strategies import EDGE
+
+
+@dataclass(frozen=True)
+class Start:
+    """Request ``request`` starts on fresh caches, or on the reset caches of ``reuse``, a
+    request before it that a ``Reset`` emptied: the next session of a long-lived cache, a
+    scheduler's slot given to a new request."""
+
+    request: int
+    batch: int
+    reuse: int | None = None
+
+    def describe(self) -> str:
+        caches = "fresh caches" if self.reuse is None else f"the reset caches of r{self.reuse}"
+        return f"r{self.request} starts (batch {self.batch}, {caches})"
 
 
 @dataclass(frozen=True)

@@ -3,14 +3,18 @@ runs as a unit of its own through ``Engine.apply``, and the package imports noth
 (the kit, the properties, the plugin, the verdict), so that any of those may use it."""
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
 
 from kvcheck import plan_events as plan
 from kvcheck import session
+from kvcheck import strategies as kvst
 from kvcheck import tensors as kvtensors
+from kvcheck.properties import core
 from kvcheck.session.events.base import Event
 from kvimpl import ChunkedCache
 from kvref import ModelConfig
@@ -130,3 +134,21 @@ def test_a_poisoned_request_takes_only_a_reset_or_its_end():
     engine.play(request, plan.Feed(0, 2), new=torch.randint(0, 17, (1, 2)))  # judged
     engine.check("the plan")
     engine.finish()
+
+
+@settings(max_examples=50, deadline=None)
+@given(scenario=kvst.scenarios(poison=True))
+def test_a_scenario_is_its_sessions_plan_events_and_back(scenario):
+    events = [
+        event
+        for index, session in enumerate(scenario.sessions)
+        for event in core.session_events(session, index, scenario.batch)
+    ]
+    again = core.sessions_of(tuple(events))
+
+    # Each session's plan but its tokens (their seed and kind: what is fed, not an event).
+    def plan_of(session):
+        return dataclasses.replace(session, token_seed=0, tokens="random")
+
+    assert list(map(plan_of, again)) == list(map(plan_of, scenario.sessions))
+    assert sum(isinstance(event, plan.Start) for event in events) == len(scenario.sessions)

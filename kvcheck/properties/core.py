@@ -25,12 +25,14 @@ from kvcheck import scope as kvscope
 from kvcheck import strategies as kvst
 from kvcheck import tensors as kvtensors
 from kvcheck.kit import KitTests, Property, edge_test, property_test
-from kvcheck.plan_events import Feed, Poison, Reset
+from kvcheck.plan_events import Feed, Poison, Reset, Start
 from kvcheck.reach import Edge
 from kvcheck.session import Engine, Request, assert_logits, diagnose
 from kvcheck.session.checks import check_returned
 from kvref import CacheFactory
 from kvref.protocol import keys_stored
+
+Event = Start | Reset | Feed | Poison  # a core session's plan events
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,19 +161,41 @@ def note_step(step_index: int, size: int, end: int) -> None:
         reach.note(f"a length {offset} a {kvst.EDGE}-row edge")
 
 
-def session_events(session: kvst.Session) -> tuple[Reset | Feed | Poison, ...]:
-    """``session`` as plan events of its one request, ``r0``: a reset of the caches the
-    session before left, where it starts on them (else fresh caches, the request's start), a
-    feed per chunk, then the poisoned rows it leaves the next session."""
-    events: list[Reset | Feed | Poison] = [Reset(0)] if session.start == "reset" else []
-    events += [Feed(0, size) for size in session.chunks]
+def session_events(session: kvst.Session, index: int, batch: int) -> tuple[Event, ...]:
+    """Session ``index`` as plan events of its request, ``r<index>``: its start, on fresh
+    caches or, where it starts on them, on the caches of the session before, reset; a feed
+    per chunk; then the poisoned rows it leaves the next session."""
+    reset = index > 0 and session.start == "reset"
+    events: list[Event] = [Reset(index - 1)] if reset else []
+    events.append(Start(index, batch, reuse=index - 1 if reset else None))
+    events += [Feed(index, size) for size in session.chunks]
     if session.poison:
-        events.append(Poison(0, session.poison, session.poison_rows))
+        events.append(Poison(index, session.poison, session.poison_rows))
     return tuple(events)
 
 
+def sessions_of(events: tuple) -> list[kvst.Session]:
+    """The sessions ``events`` are, ``session_events`` undone: each from its ``Start``, its
+    feeds its chunks, its token seed its number (sessions of the same tokens would let old
+    rows pass for new ones)."""
+    sessions: list[dict] = []
+    for event in events:
+        if isinstance(event, Start):
+            start = "fresh" if event.reuse is None else "reset"
+            sessions.append({"chunks": [], "start": start, "poison": None, "poison_rows": 0})
+        elif isinstance(event, Feed):
+            sessions[-1]["chunks"].append(event.size)
+        elif isinstance(event, Poison):
+            sessions[-1].update(poison=event.kind, poison_rows=event.rows)
+    return [
+        kvst.Session(tuple(fields.pop("chunks")), token_seed=index, **fields)
+        for index, fields in enumerate(sessions)
+    ]
+
+
 def run(factory: CacheFactory, scenario: kvst.Scenario, path: str = "append") -> Iterator[Step]:
-    """Run every session of ``scenario`` on caches from ``factory``, yielding each step."""
+    """Run every session of ``scenario`` on caches from ``factory``, yielding each step: one
+    request at a time, each session's (``session_events``)."""
     model = scenario.model()
     plan = f"plan: {scenario.in_words()}"
     engine = Engine(
@@ -180,27 +204,22 @@ def run(factory: CacheFactory, scenario: kvst.Scenario, path: str = "append") ->
     request: Request | None = None
     for session_index, session in enumerate(scenario.sessions):
         name = f"session #{session_index}"
-        if session.start == "fresh":
-            if request is not None:
-                engine.drop(request)
-            request = engine.start(name, scenario.batch)
-        tokens = scenario.tokens(session)
-        stored = keys_stored(request.caches[0])  # what a layer holds: rotated keys, or not
-        expected_logits, oracle_kv = model.forward_with_kv(tokens, keys=stored)
-        truth = scenario.reference().forward_with_kv
-        reference = (
-            functools.cache(functools.partial(truth, tokens, keys=stored))
-            if kvassert.needs_reference(scenario.dtype)
-            else None
-        )
         note_session(scenario, session_index)
         start = step_index = 0
-        for event in session_events(session):
-            if not isinstance(event, Feed):  # a reset (its caches then the session's) or poison
-                engine.play(request, event)
-                if isinstance(event, Reset):
-                    request = engine.start(name, scenario.batch, reuse=request)
+        oracle = None  # the uncached pass over the session, once its caches are known
+        for event in session_events(session, session_index, scenario.batch):
+            if isinstance(event, Start):
+                if event.reuse is None and request is not None:
+                    engine.drop(request)  # the session before's caches: fresh ones now
+                reuse = None if event.reuse is None else request
+                request = engine.start(name, event.batch, reuse=reuse)
                 continue
+            if not isinstance(event, Feed):  # the reset before a start, or poison after
+                engine.play(request, event)
+                continue
+            if oracle is None:
+                oracle = uncached_pass(scenario, session, request)
+            tokens, expected_logits, oracle_kv, reference = oracle
             end = start + event.size
             lengths_before = [cache.length for cache in request.caches]
             # Its logits are compared by the caller, at the step's positions.
@@ -222,6 +241,22 @@ def run(factory: CacheFactory, scenario: kvst.Scenario, path: str = "append") ->
             engine.check(f"step #{step_index} of {name}")
             start, step_index = end, step_index + 1
     engine.finish(blocks_back=False)  # the caller's loop may still hold the last step
+
+
+def uncached_pass(scenario: kvst.Scenario, session: kvst.Session, request: Request):
+    """The session's tokens, the uncached model's logits and each layer's K and V over them
+    (keys as ``request``'s caches keep them, rotated or not), and in half precision the
+    float64 model's, made when first asked for (else None)."""
+    tokens = scenario.tokens(session)
+    stored = keys_stored(request.caches[0])
+    expected_logits, oracle_kv = scenario.model().forward_with_kv(tokens, keys=stored)
+    truth = scenario.reference().forward_with_kv
+    reference = (
+        functools.cache(functools.partial(truth, tokens, keys=stored))
+        if kvassert.needs_reference(scenario.dtype)
+        else None
+    )
+    return tokens, expected_logits, oracle_kv, reference
 
 
 def check_logits_match_uncached(

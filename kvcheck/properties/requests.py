@@ -43,6 +43,7 @@ from kvcheck.plan_events import (
     Fork,
     Poison,
     Reorder,
+    Start,
     Truncate,
     reorder_indices,
     truncate_backs,
@@ -54,19 +55,6 @@ from kvref.reprs import short_repr
 
 MAX_LENGTH = 48  # per request; prompts are drawn around the 16-row boundaries below it
 MAX_LIVE = 4  # requests alive at once
-
-
-@dataclass(frozen=True)
-class Start:
-    """Request ``request`` starts on fresh caches, or on the reset caches of ``reuse``."""
-
-    request: int
-    batch: int
-    reuse: int | None = None
-
-    def describe(self) -> str:
-        caches = "fresh caches" if self.reuse is None else f"the reset caches of r{self.reuse}"
-        return f"r{self.request} starts (batch {self.batch}, {caches})"
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -17,14 +16,15 @@ from typing import Literal
 from hypothesis import strategies as st
 
 from kvcheck import asserts as kvassert
-from kvcheck import failures, reach
+from kvcheck import failures, grammar, reach
 from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck import tensors as kvtensors
 from kvcheck.harness import SPEC_EDGES, assert_served, give, note_spec, recorded, spec_on_path
 from kvcheck.kit import KitTests, Property, property_test
-from kvcheck.properties.core import POISONED_EDGES, check_logits_match_uncached
+from kvcheck.plan_events import Feed, Poison, Reset, Start
+from kvcheck.properties.core import POISONED_EDGES, check_logits_match_uncached, sessions_of
 from kvcheck.properties.rejection import layer_specs, warm_ups
 from kvcheck.strategies import cache_specs, chunk_plans
 from kvcheck.tensors import POISON_VALUES
@@ -131,28 +131,30 @@ def every_poisoned_scenario(scope: kvscope.Scope) -> Iterator[kvst.Scenario]:
 
 
 def poisoned_scenarios(layout, scope, total: int, count: int) -> Iterator[kvst.Scenario]:
-    """The scenarios of ``count`` sessions of exactly ``total`` tokens (poison rows too)."""
-    poisoned = count - 1
-    for poisons in itertools.product(range(1, MOST_POISON_ROWS + 1), repeat=poisoned):
-        left = total - sum(poisons)
-        for lengths in kvscope.compositions(left) if left >= count else ():
-            if len(lengths) != count:
-                continue
-            splits = [kvscope.compositions(length) for length in lengths]
-            for chunks in itertools.product(*map(tuple, splits)):
-                for starts in itertools.product(("reset", "fresh"), repeat=poisoned):
-                    for kinds in itertools.product(POISON_KINDS, repeat=poisoned):
-                        sessions = [
-                            kvst.Session(
-                                chunks[i],
-                                token_seed=i,
-                                start="fresh" if i == 0 else starts[i - 1],
-                                poison=kinds[i] if i < poisoned else None,
-                                poison_rows=poisons[i] if i < poisoned else 0,
-                            )
-                            for i in range(count)
-                        ]
-                        yield kvscope.scenario(layout, scope, sessions)
+    """The scenarios of ``count`` sessions of exactly ``total`` tokens (poison rows too):
+    sentences of the core sessions' plan events (``kvcheck.grammar``, ``core.session_events``)
+    regrouped into sessions."""
+    batch = layout.batch
+
+    def moves(state: tuple[int, int, bool], left: int):
+        index, fed, over = state  # the session, its tokens so far, its poison left
+        if over:  # the next session starts, on the reset caches or on fresh ones
+            yield (Reset(index), Start(index + 1, batch, reuse=index)), (index + 1, 0, False), 0
+            yield (Start(index + 1, batch),), (index + 1, 0, False), 0
+            return
+        for size in range(1, left + 1):
+            yield (Feed(index, size),), (index, fed + size, False), size
+        if fed and index < count - 1:  # every session but the last leaves poison
+            for kind in POISON_KINDS:
+                for rows in range(1, min(MOST_POISON_ROWS, left) + 1):
+                    yield (Poison(index, kind, rows),), (index, fed, True), rows
+
+    def ends(state: tuple[int, int, bool]) -> bool:
+        index, fed, over = state
+        return index == count - 1 and fed > 0 and not over
+
+    for events in grammar.sentences(total, (0, 0, False), moves, ends):
+        yield kvscope.scenario(layout, scope, sessions_of((Start(0, batch), *events)))
 
 
 def every_stale_rows_plan(scope: kvscope.Scope) -> Iterator[StaleRowsPlan]:
