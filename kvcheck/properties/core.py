@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from kvcheck import asserts as kvassert
-from kvcheck import failures, reach
+from kvcheck import failures, grammar, reach
 from kvcheck import scope as kvscope
 from kvcheck import strategies as kvst
 from kvcheck import tensors as kvtensors
@@ -119,6 +119,8 @@ POISONED_EDGES = tuple(
 )
 # A row in codes judged under section 10.1's newer declarations (noted by
 # kvcheck.asserts.rows_not_held), reachable only on a cache that declares each.
+POISON_KINDS = tuple(sorted(kvtensors.POISON_VALUES))
+MOST_POISON_ROWS = 4  # what a session leaves at most (kvcheck.strategies.finish_session)
 LOSSY_EDGES = (
     Edge("a coded row judged by its group along tokens", needs=("codes along tokens",)),
     Edge("a coded number saturated at a fixed scale", needs=("a fixed scale",)),
@@ -322,9 +324,39 @@ def every_session(scope: kvscope.Scope) -> Iterator[kvst.Scenario]:
     decode chunks, on fresh caches, on each model of the scope: (2^N - 1) per model."""
     for tokens in range(1, scope.tokens + 1):
         for layout in scope.layouts:
-            for chunks in kvscope.compositions(tokens):
-                session = kvst.Session(chunks, token_seed=0, start="fresh")
-                yield kvscope.scenario(layout, scope, [session])
+            yield from sentences_of_sessions(layout, scope, tokens, 1)
+
+
+def sentences_of_sessions(
+    layout: kvscope.Layout, scope: kvscope.Scope, total: int, count: int
+) -> Iterator[kvst.Scenario]:
+    """Every scenario of ``count`` sessions of exactly ``total`` tokens (poison rows too) on
+    ``layout``: the sentences of the sessions' plan events (``session_events``, through
+    ``kvcheck.grammar``): each session fed in every split into chunks, each later one on the
+    reset caches of the one before or on fresh ones, every one but the last leaving 1 to
+    ``MOST_POISON_ROWS`` rows of each kind of poison."""
+    batch = layout.batch
+
+    def moves(state: tuple[int, int, bool], left: int):
+        index, fed, over = state  # the session, its tokens so far, its poison left
+        if over:  # the next session starts, on the reset caches or on fresh ones
+            yield (Reset(index), Start(index + 1, batch, reuse=index)), (index + 1, 0, False), 0
+            yield (Start(index + 1, batch),), (index + 1, 0, False), 0
+            return
+        for size in range(1, left + 1):
+            yield (Feed(index, size),), (index, fed + size, False), size
+        if fed and index < count - 1:  # every session but the last leaves poison
+            for kind in POISON_KINDS:
+                for rows in range(1, min(MOST_POISON_ROWS, left) + 1):
+                    yield (Poison(index, kind, rows),), (index, fed, True), rows
+
+    def ends(state: tuple[int, int, bool]) -> bool:
+        index, fed, over = state
+        return index == count - 1 and fed > 0 and not over
+
+    # Fewest events first within the tokens: a failure's first plan is its fewest calls.
+    for events in sorted(grammar.sentences(total, (0, 0, False), moves, ends), key=len):
+        yield kvscope.scenario(layout, scope, sessions_of((Start(0, batch), *events)))
 
 
 SCENARIOS = kvst.scenarios()

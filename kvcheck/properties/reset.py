@@ -16,15 +16,15 @@ from typing import Literal
 from hypothesis import strategies as st
 
 from kvcheck import asserts as kvassert
-from kvcheck import failures, grammar, reach
+from kvcheck import failures, reach
 from kvcheck import scope as kvscope
 from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck import tensors as kvtensors
 from kvcheck.harness import SPEC_EDGES, assert_served, give, note_spec, recorded, spec_on_path
 from kvcheck.kit import KitTests, Property, property_test
-from kvcheck.plan_events import Feed, Poison, Reset, Start
-from kvcheck.properties.core import POISONED_EDGES, check_logits_match_uncached, sessions_of
+from kvcheck.properties import core
+from kvcheck.properties.core import POISONED_EDGES, check_logits_match_uncached
 from kvcheck.properties.rejection import layer_specs, warm_ups
 from kvcheck.strategies import cache_specs, chunk_plans
 from kvcheck.tensors import POISON_VALUES
@@ -106,8 +106,7 @@ def clear(factory: CacheFactory, cache, plan: StaleRowsPlan, spec, path, when: s
     return cache
 
 
-POISON_KINDS = tuple(sorted(POISON_VALUES))
-MOST_POISON_ROWS = 4  # the strategy's (kvcheck.strategies.finish_session)
+POISON_KINDS = core.POISON_KINDS
 
 
 def every_poisoned_scenario(scope: kvscope.Scope) -> Iterator[kvst.Scenario]:
@@ -127,34 +126,7 @@ def every_poisoned_scenario(scope: kvscope.Scope) -> Iterator[kvst.Scenario]:
     for total in range(1, scope.tokens + 1):
         for layout in scope.layouts:
             for count in (2, 3):
-                yield from poisoned_scenarios(layout, scope, total, count)
-
-
-def poisoned_scenarios(layout, scope, total: int, count: int) -> Iterator[kvst.Scenario]:
-    """The scenarios of ``count`` sessions of exactly ``total`` tokens (poison rows too):
-    sentences of the core sessions' plan events (``kvcheck.grammar``, ``core.session_events``)
-    regrouped into sessions."""
-    batch = layout.batch
-
-    def moves(state: tuple[int, int, bool], left: int):
-        index, fed, over = state  # the session, its tokens so far, its poison left
-        if over:  # the next session starts, on the reset caches or on fresh ones
-            yield (Reset(index), Start(index + 1, batch, reuse=index)), (index + 1, 0, False), 0
-            yield (Start(index + 1, batch),), (index + 1, 0, False), 0
-            return
-        for size in range(1, left + 1):
-            yield (Feed(index, size),), (index, fed + size, False), size
-        if fed and index < count - 1:  # every session but the last leaves poison
-            for kind in POISON_KINDS:
-                for rows in range(1, min(MOST_POISON_ROWS, left) + 1):
-                    yield (Poison(index, kind, rows),), (index, fed, True), rows
-
-    def ends(state: tuple[int, int, bool]) -> bool:
-        index, fed, over = state
-        return index == count - 1 and fed > 0 and not over
-
-    for events in grammar.sentences(total, (0, 0, False), moves, ends):
-        yield kvscope.scenario(layout, scope, sessions_of((Start(0, batch), *events)))
+                yield from core.sentences_of_sessions(layout, scope, total, count)
 
 
 def every_stale_rows_plan(scope: kvscope.Scope) -> Iterator[StaleRowsPlan]:
