@@ -328,13 +328,14 @@ def every_session(scope: kvscope.Scope) -> Iterator[kvst.Scenario]:
 
 
 def sentences_of_sessions(
-    layout: kvscope.Layout, scope: kvscope.Scope, total: int, count: int
+    layout: kvscope.Layout, scope: kvscope.Scope, total: int, count: int, **config
 ) -> Iterator[kvst.Scenario]:
     """Every scenario of ``count`` sessions of exactly ``total`` tokens (poison rows too) on
     ``layout``: the sentences of the sessions' plan events (``session_events``, through
     ``kvcheck.grammar``): each session fed in every split into chunks, each later one on the
     reset caches of the one before or on fresh ones, every one but the last leaving 1 to
-    ``MOST_POISON_ROWS`` rows of each kind of poison."""
+    ``MOST_POISON_ROWS`` rows of each kind of poison; ``config`` for the model beside the
+    layout's (``kvscope.scenario``: a window, sinks)."""
     batch = layout.batch
 
     def moves(state: tuple[int, int, bool], left: int):
@@ -356,7 +357,8 @@ def sentences_of_sessions(
 
     # Fewest events first within the tokens: a failure's first plan is its fewest calls.
     for events in sorted(grammar.sentences(total, (0, 0, False), moves, ends), key=len):
-        yield kvscope.scenario(layout, scope, sessions_of((Start(0, batch), *events)))
+        sessions = sessions_of((Start(0, batch), *events))
+        yield kvscope.scenario(layout, scope, sessions, **config)
 
 
 SCENARIOS = kvst.scenarios()

@@ -31,6 +31,7 @@ from kvcheck import sizes as kvsizes
 from kvcheck import strategies as kvst
 from kvcheck.kit import KitTests, Property, on_both_paths, path_for, property_test
 from kvcheck.plan_events import Reorder, Truncate, reorder_indices
+from kvcheck.properties.core import sentences_of_sessions
 from kvcheck.session import Engine
 from kvref import CacheFactory, ModelConfig
 from kvref.reprs import short_repr
@@ -232,11 +233,8 @@ def every_sink_plan(scope: kvscope.Scope) -> Iterator[SinkPlan]:
     for tokens in range(1, scope.tokens + 1):
         for layout in scope.layouts:
             for sinks, window in sink_shapes(tokens, counts):
-                for chunks in kvscope.compositions(tokens):
-                    session = kvst.Session(chunks, token_seed=0, start="fresh")
-                    scenario = kvscope.scenario(
-                        layout, scope, [session], window=window, sinks=sinks
-                    )
+                shaped = dict(window=window, sinks=sinks)
+                for scenario in sentences_of_sessions(layout, scope, tokens, 1, **shaped):
                     for path in ("append", "attend"):
                         yield SinkPlan(scenario, path)
 
