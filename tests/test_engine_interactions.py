@@ -12,9 +12,9 @@ import torch
 from kvcheck import engine_interplay, interplay, reach
 from kvcheck import engines as kve
 from kvimpl.cell_engine import engine as cell_engine
+from tests import test_engines  # its class by module: imported, pytest would run it here too
 from tests.interplay import ENGINES, INTERPLAY_BUGS, TWINS
 from tests.mutants.engines import ENGINE_MUTANTS
-from tests.test_engines import TestCellEngine
 
 EVERY = frozenset({*kve.ENGINE_OPERATIONS, *(f"remove {span}" for span in kve.REMOVALS)})
 CONFIG = kve.ModelConfig(vocab_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4)
@@ -104,12 +104,12 @@ def test_any_engine_plan_notes_the_pairs_it_runs():
 )  # fmt: skip
 def test_each_engine_mutant_fails_some_pair(mutant):
     with pytest.raises(AssertionError):
-        run_pairs(mutant, TestCellEngine().drawing(mutant))
+        run_pairs(mutant, test_engines.TestCellEngine().drawing(mutant))
 
 
 @pytest.mark.parametrize("name", sorted(ENGINES))
 def test_an_engine_whose_bug_is_a_pair_of_calls_is_caught_and_its_twin_holds(name):
     bug, twin = INTERPLAY_BUGS[name], TWINS[name]
-    run_pairs(twin, TestCellEngine().drawing(twin))
+    run_pairs(twin, test_engines.TestCellEngine().drawing(twin))
     with pytest.raises(AssertionError, match="engine interactions, the pair"):
-        run_pairs(bug, TestCellEngine().drawing(bug))
+        run_pairs(bug, test_engines.TestCellEngine().drawing(bug))
