@@ -891,7 +891,10 @@ PAIRS_OFFERED = pytest.StashKey[list]()
 def engine_test(prop: Property):
     focus = prop.name.removeprefix("engine ")
 
-    def test(self, engine_factory, request, kv_block):
+    # The signature stays (self, engine_factory, request), which a subclass may wrap: the
+    # exhaustive mode's block comes by the kv_block fixture, which the plugin parametrizes.
+    def test(self, engine_factory, request):
+        kv_block = getattr(getattr(request.node, "callspec", None), "params", {}).get("kv_block")
         if not engine_factory:
             pytest.skip("no engine: set `engine` on the class")
         drawing = self.drawing(engine_factory)
@@ -924,6 +927,7 @@ def engine_test(prop: Property):
         search(drawn, check, self.pinned, kvsizes.NONE, self.examples_scale)
 
     test.__doc__ = prop.title
+    test = pytest.mark.usefixtures("kv_block")(test)
     return pytest.mark.kv_property(prop.name, prop.since)(test)
 
 

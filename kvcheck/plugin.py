@@ -513,6 +513,8 @@ def engine_blocks(metafunc: pytest.Metafunc, cls: type) -> None:
     except pytest.UsageError as error:
         metafunc.config.stash[RUN].error = str(error)
         raise pytest.Collector.CollectError(str(error)) from None
+    if "kv_block" not in metafunc.fixturenames:  # a test of the class's own, or one wrapped
+        return  # without the kit's marks: searched
     blocks = cls().exhaustive_blocks(metafunc)
     if blocks not in (None, [None]):  # else the plugin's kv_block fixture: None, a search
         metafunc.parametrize("kv_block", blocks, ids=str)

@@ -136,3 +136,36 @@ def test_each_engine_mutant_is_caught_by_its_enumeration(mutant, name):
         except AssertionError:
             return
     pytest.fail(f"{mutant.__name__}: every plan of {name} to {tokens} tokens held")
+
+
+WRAPPED_CLASS = (
+    ENGINE_CLASS
+    + """
+    test_engine_decode = pytest.mark.xfail(reason="a wrapper", strict=False)(wrapped)
+"""
+)
+WRAPPER = """
+import pytest
+from kvcheck.engines import EngineTests
+
+inherited = EngineTests.test_engine_decode
+
+
+def wrapped(self, engine_factory, request):  # as a user wraps one (its marks kept)
+    return inherited(self, engine_factory, request)
+
+
+wrapped.pytestmark = list(getattr(inherited, "pytestmark", []))
+"""
+
+
+@pytest.mark.parametrize("mode", [[], ["--kv-exhaustive", "2"]], ids=["search", "exhaustive"])
+def test_an_inherited_engine_test_wrapped_with_its_signature_still_runs(pytester, mode):
+    # An engine test's signature is (self, engine_factory, request): a subclass that wraps
+    # one (as tests/test_found_in_the_wild_llamacpp.py marks some xfail) must not crash.
+    text = WRAPPER + WRAPPED_CLASS.format(module="kvimpl.cell_engine", name="engine")
+    (pytester.path / "test_it.py").write_text(text)
+    result = run_in_process(pytester, "-k", "decode", "-rX", *mode)
+    assert result.returncode == 0, result.stdout
+    assert "TypeError" not in result.stdout, result.stdout
+    assert "XPASS" in result.stdout, result.stdout  # it ran, and the cell engine holds
