@@ -56,16 +56,24 @@ class TestLlamaCpp(EngineTests):
     engine = llamacpp.engine
 
 
+# How the deviation shows: the kit's verdict (a PropertyFailure, an AssertionError), several
+# of them that Hypothesis found at once, or llama_decode refusing a token (the adapter's
+# RuntimeError: the shift moved the copy's positions too, so its next one collides).
+DEVIATION_SHOWS_AS = (AssertionError, ExceptionGroup, RuntimeError)
+
+
 def expected_to_fail(inherited, reason: str):
     """``inherited`` (an ``EngineTests`` method) as this class's own, marked xfail: a new
-    function, so that the mark stays off the other classes' tests."""
+    function, so that the mark stays off the other classes' tests. Only the deviation is
+    expected (``DEVIATION_SHOWS_AS``): a crash of the kit (a ``TypeError``, say) is a
+    failure still, not hidden by the mark."""
 
     def test(self, engine_factory, request):
         return inherited(self, engine_factory, request)
 
     test.__doc__ = inherited.__doc__
     test.pytestmark = list(getattr(inherited, "pytestmark", []))
-    return pytest.mark.xfail(reason=reason, strict=False)(test)
+    return pytest.mark.xfail(reason=reason, strict=False, raises=DEVIATION_SHOWS_AS)(test)
 
 
 SHARED_CELLS = (
