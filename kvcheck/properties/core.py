@@ -117,10 +117,10 @@ SCENARIO_EDGES = tuple(
 POISONED_EDGES = tuple(
     Edge(f"a reset after {kind} rows") for kind in sorted(kvtensors.POISON_VALUES)
 )
-# A row in codes judged under section 10.1's newer declarations (noted by
-# kvcheck.asserts.rows_not_held), reachable only on a cache that declares each.
 POISON_KINDS = tuple(sorted(kvtensors.POISON_VALUES))
 MOST_POISON_ROWS = 4  # what a session leaves at most (kvcheck.strategies.finish_session)
+# A row in codes judged under section 10.1's newer declarations (noted by
+# kvcheck.asserts.rows_not_held), reachable only on a cache that declares each.
 LOSSY_EDGES = (
     Edge("a coded row judged by its group along tokens", needs=("codes along tokens",)),
     Edge("a coded number saturated at a fixed scale", needs=("a fixed scale",)),
