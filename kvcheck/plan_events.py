@@ -200,6 +200,11 @@ class Shift:
         return f"r{self.request} shift({self.start}, {self.count})"
 
 
+# The capability of the caches each event of a request needs, where it needs one: where it
+# is not offered, the event is left out (``kvcheck.session.Engine.offers``).
+NEEDS = {Truncate: "truncate", TruncateTo: "truncate", Shift: "shift", Reorder: "reorder"}
+
+
 # --- Rows of their own (contract, section 8): one batch, a value per row ---
 
 

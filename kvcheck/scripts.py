@@ -129,7 +129,9 @@ def play(
                 continue  # past max_length after a truncate a window refused
             new = torch.randint(0, vocab, (batch, event.size), generator=generator)
             engine.play(request, event, new=new.to(kvdevices.current()), at=at)
-        elif not engine.play(request, event, at=at):
+        elif engine.offers(request, event):
+            engine.play(request, event, at=at)  # done, or refused as a window may
+        else:
             continue  # not offered
         if isinstance(event, Fork):
             requests.append(engine.live[f"r{event.child}"])

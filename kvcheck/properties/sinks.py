@@ -191,12 +191,13 @@ def run_edit(engine: Engine, request, edit: SinkEdit, sinks: int, kept: int, whe
     held, at = request.held, f" ({edit.describe()})"
     wrapped = sinks > 0 and held > kept
     event = edit.event
-    if not engine.play(request, event, at=at):
-        return  # not offered, or a truncate refused as a window may
-    if isinstance(event, Reorder):
-        note_where({REORDER_BOTH: held > sinks > 0, REORDER_WRAPPED: wrapped})
-    else:
-        note_where({TRUNCATE_INTO: event.target(held) < sinks, TRUNCATE_WRAPPED: wrapped})
+    if not engine.offers(request, event):
+        return
+    if engine.play(request, event, at=at):  # else a truncate refused as a window may
+        if isinstance(event, Reorder):
+            note_where({REORDER_BOTH: held > sinks > 0, REORDER_WRAPPED: wrapped})
+        else:
+            note_where({TRUNCATE_INTO: event.target(held) < sinks, TRUNCATE_WRAPPED: wrapped})
     engine.check(f"{where}, {edit.describe()}")
 
 

@@ -252,6 +252,13 @@ class Engine:
         self.apply(CommitTree(request, handed, new, accepted, label))
 
     # --- a plan's events --------------------------------------------------------------------
+    def offers(self, request: Request, event: object) -> bool:
+        """Whether ``request``'s caches offer what a plan's ``event`` needs of them
+        (``kvcheck.plan_events.NEEDS``; a fork where fork is not offered is fresh caches fed
+        the history: offered)."""
+        need = plan.NEEDS.get(type(event))
+        return need is None or need in request.offered
+
     def play(
         self,
         request: Request,
@@ -269,27 +276,25 @@ class Engine:
         at: str = "",
     ) -> bool:
         """Run a plan's event on ``request`` (``kvcheck.plan_events``: what ``r0 forgets its
-        last 3 tokens`` calls and books) where its caches offer it: whether it ran (False:
-        not offered, or a truncate or shift a window refused, as section 8.4 allows), so
-        that an area notes only what ran. A feed brings ``new``, its tokens (compared with
-        the oracle's logits unless ``compare`` is False: the caller compares them); a
-        fork's child is named ``r<child>``. The one translation every area whose plans name
-        requests shares; events that need more than the plan says (a move's factory, a
-        tree's tokens) are the area's."""
+        last 3 tokens`` calls and books) where its caches offer it (``offers``): whether it
+        ran (False: not offered, or a truncate or shift a window refused, as section 8.4
+        allows), so that an area notes only what ran. A feed brings ``new``, its tokens
+        (compared with the oracle's logits unless ``compare`` is False: the caller compares
+        them); a fork's child is named ``r<child>``. The one translation every area whose
+        plans name requests shares; events that need more than the plan says (a move's
+        factory, a tree's tokens) are the area's."""
         if isinstance(event, plan.Feed):
             if new is None or new.shape[1] != event.size:
                 raise ValueError(f"{event.describe()}: play needs its {event.size} new tokens")
             self.feed(request, new, compare=compare, at=at)
             return True
+        if not self.offers(request, event):
+            return False
         if isinstance(event, plan.Truncate | plan.TruncateTo):
-            target = event.target(request.held)
-            return "truncate" in request.offered and self.truncate(request, target, at=at)
+            return self.truncate(request, event.target(request.held), at=at)
         if isinstance(event, plan.Shift):
-            offered = "shift" in request.offered
-            return offered and self.shift(request, event.start, event.count, at=at)
+            return self.shift(request, event.start, event.count, at=at)
         if isinstance(event, plan.Reorder):
-            if "reorder" not in request.offered:
-                return False
             self.reorder(request, torch.tensor(event.indices, device=request.history.device), at=at)
             return True
         if isinstance(event, plan.Fork):  # where fork is not offered, fresh caches fed the history
