@@ -666,30 +666,30 @@ def optional(*phases: Phase) -> Phase:
     return phase
 
 
-def engine_scope(drawing: Drawing, tokens: int, dtype: torch.dtype) -> Scope:
-    """The scope of an exhaustive engine run to ``tokens`` tokens: the layouts whose models
-    differ at the engine level (``engine_models``) once each, in the dtype the engine
-    computes in, so that the verdict counts the models that ran."""
+def engine_layouts(drawing: Drawing, scope: Scope) -> dict[ModelConfig, Layout]:
+    """The models of an exhaustive engine run, each with a layout of it: each layout's
+    layers, heads and kv heads, the drawing's smallest head width and its feed-forward
+    block, the scope's fixed weights. A layout's window and batch are not the engine
+    level's (an engine runs Llama's global attention, and batches sequences, not rows), so
+    two layouts that differ in them alone give one model."""
     plain: dict[ModelConfig, Layout] = {}
-    for layout in Scope(tokens).layouts:
+    for layout in scope.layouts:
         moved = dataclasses.replace(layout, window=None, head_dim=min(drawing.head_dims), batch=1)
         plain.setdefault(moved.config(ffn=drawing.ffn), moved)
-    return Scope(tokens, layouts=tuple(plain.values()), dtype=dtype)
+    return plain
+
+
+def engine_scope(drawing: Drawing, tokens: int, dtype: torch.dtype) -> Scope:
+    """The scope of an exhaustive engine run to ``tokens`` tokens: its models'
+    (``engine_layouts``) once each, in the dtype the engine computes in, so that the
+    verdict counts the models that ran."""
+    layouts = engine_layouts(drawing, Scope(tokens)).values()
+    return Scope(tokens, layouts=tuple(layouts), dtype=dtype)
 
 
 def engine_models(drawing: Drawing, scope: Scope) -> list[ModelConfig]:
-    """The models of an exhaustive engine run: each layout's layers, heads and kv heads, the
-    drawing's smallest head width and its feed-forward block, the scope's fixed weights. A
-    layout's window and batch are not the engine level's (an engine runs Llama's global
-    attention, and batches sequences, not rows), so two layouts that differ in them alone
-    give one model."""
-    models: list[ModelConfig] = []
-    for layout in scope.layouts:
-        plain = dataclasses.replace(layout, window=None, head_dim=min(drawing.head_dims))
-        config = plain.config(ffn=drawing.ffn)
-        if config not in models:
-            models.append(config)
-    return models
+    """The models of an exhaustive engine run within ``scope`` (``engine_layouts``)."""
+    return list(engine_layouts(drawing, scope))
 
 
 def every_engine_plan(focus: str, drawing: Drawing, scope: Scope) -> Iterator[EnginePlan]:
@@ -753,6 +753,10 @@ class EnginePlans:
 
     def __call__(self, scope: Scope) -> Iterator[EnginePlan]:
         return every_engine_plan(self.focus, self.drawing, scope)
+
+    def of(self, prop: Property) -> Property:
+        """``prop`` enumerating these plans (its ``every_plan``)."""
+        return dataclasses.replace(prop, every_plan=self)
 
 
 # The tokens the bounded-exhaustive mode enumerates each property to by default
@@ -914,7 +918,7 @@ def engine_test(prop: Property):
 
         if kv_block is not None:  # the bounded-exhaustive mode: every plan of one block
             exhaustive.run_block(
-                dataclasses.replace(prop, every_plan=EnginePlans(focus, drawing)),
+                EnginePlans(focus, drawing).of(prop),
                 kv_block,
                 check,
                 lambda plan: search(drawn, check, {prop.name: (plan,)}, pinned_only=True),
@@ -1007,8 +1011,7 @@ class EngineTests:
         drawing = self.drawing(factory)
         if prop.name == INTERACTIONS or not set(prop.requires) <= drawing.offered:
             return [None]
-        focus = prop.name.removeprefix("engine ")
-        enumerated = dataclasses.replace(prop, every_plan=EnginePlans(focus, drawing))
+        enumerated = EnginePlans(prop.name.removeprefix("engine "), drawing).of(prop)
         tokens = exhaustive.tokens_for(enumerated, setting)
         return exhaustive.blocks(enumerated, engine_scope(drawing, tokens, self.dtype))
 

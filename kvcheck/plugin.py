@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import pytest
@@ -455,7 +457,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     if "cache_factory" not in metafunc.fixturenames:
         return
-    try:
+    with usage_errors_as_collect_errors(metafunc.config):
         prepare(metafunc.config)
         if cls.factory is not None:
             label = cls.cache_name or getattr(cls.factory, "__name__", None) or cls.__name__
@@ -464,11 +466,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         else:
             caches = [(label, name, f) for label, (name, f) in selected(metafunc.config).items()]
         declared = {label: declaration(label, factory, cls) for label, _, factory in caches}
-    except pytest.UsageError as error:
-        # Collection turns any exception into an error of this class: the message alone,
-        # which a worker of pytest-xdist reports as that; elsewhere a usage error (below).
-        metafunc.config.stash[RUN].error = str(error)
-        raise pytest.Collector.CollectError(str(error)) from None
     # Each cache, and for a property run once per path of the model through the cache, each
     # path it offers: append, and attend where it offers it (the id names the path only then).
     per_path = metafunc.definition.get_closest_marker("kv_paths") is not None
@@ -502,17 +499,27 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     )
 
 
+@contextmanager
+def usage_errors_as_collect_errors(config: pytest.Config) -> Iterator[None]:
+    """A usage error while a class is collected, kept for the run's report and raised as
+    the collector's error: collection turns any exception into an error of that class, the
+    message alone, which a worker of pytest-xdist reports as that; elsewhere a usage error
+    (``pytest_make_collect_report``)."""
+    try:
+        yield
+    except pytest.UsageError as error:
+        config.stash[RUN].error = str(error)
+        raise pytest.Collector.CollectError(str(error)) from None
+
+
 def engine_blocks(metafunc: pytest.Metafunc, cls: type) -> None:
     """The kit's settings applied for an engine class too, and in the bounded-exhaustive
     mode each engine property's test parametrized with its blocks of plans
     (``EngineTests.exhaustive_blocks``)."""
     if "engine_factory" not in metafunc.fixturenames:
         return
-    try:
+    with usage_errors_as_collect_errors(metafunc.config):
         prepare(metafunc.config)
-    except pytest.UsageError as error:
-        metafunc.config.stash[RUN].error = str(error)
-        raise pytest.Collector.CollectError(str(error)) from None
     if "kv_block" not in metafunc.fixturenames:  # a test of the class's own, or one wrapped
         return  # without the kit's marks: searched
     blocks = cls().exhaustive_blocks(metafunc)
