@@ -141,7 +141,7 @@ def test_each_engine_mutant_is_caught_by_its_enumeration(mutant, name):
 WRAPPED_CLASS = (
     ENGINE_CLASS
     + """
-    test_engine_decode = pytest.mark.xfail(reason="a wrapper", strict=False)(wrapped)
+    test_engine_decode = pytest.mark.xfail(reason="a user's own mark", strict=False)(wrapped)
 """
 )
 WRAPPER = """
